@@ -1,0 +1,25 @@
+/* cli.h — the verbs of the `tally` operator command. main.c dispatches; one file per group. */
+#ifndef TALLY_CLI_H
+#define TALLY_CLI_H
+
+#include "tally/config.h"
+
+/**
+ * Every verb: argv[0] is the verb itself ("migrate"), the rest its options; @p cfg is the
+ * environment's configuration (owned by main). Returns the process exit code: 0 success,
+ * 1 a problem found or refused, 2 usage error, 3 could not reach PostgreSQL/Kafka — unless
+ * the verb documents its own (status: 0 clean, 1 aging UNKNOWN, 2 STUCK).
+ * Each verb answers --help with its options.
+ */
+typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);
+
+int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg); /* cmd_migrate.c */
+int tally_cmd_tools(int argc, char **argv, tally_config_t *cfg);   /* cmd_tools.c: tools check FILE */
+int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg); /* cmd_publish.c */
+int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);     /* cmd_dev.c */
+int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);  /* main.c */
+
+/** The OS user, for --actor defaults. Never NULL. */
+const char *tally_cli_default_actor(void);
+
+#endif

@@ -1,0 +1,73 @@
+/* cloudevent.h — CloudEvents 1.0 structured JSON: build tally events, parse intents. */
+#ifndef TALLY_CLOUDEVENT_H
+#define TALLY_CLOUDEVENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <jansson.h>
+
+#include "tally/error.h"
+
+/**
+ * @brief A CloudEvent {specversion "1.0", id (fresh UUID), source, type, time (RFC 3339 UTC),
+ * datacontenttype "application/json", subject (may be NULL), data}.
+ * Takes ownership of @p data (it is decref'd even on failure).
+ * @param id_out when not NULL, receives the event id.
+ * @returns a new reference, or NULL when out of memory.
+ */
+json_t *tally_ce_new(const char *type, const char *source, const char *subject, json_t *data,
+                     char id_out[37]) TALLY_WUR;
+
+/** Why an intent message was refused; the names are the DLQ's machine-readable reasons. */
+typedef enum {
+    TALLY_DLQ_NONE = 0,
+    TALLY_DLQ_TOO_LARGE,          /* "too_large" */
+    TALLY_DLQ_INVALID_UTF8,       /* "invalid_utf8" */
+    TALLY_DLQ_NOT_JSON,           /* "not_json" */
+    TALLY_DLQ_NOT_CLOUDEVENT,     /* "not_cloudevent": missing/invalid specversion, id, source, type */
+    TALLY_DLQ_UNKNOWN_TYPE,       /* "unknown_type" */
+    TALLY_DLQ_MISSING_FIELD,      /* "missing_field" */
+    TALLY_DLQ_INVALID_FIELD,      /* "invalid_field" */
+    TALLY_DLQ_UNKNOWN_TOOL,       /* "unknown_tool" */
+    TALLY_DLQ_MISSING_OPERATION_KEY, /* "missing_operation_key" */
+} tally_dlq_reason_t;
+
+const char *tally_dlq_reason_name(tally_dlq_reason_t r);
+
+typedef enum {
+    TALLY_MSG_INTENT = 1,     /* tally.intent.v1 */
+    TALLY_MSG_COMPENSATE_RUN, /* tally.compensate_run.v1 */
+    TALLY_MSG_CANCEL_RUN,     /* tally.cancel_run.v1 */
+} tally_msg_type_t;
+
+/** @brief A parsed message from the intents topic. Strings point into @p doc. */
+typedef struct tally_intent {
+    json_t *doc;             /**< the whole CloudEvent (owned) */
+    tally_msg_type_t type;
+    const char *id;          /**< CloudEvents id */
+    const char *run_id;
+    char step[128];          /**< step as text ("3" for integer 3) */
+    bool step_is_number;
+    const char *tool;        /**< intents only */
+    json_t *args;            /**< intents only; borrowed from doc */
+    const char *operation_key; /**< optional */
+    const char *tenant;      /**< optional */
+    const char *traceparent; /**< optional; validated as W3C when present */
+    const char *reason;      /**< compensate/cancel */
+    bool compensate;         /**< cancel_run only */
+} tally_intent_t;
+
+/**
+ * @brief Validate and parse one message value of the intents topic: size limit, UTF-8, JSON
+ * (duplicate keys refused), CloudEvents 1.0 attributes, known type, required data fields and
+ * their types (run_id a non-empty string ≤ 200 bytes, step a string or integer, tool a
+ * string, args an object). Does not look at the registry.
+ * @returns TALLY_DLQ_NONE and fills @p out (free with tally_intent_clear), or the reason with
+ * a sentence in @p detail.
+ */
+tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_bytes,
+                                      tally_intent_t *out, char *detail, size_t detailsz);
+
+void tally_intent_clear(tally_intent_t *in);
+
+#endif

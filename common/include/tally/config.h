@@ -1,0 +1,73 @@
+/* config.h — configuration from the environment, driven by one declarative table. */
+#ifndef TALLY_CONFIG_H
+#define TALLY_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "tally/error.h"
+
+/** @brief One `TALLY_KAFKA_<property>` passed through to librdkafka. */
+typedef struct tally_kv {
+    char *name;  /**< librdkafka property, e.g. "security.protocol" */
+    char *value; /**< as given */
+} tally_kv_t;
+
+/**
+ * @brief Every setting of every tally process. Fields are filled from the table in config.c
+ * (name, env var, type, default, help); add a setting by adding a field and a table row.
+ * Strings are owned by the config and freed by tally_config_free().
+ */
+typedef struct tally_config {
+    char *pg;              /**< TALLY_PG: libpq conninfo or URI; "" lets PG* variables decide */
+    char *kafka_brokers;   /**< TALLY_KAFKA_BROKERS: bootstrap.servers */
+    char *tools_path;      /**< TALLY_TOOLS: the tool registry JSON file */
+    char *topic_prefix;    /**< TALLY_TOPIC_PREFIX: default "tally." */
+    char *metrics_addr;    /**< TALLY_METRICS_ADDR: host:port for /metrics, /healthz, /readyz;
+                                "" disables; port 0 picks a free port */
+    char *worker_id;       /**< TALLY_WORKER_ID: default <hostname>:<pid> */
+    char *log_level;       /**< TALLY_LOG_LEVEL: debug, info, warn, error */
+    char *consumer_group;  /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
+    char *pager_url;       /**< TALLY_PAGER_URL: PagerDuty Events API v2 endpoint, or "" */
+    char *pager_routing_key; /**< TALLY_PAGER_ROUTING_KEY */
+    int batch_size;        /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
+    int lease_ms;          /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
+    int poll_ms;           /**< TALLY_POLL_MS: longest idle wait before sweeping again */
+    int sweep_ms;          /**< TALLY_SWEEP_MS: interval of the PostgreSQL sweep for due work */
+    int max_message_bytes; /**< TALLY_MAX_MESSAGE_BYTES: larger intents go to the DLQ */
+    int backlog_limit;     /**< TALLY_BACKLOG_LIMIT: stop fetching intents above this outbox size */
+    int max_inflight;      /**< TALLY_MAX_INFLIGHT: connector calls in flight per dispatcher */
+    int relay_batch;       /**< TALLY_RELAY_BATCH: message outbox rows per relay round */
+    int shutdown_grace_ms; /**< TALLY_SHUTDOWN_GRACE_MS: how long SIGTERM waits for in-flight work */
+    int unknown_age_s;     /**< TALLY_UNKNOWN_AGE_S: an UNKNOWN older than this is "aging" */
+    int session_timeout_ms; /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
+    tally_kv_t *kafka_props; /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
+    size_t n_kafka_props;
+} tally_config_t;
+
+/** @brief A config holding every default. Returns NULL only when out of memory. */
+tally_config_t *tally_config_new(void) TALLY_WUR;
+
+/**
+ * @brief Overlay settings from @p envp (a NULL-terminated "NAME=value" array, like environ).
+ * @returns false with a sentence in @p errstr naming the variable when a value is invalid
+ * (e.g. "TALLY_LEASE_MS: 'abc' is not an integer").
+ * @remark TALLY_KAFKA_BROKERS is bootstrap.servers, not a passthrough; any other
+ * TALLY_KAFKA_FOO_BAR becomes librdkafka property "foo.bar".
+ */
+bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr,
+                           size_t errsz) TALLY_WUR;
+
+/** @brief Write the table (variable, default, current value, help) for --help / `tally config`. */
+void tally_config_describe(const tally_config_t *cfg, FILE *out);
+
+/** @brief "<prefix><logical>", e.g. ("intents") -> "tally.intents". Never truncates silently:
+ * returns false when @p outsz is too small. */
+bool tally_config_topic(const tally_config_t *cfg, const char *logical, char *out,
+                        size_t outsz) TALLY_WUR;
+
+/** @brief Frees the config and every string it owns. NULL is allowed. */
+void tally_config_free(tally_config_t *cfg);
+
+#endif

@@ -1,0 +1,31 @@
+/* httpd.h — /metrics, /healthz and /readyz over libmicrohttpd. */
+#ifndef TALLY_HTTPD_H
+#define TALLY_HTTPD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "tally/metrics.h"
+
+typedef struct tally_httpd tally_httpd_t;
+
+/** @brief Answers /readyz: true when ready, else false with a short reason. */
+typedef bool (*tally_ready_fn)(void *opaque, char *why, size_t whysz);
+/** @brief Answers /healthz: false when the main loop is wedged. */
+typedef bool (*tally_health_fn)(void *opaque, char *why, size_t whysz);
+
+/**
+ * @brief Serve on @p addr ("host:port"; port 0 picks a free one) in libmicrohttpd's own
+ * thread. @returns NULL with the reason in @p errstr.
+ */
+tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics,
+                                 tally_health_fn health, tally_ready_fn ready, void *opaque,
+                                 char *errstr, size_t errsz) TALLY_WUR;
+
+/** @brief The port actually bound. */
+int tally_httpd_port(const tally_httpd_t *h);
+
+/** @brief Stop serving and free. NULL is allowed. */
+void tally_httpd_stop(tally_httpd_t *h);
+
+#endif

@@ -1,0 +1,41 @@
+/* json.h — canonical JSON, the input hash, UTF-8 checks and JSON pointers. */
+#ifndef TALLY_JSON_H
+#define TALLY_JSON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <jansson.h>
+
+#include "tally/error.h"
+
+/** Flags for every json_loads of outside input: duplicate keys are an error. */
+#define TALLY_JSON_LOAD_FLAGS (JSON_REJECT_DUPLICATES)
+
+/**
+ * @brief The canonical form of @p v: object keys sorted (bytewise UTF-8), no whitespace,
+ * UTF-8 emitted as is (not \u-escaped). This is the body sent to tools and what is hashed.
+ * @returns a malloc'd NUL-terminated string the caller frees, or NULL when out of memory.
+ */
+char *tally_json_canonical(const json_t *v) TALLY_WUR;
+
+/** @brief SHA-256 of @p len bytes as 64 lowercase hex characters and a NUL (OpenSSL EVP). */
+bool tally_sha256_hex(const void *data, size_t len, char out[65]) TALLY_WUR;
+
+/** @brief The input hash: SHA-256 of tally_json_canonical(@p args). */
+bool tally_input_hash(const json_t *args, char out[65]) TALLY_WUR;
+
+/** @brief true when @p s[0..len) is well-formed UTF-8 (no overlongs, surrogates, > U+10FFFF). */
+bool tally_utf8_valid(const char *s, size_t len);
+
+/**
+ * @brief Resolve RFC 6901 pointer @p ptr ("" is the whole document, "/id", "/a/0/b",
+ * with ~0 and ~1 escapes) in @p doc.
+ * @returns a borrowed reference, or NULL when the pointer does not resolve.
+ */
+json_t *tally_json_pointer(const json_t *doc, const char *ptr);
+
+/** @brief A scalar as text for keys and refs: strings as is, integers and reals in decimal,
+ * true/false. @returns malloc'd string, or NULL for null, objects and arrays. */
+char *tally_json_scalar_text(const json_t *v) TALLY_WUR;
+
+#endif

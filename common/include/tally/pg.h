@@ -1,0 +1,63 @@
+/* pg.h — a PostgreSQL connection that reconnects with backoff, and parameterised queries. */
+#ifndef TALLY_PG_H
+#define TALLY_PG_H
+
+#include <stdbool.h>
+#include <libpq-fe.h>
+
+#include "tally/error.h"
+
+typedef struct tally_pg tally_pg_t;
+
+/**
+ * @brief A handle for @p conninfo (libpq conninfo or URI; "" uses the PG* variables).
+ * Does not connect. @p application_name is set on the session ("tally-dispatcher").
+ */
+tally_pg_t *tally_pg_new(const char *conninfo, const char *application_name) TALLY_WUR;
+
+/**
+ * @brief Connect now, or reconnect when the connection is bad. Retries with exponential
+ * backoff (100 ms doubling to 5 s) until connected, until @p deadline_ms has passed
+ * (0: try once), or until *@p stop becomes true (@p stop may be NULL).
+ */
+bool tally_pg_connect(tally_pg_t *pg, int deadline_ms, volatile const int *stop,
+                      tally_error_t *err) TALLY_WUR;
+
+/** @brief The libpq connection, or NULL when not connected. Borrowed. */
+PGconn *tally_pg_conn(tally_pg_t *pg);
+
+/** @brief true while the connection is up. */
+bool tally_pg_ok(const tally_pg_t *pg);
+
+/**
+ * @brief PQexecParams with text parameters (NULL entries are SQL NULL).
+ * Connects first if needed (one attempt). On failure returns NULL, fills @p err with the
+ * SQLSTATE and message (retriable for connection loss, serialization failure, deadlock),
+ * and marks the connection for reconnect when it was lost.
+ * @returns a PGresult the caller frees with PQclear (status TUPLES_OK or COMMAND_OK).
+ */
+PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams,
+                        const char *const *params, tally_error_t *err) TALLY_WUR;
+
+/** @brief Run a statement and discard its result. */
+bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                  tally_error_t *err) TALLY_WUR;
+
+/** @brief BEGIN / COMMIT / ROLLBACK. Rollback is safe to call on a broken connection. */
+bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
+bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
+void tally_pg_rollback(tally_pg_t *pg);
+
+/** @brief LISTEN on @p channel (re-issued automatically after a reconnect). */
+bool tally_pg_listen(tally_pg_t *pg, const char *channel, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief Wait up to @p timeout_ms for a NOTIFY on any listened channel (or for the socket
+ * to report a problem). @returns the number of notifications consumed (0 on timeout).
+ */
+int tally_pg_wait_notify(tally_pg_t *pg, int timeout_ms);
+
+/** @brief Closes the connection and frees. NULL is allowed. */
+void tally_pg_free(tally_pg_t *pg);
+
+#endif

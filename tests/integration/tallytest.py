@@ -1,0 +1,352 @@
+"""The fixture of tally's integration tests: real binaries as separate processes, a real
+PostgreSQL and the embedded Kafka (librdkafka's mock cluster over localhost TCP).
+
+Each test case gets its own database and its own topic prefix, so test modules can run in
+parallel against one stack. scripts/test.sh starts that stack once (`tally dev --no-workers`)
+and exports TALLY_TEST_PG (a conninfo for the maintenance database) and TALLY_TEST_KAFKA.
+A module run on its own starts a stack for itself and stops it at exit.
+"""
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+import uuid
+
+import psycopg2
+import psycopg2.extensions
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+SOURCE_DIR = os.environ.get(
+    "TALLY_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+BUILD_DIR = os.environ.get("TALLY_BUILD_DIR", os.path.join(SOURCE_DIR, "build"))
+
+TOPICS = ("intents", "outcomes", "obligations", "alerts", "dlq")
+
+
+def binary(name):
+    """Path of a built program: tally, tally-dispatcher, ..., or a fake under tests/fakes."""
+    for cand in (os.path.join(BUILD_DIR, name), os.path.join(BUILD_DIR, "tests", "fakes", name)):
+        if os.path.exists(cand):
+            return cand
+    raise FileNotFoundError(f"{name} is not built under {BUILD_DIR}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout=30.0, interval=0.05, what="condition"):
+    """Poll predicate() until it returns a truthy value; return it, or fail after timeout."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class Stack:
+    """The shared PostgreSQL server and Kafka cluster."""
+
+    _instance = None
+
+    def __init__(self):
+        self.proc = None
+        self.pg = os.environ.get("TALLY_TEST_PG")
+        self.kafka = os.environ.get("TALLY_TEST_KAFKA")
+        if not (self.pg and self.kafka):
+            self._start_own()
+
+    @classmethod
+    def get(cls):
+        if cls._instance is None:
+            cls._instance = Stack()
+        return cls._instance
+
+    def _start_own(self):
+        self.tmp = tempfile.mkdtemp(prefix="tally-test-stack-")
+        env_file = os.path.join(self.tmp, "env")
+        log = open(os.path.join(self.tmp, "dev.log"), "w")
+        env = dict(os.environ)
+        env.pop("TALLY_PG", None)
+        self.proc = subprocess.Popen(
+            [binary("tally"), "dev", "--no-workers", "--env-file", env_file],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        atexit.register(self.stop)
+        wait_for(lambda: os.path.exists(env_file) and os.path.getsize(env_file) > 0
+                 or self.proc.poll() is not None, timeout=120, what="tally dev to start")
+        if self.proc.poll() is not None:
+            raise RuntimeError("tally dev exited early:\n" + open(log.name).read())
+        time.sleep(0.1)
+        values = {}
+        for line in open(env_file):
+            line = line.strip()
+            if line.startswith("export "):
+                k, _, v = line[len("export "):].partition("=")
+                values[k] = _unquote(v)
+        self.pg = values["TALLY_PG"]
+        self.kafka = values["TALLY_KAFKA_BROKERS"]
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _unquote(v):
+    if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+        return v[1:-1]
+    return v
+
+
+class Proc:
+    """A tally process started by a test; its stderr (JSON lines) is kept in a log file."""
+
+    def __init__(self, name, args, env, logdir):
+        self.name = name
+        self.log_path = os.path.join(logdir, f"{name}-{uuid.uuid4().hex[:6]}.log")
+        self._log = open(self.log_path, "w")
+        self.popen = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.metrics_port = None
+
+    @property
+    def pid(self):
+        return self.popen.pid
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def terminate(self, timeout=30):
+        """SIGTERM and wait; returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+            raise AssertionError(f"{self.name} did not exit within {timeout}s of SIGTERM")
+
+    def kill(self):
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait()
+
+    def log(self):
+        self._log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_lines(self):
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def http_get(self, path, timeout=5):
+        """(status, body) of GET http://127.0.0.1:<metrics port><path>."""
+        url = f"http://127.0.0.1:{self.metrics_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+
+class TallyCase(unittest.TestCase):
+    """A test case with its own database, topic prefix, processes and Kafka clients."""
+
+    tools_file = os.path.join(SOURCE_DIR, "examples", "tools", "demo.json")
+    migrate = True
+
+    def setUp(self):
+        self.stack = Stack.get()
+        self.tmp = tempfile.mkdtemp(prefix=f"tally-{self._testMethodName[:20]}-")
+        self.dbname = "t_" + uuid.uuid4().hex[:12]
+        with psycopg2.connect(self.stack.pg) as admin:
+            admin.autocommit = True
+            with admin.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{self.dbname}"')
+        admin.close()
+        self.pg = psycopg2.extensions.make_dsn(self.stack.pg, dbname=self.dbname)
+        self.prefix = f"t{uuid.uuid4().hex[:8]}."
+        self.procs = []
+        self._consumers = []
+        self._producer = None
+        self.db = psycopg2.connect(self.pg)
+        self.db.autocommit = True
+        if self.migrate:
+            out = self.cli("migrate")
+            self.assertEqual(out.returncode, 0, out.stderr)
+        self.ensure_topics()
+
+    def tearDown(self):
+        failed = self._outcome_failed()
+        for p in self.procs:
+            if p.alive():
+                try:
+                    p.terminate(timeout=30)
+                except AssertionError:
+                    pass
+            if failed:
+                sys.stderr.write(f"\n----- log of {p.name} (pid {p.pid}) -----\n")
+                sys.stderr.write(p.log()[-20000:])
+        for c in self._consumers:
+            c.close()
+        if self._producer is not None:
+            self._producer.flush(5)
+        self.db.close()
+
+    def _outcome_failed(self):
+        outcome = getattr(self, "_outcome", None)
+        if outcome is None:
+            return False
+        result = getattr(outcome, "result", None)
+        if result is not None:
+            return bool(result.failures or result.errors)
+        return any(err for _, err in getattr(outcome, "errors", []))
+
+    # --- processes -------------------------------------------------------------------
+
+    def env(self, **extra):
+        """The environment a tally process of this test runs with."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+        env.update({
+            "TALLY_PG": self.pg,
+            "TALLY_KAFKA_BROKERS": self.stack.kafka,
+            "TALLY_TOPIC_PREFIX": self.prefix,
+            "TALLY_TOOLS": self.tools_file,
+            "TALLY_SESSION_TIMEOUT_MS": "6000",
+            "TALLY_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
+            "TALLY_LOG_LEVEL": "debug",
+        })
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def cli(self, *args, input=None, env=None, timeout=120):
+        """Run `tally ARGS...`; returns the CompletedProcess (text)."""
+        return subprocess.run([binary("tally"), *args], input=input, capture_output=True,
+                              text=True, env=env or self.env(), timeout=timeout)
+
+    def start(self, name, *args, wait_ready=True, **extra_env):
+        """Start a binary (tally-dispatcher, tally-fake-tool, ...) with this test's env."""
+        port = free_port()
+        env = self.env(TALLY_METRICS_ADDR=f"127.0.0.1:{port}", **extra_env)
+        p = Proc(name, [binary(name), *args], env, self.tmp)
+        p.metrics_port = port
+        self.procs.append(p)
+        if wait_ready and name.startswith("tally-") and not name.startswith("tally-fake"):
+            wait_for(lambda: not p.alive() or self._healthy(p), timeout=60,
+                     what=f"{name} /healthz")
+            self.assertTrue(p.alive(), f"{name} exited early:\n{p.log()}")
+        return p
+
+    @staticmethod
+    def _healthy(p):
+        try:
+            return p.http_get("/healthz", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    # --- PostgreSQL ------------------------------------------------------------------
+
+    def query(self, sql, params=None):
+        with self.db.cursor() as cur:
+            cur.execute(sql, params)
+            return cur.fetchall() if cur.description else []
+
+    def scalar(self, sql, params=None):
+        rows = self.query(sql, params)
+        return rows[0][0] if rows else None
+
+    # --- Kafka -----------------------------------------------------------------------
+
+    def topic(self, logical):
+        return self.prefix + logical
+
+    def ensure_topics(self):
+        p = self.producer()
+        for t in TOPICS:
+            md = p.list_topics(topic=self.topic(t), timeout=10)
+            err = md.topics[self.topic(t)].error
+            if err is not None and err.code() != KafkaError.LEADER_NOT_AVAILABLE:
+                raise AssertionError(f"topic {self.topic(t)}: {err}")
+
+    def producer(self):
+        if self._producer is None:
+            self._producer = Producer({"bootstrap.servers": self.stack.kafka,
+                                       "enable.idempotence": True})
+        return self._producer
+
+    def produce(self, logical, value, key=None):
+        """Produce raw bytes (or a dict, as JSON) to a topic and wait for the ack."""
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value).encode()
+        elif isinstance(value, str):
+            value = value.encode()
+        errors = []
+        self.producer().produce(self.topic(logical), value=value, key=key,
+                                on_delivery=lambda err, msg: err and errors.append(err))
+        self.producer().flush(10)
+        self.assertFalse(errors, f"produce failed: {errors}")
+
+    def intent(self, run_id, step, tool, args, **data):
+        """A tally.intent.v1 CloudEvent as a dict."""
+        d = {"run_id": run_id, "step": step, "tool": tool, "args": args}
+        d.update(data)
+        return {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests/" + self.id(),
+                "type": "tally.intent.v1", "datacontenttype": "application/json", "data": d}
+
+    def reader(self, logical):
+        """A consumer that reads a topic from the beginning, outside any group tally uses."""
+        c = Consumer({"bootstrap.servers": self.stack.kafka,
+                      "group.id": "test-reader-" + uuid.uuid4().hex,
+                      "enable.auto.commit": False})
+        md = c.list_topics(topic=self.topic(logical), timeout=10)
+        parts = md.topics[self.topic(logical)].partitions
+        c.assign([TopicPartition(self.topic(logical), p, 0) for p in parts])
+        self._consumers.append(c)
+        return c
+
+    def read_until(self, logical, predicate, timeout=30, reader=None):
+        """Read JSON messages from a topic until predicate(list_of_values) is true."""
+        c = reader or self.reader(logical)
+        got = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = c.poll(0.2)
+            if m is None or m.error():
+                if predicate(got):
+                    return got
+                continue
+            try:
+                got.append(json.loads(m.value()))
+            except ValueError:
+                got.append({"_raw": m.value()})
+            if predicate(got):
+                return got
+        raise AssertionError(f"timed out reading {self.topic(logical)}; got {len(got)}: "
+                             f"{json.dumps(got)[:2000]}")
+
+
+def main():
+    unittest.main(verbosity=2)
