@@ -44,6 +44,9 @@ typedef struct tally_config {
     int session_timeout_ms; /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
     tally_kv_t *kafka_props; /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
     size_t n_kafka_props;
+    char **unknown_vars;   /**< TALLY_* names that are neither settings nor Kafka properties;
+                                ignored, but listed as warnings by tally_config_describe */
+    size_t n_unknown_vars;
 } tally_config_t;
 
 /** @brief A config holding every default. Returns NULL only when out of memory. */
@@ -59,7 +62,10 @@ tally_config_t *tally_config_new(void) TALLY_WUR;
 bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr,
                            size_t errsz) TALLY_WUR;
 
-/** @brief Write the table (variable, default, current value, help) for --help / `tally config`. */
+/** @brief Write the table (variable, current value, default, help) for --help / `tally config`,
+ * then the Kafka passthrough properties, then a warning per unknown TALLY_* variable.
+ * Secrets are shown as "***": values of variables whose name holds PASSWORD, SECRET, KEY, TOKEN
+ * or CREDENTIAL, and the password inside TALLY_PG. */
 void tally_config_describe(const tally_config_t *cfg, FILE *out);
 
 /** @brief "<prefix><logical>", e.g. ("intents") -> "tally.intents". Never truncates silently:

@@ -14,7 +14,10 @@
 /**
  * @brief The canonical form of @p v: object keys sorted (bytewise UTF-8), no whitespace,
  * UTF-8 emitted as is (not \u-escaped). This is the body sent to tools and what is hashed.
- * @returns a malloc'd NUL-terminated string the caller frees, or NULL when out of memory.
+ * Reals are written in the shortest of %.15g/%.16g/%.17g that reads back exactly, with ".0"
+ * kept on integral values (1.0 stays "1.0"); see json.c for every rule.
+ * @returns a malloc'd NUL-terminated string the caller frees, or NULL when out of memory, for a
+ * NULL @p v, a NaN or infinite real, or nesting deeper than 2048 levels.
  */
 char *tally_json_canonical(const json_t *v) TALLY_WUR;
 

@@ -1,0 +1,581 @@
+/* config.c — configuration from the environment, driven by one declarative table.
+ *
+ * params[] below is the only place a setting is described: its field, environment variable,
+ * type, default, lower bound or allowed values, and help. Parsing, defaults and
+ * tally_config_describe() (for --help and `tally config`) all read it, as pgbouncer's
+ * bouncer_params[] does. Variables named TALLY_KAFKA_<PROPERTY> (other than
+ * TALLY_KAFKA_BROKERS) are librdkafka properties passed through; any other TALLY_* name is
+ * kept in unknown_vars and reported as a warning, so a typo is visible without making a
+ * deploy that sets an extra variable fail. */
+#include "tally/config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef enum { PARAM_STRING, PARAM_INT } param_type_t;
+
+typedef struct param {
+    const char *env;      /**< the environment variable */
+    param_type_t type;    /**< char * or int field */
+    size_t offset;        /**< of the field in tally_config_t */
+    const char *def;      /**< default as text, for both types */
+    int min;              /**< ints: smallest meaningful value (0 or 1) */
+    const char *choices;  /**< strings: "a|b|c" of allowed values, or NULL for any */
+    const char *def_note; /**< shown instead of an empty default when one is computed */
+    const char *help;
+} param_t;
+
+#define STR(field, env, def, choices, note, help)                                                  \
+    {                                                                                              \
+        env, PARAM_STRING, offsetof(tally_config_t, field), def, 0, choices, note, help            \
+    }
+#define INT(field, env, def, min, help)                                                            \
+    {                                                                                              \
+        env, PARAM_INT, offsetof(tally_config_t, field), def, min, NULL, NULL, help                \
+    }
+
+static const param_t params[] = {
+    STR(pg, "TALLY_PG", "", NULL, NULL,
+        "PostgreSQL conninfo or URI; empty lets the PG* variables decide"),
+    STR(kafka_brokers, "TALLY_KAFKA_BROKERS", "127.0.0.1:9092", NULL, NULL,
+        "Kafka bootstrap servers (host:port,...)"),
+    STR(tools_path, "TALLY_TOOLS", "tools.json", NULL, NULL, "tool registry JSON file"),
+    STR(topic_prefix, "TALLY_TOPIC_PREFIX", "tally.", NULL, NULL,
+        "prefix of every topic name (tally.intents, ...)"),
+    STR(metrics_addr, "TALLY_METRICS_ADDR", "127.0.0.1:9464", NULL, NULL,
+        "host:port for /metrics, /healthz, /readyz; empty disables, port 0 picks one"),
+    STR(worker_id, "TALLY_WORKER_ID", "", NULL, "<hostname>:<pid>",
+        "this process's name in leases, events and logs"),
+    STR(log_level, "TALLY_LOG_LEVEL", "info", "debug|info|warn|error", NULL,
+        "least severe log level written"),
+    STR(consumer_group, "TALLY_CONSUMER_GROUP", "", NULL, "tally-<worker>", "Kafka consumer group"),
+    STR(pager_url, "TALLY_PAGER_URL", "", NULL, NULL,
+        "PagerDuty Events API v2 endpoint; empty: alerts only go to the alerts topic"),
+    STR(pager_routing_key, "TALLY_PAGER_ROUTING_KEY", "", NULL, NULL, "PagerDuty routing key"),
+    INT(batch_size, "TALLY_BATCH_SIZE", "500", 1, "messages / rows per poll batch"),
+    INT(lease_ms, "TALLY_LEASE_MS", "30000", 1, "how long a claim is held (database clock)"),
+    INT(poll_ms, "TALLY_POLL_MS", "1000", 1, "longest idle wait before looking for work again"),
+    INT(sweep_ms, "TALLY_SWEEP_MS", "1000", 1, "interval of the PostgreSQL sweep for due work"),
+    INT(max_message_bytes, "TALLY_MAX_MESSAGE_BYTES", "1048576", 1, "larger intents go to the DLQ"),
+    INT(backlog_limit, "TALLY_BACKLOG_LIMIT", "20000", 1,
+        "stop fetching intents while the outbox holds more than this"),
+    INT(max_inflight, "TALLY_MAX_INFLIGHT", "5000", 1, "connector calls in flight per dispatcher"),
+    INT(relay_batch, "TALLY_RELAY_BATCH", "1000", 1, "message outbox rows per relay round"),
+    INT(shutdown_grace_ms, "TALLY_SHUTDOWN_GRACE_MS", "20000", 0,
+        "how long SIGTERM waits for in-flight work"),
+    INT(unknown_age_s, "TALLY_UNKNOWN_AGE_S", "300", 0,
+        "an UNKNOWN effect older than this is aging (tally status exits 1)"),
+    INT(session_timeout_ms, "TALLY_SESSION_TIMEOUT_MS", "45000", 1,
+        "Kafka consumer session timeout"),
+};
+
+#undef STR
+#undef INT
+
+#define N_PARAMS (sizeof params / sizeof params[0])
+
+#define KAFKA_PREFIX "TALLY_KAFKA_"
+
+/* Kafka properties tally sets itself: letting the environment override them would either be
+ * ambiguous or break the ledger's guarantees. */
+static const struct {
+    const char *property;
+    const char *why;
+} kafka_reserved[] = {
+    {"bootstrap.servers", "set TALLY_KAFKA_BROKERS instead"},
+    {"group.id", "set TALLY_CONSUMER_GROUP instead"},
+    {"enable.auto.offset.store", "tally stores offsets itself, only after the PostgreSQL commit"},
+};
+
+static char **str_field(tally_config_t *cfg, const param_t *p)
+{
+    return (char **)((char *)cfg + p->offset);
+}
+
+static const char *str_value(const tally_config_t *cfg, const param_t *p)
+{
+    return *(char *const *)((const char *)cfg + p->offset);
+}
+
+static int *int_field(tally_config_t *cfg, const param_t *p)
+{
+    return (int *)((char *)cfg + p->offset);
+}
+
+static int int_value(const tally_config_t *cfg, const param_t *p)
+{
+    return *(const int *)((const char *)cfg + p->offset);
+}
+
+/* Digits only, with an optional '-' so that "-5" is named as negative rather than junk. */
+static bool parse_int(const param_t *p, const char *v, int *out, char *errstr, size_t errsz)
+{
+    const char *what = p->min >= 1 ? "a positive integer" : "a non-negative integer";
+    if (v[0] == '\0' || !(isdigit((unsigned char)v[0]) || v[0] == '-')) {
+        snprintf(errstr, errsz, "%s: '%s' is not %s", p->env, v, what);
+        return false;
+    }
+    errno = 0;
+    char *end = NULL;
+    long long n = strtoll(v, &end, 10);
+    if (end == v || *end != '\0') {
+        snprintf(errstr, errsz, "%s: '%s' is not %s", p->env, v, what);
+        return false;
+    }
+    if (errno == ERANGE || n > INT_MAX) {
+        snprintf(errstr, errsz, "%s: '%s' is not %s of at most %d", p->env, v, what, INT_MAX);
+        return false;
+    }
+    if (n < p->min) {
+        snprintf(errstr, errsz, "%s: '%s' is not %s (the least meaningful value is %d)", p->env, v,
+                 what, p->min);
+        return false;
+    }
+    *out = (int)n;
+    return true;
+}
+
+static bool in_choices(const char *choices, const char *v)
+{
+    size_t n = strlen(v);
+    for (const char *c = choices; *c;) {
+        const char *bar = strchr(c, '|');
+        size_t len = bar ? (size_t)(bar - c) : strlen(c);
+        if (len == n && strncmp(c, v, n) == 0)
+            return true;
+        c += len + (bar ? 1 : 0);
+    }
+    return false;
+}
+
+static bool set_param(tally_config_t *cfg, const param_t *p, const char *v, char *errstr,
+                      size_t errsz)
+{
+    if (p->type == PARAM_INT)
+        return parse_int(p, v, int_field(cfg, p), errstr, errsz);
+    if (p->choices != NULL && !in_choices(p->choices, v)) {
+        snprintf(errstr, errsz, "%s: '%s' is not one of %s", p->env, v, p->choices);
+        return false;
+    }
+    char *copy = strdup(v);
+    if (copy == NULL) {
+        snprintf(errstr, errsz, "%s: out of memory", p->env);
+        return false;
+    }
+    char **field = str_field(cfg, p);
+    free(*field);
+    *field = copy;
+    return true;
+}
+
+/* Values computed when left empty. */
+static bool fill_computed(tally_config_t *cfg)
+{
+    if (cfg->worker_id != NULL && cfg->worker_id[0] != '\0')
+        return true;
+    char host[256];
+    if (gethostname(host, sizeof host) != 0 || host[0] == '\0')
+        snprintf(host, sizeof host, "localhost");
+    host[sizeof host - 1] = '\0';
+    char *id = NULL;
+    if (asprintf(&id, "%s:%ld", host, (long)getpid()) < 0)
+        return false;
+    free(cfg->worker_id);
+    cfg->worker_id = id;
+    return true;
+}
+
+tally_config_t *tally_config_new(void)
+{
+    tally_config_t *cfg = calloc(1, sizeof *cfg);
+    if (cfg == NULL)
+        return NULL;
+    char err[256];
+    for (size_t i = 0; i < N_PARAMS; i++) {
+        /* The defaults go through the same checks as the environment; a bad default here
+         * is a programming error and makes every process fail to start. */
+        if (!set_param(cfg, &params[i], params[i].def, err, sizeof err)) {
+            tally_config_free(cfg);
+            return NULL;
+        }
+    }
+    if (!fill_computed(cfg)) {
+        tally_config_free(cfg);
+        return NULL;
+    }
+    return cfg;
+}
+
+/* TALLY_KAFKA_SECURITY_PROTOCOL -> "security.protocol". */
+static char *kafka_property(const char *rest, size_t len)
+{
+    char *prop = malloc(len + 1);
+    if (prop == NULL)
+        return NULL;
+    for (size_t i = 0; i < len; i++)
+        prop[i] = rest[i] == '_' ? '.' : (char)tolower((unsigned char)rest[i]);
+    prop[len] = '\0';
+    return prop;
+}
+
+static bool set_kafka_prop(tally_config_t *cfg, const char *env, size_t envlen, const char *value,
+                           char *errstr, size_t errsz)
+{
+    const char *rest = env + strlen(KAFKA_PREFIX);
+    char *prop = kafka_property(rest, envlen - strlen(KAFKA_PREFIX));
+    char *val = strdup(value);
+    if (prop == NULL || val == NULL) {
+        free(prop);
+        free(val);
+        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env);
+        return false;
+    }
+    for (size_t i = 0; i < sizeof kafka_reserved / sizeof kafka_reserved[0]; i++) {
+        if (strcmp(prop, kafka_reserved[i].property) == 0) {
+            snprintf(errstr, errsz, "%.*s: Kafka property %s cannot be passed through: %s",
+                     (int)envlen, env, prop, kafka_reserved[i].why);
+            free(prop);
+            free(val);
+            return false;
+        }
+    }
+    /* A property given twice (a second load) takes the later value. */
+    for (size_t i = 0; i < cfg->n_kafka_props; i++) {
+        if (strcmp(cfg->kafka_props[i].name, prop) == 0) {
+            free(cfg->kafka_props[i].value);
+            cfg->kafka_props[i].value = val;
+            free(prop);
+            return true;
+        }
+    }
+    tally_kv_t *kv = realloc(cfg->kafka_props, (cfg->n_kafka_props + 1) * sizeof *kv);
+    if (kv == NULL) {
+        free(prop);
+        free(val);
+        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env);
+        return false;
+    }
+    cfg->kafka_props = kv;
+    kv[cfg->n_kafka_props].name = prop;
+    kv[cfg->n_kafka_props].value = val;
+    cfg->n_kafka_props++;
+    return true;
+}
+
+static bool add_unknown(tally_config_t *cfg, const char *env, size_t envlen)
+{
+    for (size_t i = 0; i < cfg->n_unknown_vars; i++) {
+        if (strlen(cfg->unknown_vars[i]) == envlen &&
+            strncmp(cfg->unknown_vars[i], env, envlen) == 0)
+            return true;
+    }
+    char **v = realloc(cfg->unknown_vars, (cfg->n_unknown_vars + 1) * sizeof *v);
+    if (v == NULL)
+        return false;
+    cfg->unknown_vars = v;
+    v[cfg->n_unknown_vars] = strndup(env, envlen);
+    if (v[cfg->n_unknown_vars] == NULL)
+        return false;
+    cfg->n_unknown_vars++;
+    return true;
+}
+
+bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr, size_t errsz)
+{
+    for (char *const *e = envp; e != NULL && *e != NULL; e++) {
+        const char *entry = *e;
+        if (strncmp(entry, "TALLY_", 6) != 0)
+            continue;
+        const char *eq = strchr(entry, '=');
+        if (eq == NULL)
+            continue;
+        size_t namelen = (size_t)(eq - entry);
+        const char *value = eq + 1;
+
+        const param_t *p = NULL;
+        for (size_t i = 0; i < N_PARAMS; i++) {
+            if (strlen(params[i].env) == namelen && strncmp(params[i].env, entry, namelen) == 0) {
+                p = &params[i];
+                break;
+            }
+        }
+        bool ok;
+        if (p != NULL)
+            ok = set_param(cfg, p, value, errstr, errsz);
+        else if (namelen > strlen(KAFKA_PREFIX) &&
+                 strncmp(entry, KAFKA_PREFIX, strlen(KAFKA_PREFIX)) == 0)
+            ok = set_kafka_prop(cfg, entry, namelen, value, errstr, errsz);
+        else if (!(ok = add_unknown(cfg, entry, namelen)))
+            snprintf(errstr, errsz, "%.*s: out of memory", (int)namelen, entry);
+        if (!ok)
+            return false;
+    }
+    if (!fill_computed(cfg)) {
+        snprintf(errstr, errsz, "TALLY_WORKER_ID: out of memory computing the default");
+        return false;
+    }
+    return true;
+}
+
+/* Names that suggest a credential; their values are printed as "***". */
+static bool name_is_secret(const char *name)
+{
+    static const char *const words[] = {"PASSWORD", "SECRET", "KEY", "TOKEN", "CREDENTIAL"};
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+        if (strcasestr(name, words[i]) != NULL)
+            return true;
+    }
+    return false;
+}
+
+static void buf_add(char **out, size_t *o, const char *s, size_t n)
+{
+    memcpy(*out + *o, s, n);
+    *o += n;
+}
+
+/* Conninfo "k=v k2='v 2'" form: replace the value of password=. Quoting follows libpq: a
+ * single-quoted value with backslash escapes, else up to the next space. */
+static void mask_conninfo(const char *s, char **out, size_t *o)
+{
+    const char *p = s;
+    while (*p) {
+        if (isspace((unsigned char)*p)) {
+            buf_add(out, o, p++, 1);
+            continue;
+        }
+        const char *kw = p;
+        while (*p && *p != '=' && !isspace((unsigned char)*p))
+            p++;
+        size_t kwlen = (size_t)(p - kw);
+        while (*p && (isspace((unsigned char)*p) || *p == '=')) /* " = " around the '=' */
+            p++;
+        const char *val = p;
+        if (*p == '\'') {
+            p++;
+            while (*p && *p != '\'') {
+                if (*p == '\\' && p[1])
+                    p++;
+                p++;
+            }
+            if (*p == '\'')
+                p++;
+        } else {
+            while (*p && !isspace((unsigned char)*p))
+                p++;
+        }
+        buf_add(out, o, kw, (size_t)(val - kw));
+        if (kwlen == 8 && strncmp(kw, "password", 8) == 0)
+            buf_add(out, o, "***", 3);
+        else
+            buf_add(out, o, val, (size_t)(p - val));
+    }
+}
+
+/* URI form: postgresql://user:PASSWORD@host/db?password=PASSWORD&... */
+static void mask_uri(const char *s, char **out, size_t *o)
+{
+    const char *auth = strstr(s, "://") + 3;
+    const char *auth_end = auth + strcspn(auth, "/?#");
+    const char *at = NULL;
+    for (const char *q = auth; q < auth_end; q++) {
+        if (*q == '@')
+            at = q;
+    }
+    const char *p = s;
+    if (at != NULL) {
+        const char *colon = memchr(auth, ':', (size_t)(at - auth));
+        if (colon != NULL) {
+            buf_add(out, o, s, (size_t)(colon + 1 - s));
+            buf_add(out, o, "***", 3);
+            p = at;
+        }
+    }
+    const char *query = strchr(p, '?');
+    if (query == NULL) {
+        buf_add(out, o, p, strlen(p));
+        return;
+    }
+    buf_add(out, o, p, (size_t)(query + 1 - p));
+    p = query + 1;
+    while (*p) {
+        size_t n = strcspn(p, "&#");
+        if (n >= 9 && strncmp(p, "password=", 9) == 0) {
+            buf_add(out, o, p, 9);
+            buf_add(out, o, "***", 3);
+        } else {
+            buf_add(out, o, p, n);
+        }
+        p += n;
+        if (*p)
+            buf_add(out, o, p++, 1);
+    }
+}
+
+/* A copy of the libpq connection string with any password replaced by "***". The caller
+ * frees. A replacement adds at most 3 bytes, and each needs at least 4 bytes of input
+ * ("password=" or ":" plus the scheme), so four times the input length is always enough. */
+static char *mask_pg(const char *s)
+{
+    size_t cap = strlen(s) * 4 + 4;
+    char *out = malloc(cap);
+    if (out == NULL)
+        return NULL;
+    size_t o = 0;
+    if (strncmp(s, "postgresql://", 13) == 0 || strncmp(s, "postgres://", 11) == 0)
+        mask_uri(s, &out, &o);
+    else
+        mask_conninfo(s, &out, &o);
+    out[o] = '\0';
+    return out;
+}
+
+/* Text of a value for the table: quoted when empty, "***" when secret. Caller frees. */
+static char *shown(const char *name, const char *value)
+{
+    if (value == NULL || value[0] == '\0')
+        return strdup("\"\"");
+    if (strcmp(name, "TALLY_PG") == 0)
+        return mask_pg(value);
+    if (name_is_secret(name))
+        return strdup("***");
+    return strdup(value);
+}
+
+static size_t edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    if (lb > 63)
+        return SIZE_MAX;
+    size_t row[64];
+    for (size_t j = 0; j <= lb; j++)
+        row[j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        size_t diag = row[0];
+        row[0] = i;
+        for (size_t j = 1; j <= lb; j++) {
+            size_t up = row[j];
+            size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+            size_t best = diag + cost;
+            if (up + 1 < best)
+                best = up + 1;
+            if (row[j - 1] + 1 < best)
+                best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lb];
+}
+
+static const char *closest_param(const char *name)
+{
+    const char *best = NULL;
+    size_t best_d = 4; /* further than 3 edits is not a typo */
+    for (size_t i = 0; i < N_PARAMS; i++) {
+        size_t d = edit_distance(name, params[i].env);
+        if (d < best_d) {
+            best_d = d;
+            best = params[i].env;
+        }
+    }
+    return best;
+}
+
+void tally_config_describe(const tally_config_t *cfg, FILE *out)
+{
+    char *values[N_PARAMS];
+    char *defaults[N_PARAMS];
+    size_t w_name = strlen("VARIABLE"), w_val = strlen("VALUE"), w_def = strlen("DEFAULT");
+    for (size_t i = 0; i < N_PARAMS; i++) {
+        const param_t *p = &params[i];
+        char num[16];
+        if (p->type == PARAM_INT) {
+            snprintf(num, sizeof num, "%d", int_value(cfg, p));
+            values[i] = strdup(num);
+        } else {
+            values[i] = shown(p->env, str_value(cfg, p));
+        }
+        if (p->def_note != NULL)
+            defaults[i] = strdup(p->def_note);
+        else if (p->def[0] == '\0')
+            defaults[i] = strdup("\"\"");
+        else
+            defaults[i] = strdup(p->def);
+        size_t n = strlen(p->env);
+        w_name = n > w_name ? n : w_name;
+        n = values[i] ? strlen(values[i]) : 0;
+        w_val = n > w_val ? n : w_val;
+        n = defaults[i] ? strlen(defaults[i]) : 0;
+        w_def = n > w_def ? n : w_def;
+    }
+
+    fprintf(out, "%-*s  %-*s  %-*s  %s\n", (int)w_name, "VARIABLE", (int)w_val, "VALUE", (int)w_def,
+            "DEFAULT", "HELP");
+    for (size_t i = 0; i < N_PARAMS; i++) {
+        fprintf(out, "%-*s  %-*s  %-*s  %s\n", (int)w_name, params[i].env, (int)w_val,
+                values[i] ? values[i] : "(out of memory)", (int)w_def,
+                defaults[i] ? defaults[i] : "(out of memory)", params[i].help);
+        free(values[i]);
+        free(defaults[i]);
+    }
+
+    fprintf(out, "\nKafka properties passed through (TALLY_KAFKA_<PROPERTY>, '_' -> '.'):\n");
+    if (cfg->n_kafka_props == 0)
+        fprintf(out, "  (none)\n");
+    int w_env = 0;
+    for (size_t i = 0; i < cfg->n_kafka_props; i++) {
+        int n = (int)(strlen(KAFKA_PREFIX) + strlen(cfg->kafka_props[i].name));
+        w_env = n > w_env ? n : w_env;
+    }
+    for (size_t i = 0; i < cfg->n_kafka_props; i++) {
+        const tally_kv_t *kv = &cfg->kafka_props[i];
+        fprintf(out, "  %s", KAFKA_PREFIX);
+        for (const char *c = kv->name; *c; c++)
+            fputc(*c == '.' ? '_' : toupper((unsigned char)*c), out);
+        char *v = shown(kv->name, kv->value);
+        fprintf(out, "%*s  %s = %s\n", w_env - (int)(strlen(KAFKA_PREFIX) + strlen(kv->name)), "",
+                kv->name, v ? v : "(out of memory)");
+        free(v);
+    }
+
+    for (size_t i = 0; i < cfg->n_unknown_vars; i++) {
+        const char *near = closest_param(cfg->unknown_vars[i]);
+        fprintf(out, "warning: %s is not a tally setting and is ignored", cfg->unknown_vars[i]);
+        if (near != NULL)
+            fprintf(out, " (did you mean %s?)", near);
+        fprintf(out, "\n");
+    }
+}
+
+bool tally_config_topic(const tally_config_t *cfg, const char *logical, char *out, size_t outsz)
+{
+    if (outsz == 0)
+        return false;
+    int n = snprintf(out, outsz, "%s%s", cfg->topic_prefix, logical);
+    return n >= 0 && (size_t)n < outsz;
+}
+
+void tally_config_free(tally_config_t *cfg)
+{
+    if (cfg == NULL)
+        return;
+    for (size_t i = 0; i < N_PARAMS; i++) {
+        if (params[i].type == PARAM_STRING)
+            free(*str_field(cfg, &params[i]));
+    }
+    for (size_t i = 0; i < cfg->n_kafka_props; i++) {
+        free(cfg->kafka_props[i].name);
+        free(cfg->kafka_props[i].value);
+    }
+    free(cfg->kafka_props);
+    for (size_t i = 0; i < cfg->n_unknown_vars; i++)
+        free(cfg->unknown_vars[i]);
+    free(cfg->unknown_vars);
+    free(cfg);
+}

@@ -1,0 +1,439 @@
+/* json.c — canonical JSON, the input hash, UTF-8 checks and JSON pointers.
+ *
+ * The canonical form is written here rather than with json_dumps(JSON_SORT_KEYS|JSON_COMPACT)
+ * because jansson prints reals with 17 significant digits (0.1 -> 0.10000000000000001), which
+ * would make the body sent to a tool differ from what the agent wrote. The rules:
+ *   - objects: members sorted by key, compared bytewise on the UTF-8 bytes (memcmp, shorter
+ *     first on a common prefix) — the same order as strcmp for keys without NUL;
+ *   - arrays in order; no whitespace anywhere;
+ *   - strings: '"', '\\' and the control characters below 0x20 escaped (\b \f \n \r \t, the
+ *     rest as \u00xx in lowercase hex); '/', DEL and all non-ASCII UTF-8 written raw;
+ *   - integers in decimal;
+ *   - reals in the shortest of %.15g/%.16g/%.17g that reads back as the same double; a real
+ *     with an integral value keeps a ".0" so it stays a real (1.0 -> "1.0", -0.0 -> "-0.0",
+ *     the sign of zero is kept); exponents as printf writes them (1e300 -> "1e+300");
+ *     NaN and infinities have no JSON form and make the result NULL;
+ *   - true, false, null.
+ */
+#include "tally/json.h"
+
+#include <inttypes.h>
+#include <locale.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/evp.h>
+
+/* jansson's own parser stops at 2048 levels; a deeper built value is refused, not overflowed. */
+#define CANON_MAX_DEPTH 2048
+
+/* A growable buffer; any failure sets `failed`, later appends do nothing, and the caller
+ * checks once at the end (pgbouncer's pktbuf). */
+typedef struct jbuf {
+    char *data;
+    size_t len;
+    size_t cap;
+    bool failed;
+} jbuf_t;
+
+static void jbuf_reserve(jbuf_t *b, size_t more)
+{
+    if (b->failed)
+        return;
+    if (more > SIZE_MAX - b->len - 1) {
+        b->failed = true;
+        return;
+    }
+    size_t need = b->len + more + 1;
+    if (need <= b->cap)
+        return;
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap < need)
+        cap = cap > SIZE_MAX / 2 ? need : cap * 2;
+    char *p = realloc(b->data, cap);
+    if (p == NULL) {
+        b->failed = true;
+        return;
+    }
+    b->data = p;
+    b->cap = cap;
+}
+
+static void jbuf_put(jbuf_t *b, const char *s, size_t n)
+{
+    jbuf_reserve(b, n);
+    if (b->failed)
+        return;
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+}
+
+static void jbuf_putc(jbuf_t *b, char c)
+{
+    jbuf_put(b, &c, 1);
+}
+
+static void jbuf_puts(jbuf_t *b, const char *s)
+{
+    jbuf_put(b, s, strlen(s));
+}
+
+static void put_string(jbuf_t *b, const char *s, size_t len)
+{
+    static const char hex[] = "0123456789abcdef";
+    jbuf_putc(b, '"');
+    size_t run = 0; /* start of the pending run of bytes that need no escape */
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        const char *esc = NULL;
+        char u[7];
+        switch (c) {
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        default:
+            if (c < 0x20) {
+                u[0] = '\\', u[1] = 'u', u[2] = '0', u[3] = '0';
+                u[4] = hex[c >> 4], u[5] = hex[c & 0xf], u[6] = '\0';
+                esc = u;
+            }
+            break;
+        }
+        if (esc != NULL) {
+            jbuf_put(b, s + run, i - run);
+            jbuf_puts(b, esc);
+            run = i + 1;
+        }
+    }
+    jbuf_put(b, s + run, len - run);
+    jbuf_putc(b, '"');
+}
+
+/* The shortest round-tripping text of a finite double, with ".0" added when it would
+ * otherwise read back as an integer. @returns false for NaN and infinities. */
+static bool format_real(double d, char *out, size_t outsz)
+{
+    if (!isfinite(d))
+        return false;
+    static const int precisions[] = {15, 16, 17};
+    for (size_t i = 0; i < sizeof precisions / sizeof precisions[0]; i++) {
+        snprintf(out, outsz, "%.*g", precisions[i], d);
+        if (strtod(out, NULL) == d && signbit(strtod(out, NULL)) == signbit(d))
+            break;
+    }
+    /* printf and strtod agree on the locale's decimal point; JSON wants '.'. */
+    const char *dp = localeconv()->decimal_point;
+    if (dp != NULL && dp[0] != '.' && dp[0] != '\0') {
+        char *p = strchr(out, dp[0]);
+        if (p != NULL)
+            *p = '.';
+    }
+    if (strpbrk(out, ".eE") == NULL) {
+        size_t n = strlen(out);
+        if (n + 3 > outsz)
+            return false;
+        memcpy(out + n, ".0", 3);
+    }
+    return true;
+}
+
+typedef struct member {
+    const char *key;
+    size_t keylen;
+    const json_t *value;
+} member_t;
+
+static int member_cmp(const void *a, const void *b)
+{
+    const member_t *x = a, *y = b;
+    size_t n = x->keylen < y->keylen ? x->keylen : y->keylen;
+    int c = memcmp(x->key, y->key, n);
+    if (c != 0)
+        return c;
+    return (x->keylen > y->keylen) - (x->keylen < y->keylen);
+}
+
+static void put_value(jbuf_t *b, const json_t *v, int depth)
+{
+    if (b->failed)
+        return;
+    if (v == NULL || depth > CANON_MAX_DEPTH) {
+        b->failed = true;
+        return;
+    }
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: {
+        size_t n = json_object_size(v);
+        member_t *m = n ? calloc(n, sizeof *m) : NULL;
+        if (n && m == NULL) {
+            b->failed = true;
+            return;
+        }
+        size_t i = 0;
+        const char *key;
+        size_t keylen;
+        json_t *val;
+        json_object_keylen_foreach((json_t *)v, key, keylen, val)
+        {
+            m[i].key = key;
+            m[i].keylen = keylen;
+            m[i].value = val;
+            i++;
+        }
+        if (n > 1)
+            qsort(m, n, sizeof *m, member_cmp);
+        jbuf_putc(b, '{');
+        for (i = 0; i < n; i++) {
+            if (i > 0)
+                jbuf_putc(b, ',');
+            put_string(b, m[i].key, m[i].keylen);
+            jbuf_putc(b, ':');
+            put_value(b, m[i].value, depth + 1);
+        }
+        jbuf_putc(b, '}');
+        free(m);
+        return;
+    }
+    case JSON_ARRAY: {
+        jbuf_putc(b, '[');
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            if (i > 0)
+                jbuf_putc(b, ',');
+            put_value(b, json_array_get(v, i), depth + 1);
+        }
+        jbuf_putc(b, ']');
+        return;
+    }
+    case JSON_STRING:
+        put_string(b, json_string_value(v), json_string_length(v));
+        return;
+    case JSON_INTEGER: {
+        char num[32];
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        jbuf_puts(b, num);
+        return;
+    }
+    case JSON_REAL: {
+        char num[40];
+        if (!format_real(json_real_value(v), num, sizeof num)) {
+            b->failed = true;
+            return;
+        }
+        jbuf_puts(b, num);
+        return;
+    }
+    case JSON_TRUE:
+        jbuf_puts(b, "true");
+        return;
+    case JSON_FALSE:
+        jbuf_puts(b, "false");
+        return;
+    case JSON_NULL:
+        jbuf_puts(b, "null");
+        return;
+    }
+    b->failed = true;
+}
+
+char *tally_json_canonical(const json_t *v)
+{
+    jbuf_t b = {0};
+    put_value(&b, v, 0);
+    jbuf_reserve(&b, 0); /* an empty result still needs its NUL */
+    if (b.failed) {
+        free(b.data);
+        return NULL;
+    }
+    return b.data;
+}
+
+bool tally_sha256_hex(const void *data, size_t len, char out[65])
+{
+    static const char hex[] = "0123456789abcdef";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    if (EVP_Digest(data, len, md, &mdlen, EVP_sha256(), NULL) != 1 || mdlen != 32)
+        return false;
+    for (unsigned int i = 0; i < mdlen; i++) {
+        out[2 * i] = hex[md[i] >> 4];
+        out[2 * i + 1] = hex[md[i] & 0xf];
+    }
+    out[64] = '\0';
+    return true;
+}
+
+bool tally_input_hash(const json_t *args, char out[65])
+{
+    char *canon = tally_json_canonical(args);
+    if (canon == NULL)
+        return false;
+    bool ok = tally_sha256_hex(canon, strlen(canon), out);
+    free(canon);
+    return ok;
+}
+
+/* Unicode 15, Table 3-7 (well-formed UTF-8 byte sequences). */
+bool tally_utf8_valid(const char *s, size_t len)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < len) {
+        unsigned char c = p[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t n;
+        unsigned char lo = 0x80, hi = 0xbf; /* range of the second byte */
+        if (c >= 0xc2 && c <= 0xdf) {
+            n = 2;
+        } else if (c >= 0xe0 && c <= 0xef) {
+            n = 3;
+            if (c == 0xe0)
+                lo = 0xa0; /* overlong */
+            else if (c == 0xed)
+                hi = 0x9f; /* surrogates U+D800..DFFF */
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            n = 4;
+            if (c == 0xf0)
+                lo = 0x90; /* overlong */
+            else if (c == 0xf4)
+                hi = 0x8f; /* above U+10FFFF */
+        } else {
+            return false; /* continuation byte, C0/C1 overlong lead, or F5..FF */
+        }
+        if (len - i < n)
+            return false;
+        if (p[i + 1] < lo || p[i + 1] > hi)
+            return false;
+        for (size_t k = 2; k < n; k++) {
+            if (p[i + k] < 0x80 || p[i + k] > 0xbf)
+                return false;
+        }
+        i += n;
+    }
+    return true;
+}
+
+/* An RFC 6901 array index: "0" or digits without a leading zero, within size_t. */
+static bool parse_index(const char *tok, size_t *out)
+{
+    if (tok[0] == '\0' || (tok[0] == '0' && tok[1] != '\0'))
+        return false;
+    size_t v = 0;
+    for (const char *p = tok; *p; p++) {
+        if (*p < '0' || *p > '9')
+            return false;
+        size_t d = (size_t)(*p - '0');
+        if (v > (SIZE_MAX - d) / 10)
+            return false;
+        v = v * 10 + d;
+    }
+    *out = v;
+    return true;
+}
+
+json_t *tally_json_pointer(const json_t *doc, const char *ptr)
+{
+    if (doc == NULL || ptr == NULL)
+        return NULL;
+    json_t *cur = (json_t *)doc;
+    if (ptr[0] == '\0')
+        return cur;
+    if (ptr[0] != '/')
+        return NULL;
+    size_t plen = strlen(ptr);
+    char *tok = malloc(plen + 1);
+    if (tok == NULL)
+        return NULL;
+    const char *p = ptr;
+    while (cur != NULL && *p == '/') {
+        p++;
+        size_t n = 0;
+        while (*p != '\0' && *p != '/') {
+            if (*p == '~') {
+                if (p[1] == '0')
+                    tok[n++] = '~';
+                else if (p[1] == '1')
+                    tok[n++] = '/';
+                else {
+                    cur = NULL; /* "~" must be followed by 0 or 1 */
+                    break;
+                }
+                p += 2;
+            } else {
+                tok[n++] = *p++;
+            }
+        }
+        if (cur == NULL)
+            break;
+        tok[n] = '\0';
+        if (json_is_object(cur)) {
+            cur = json_object_getn(cur, tok, n);
+        } else if (json_is_array(cur)) {
+            size_t idx;
+            cur = parse_index(tok, &idx) ? json_array_get(cur, idx) : NULL;
+        } else {
+            cur = NULL;
+        }
+    }
+    free(tok);
+    return cur;
+}
+
+char *tally_json_scalar_text(const json_t *v)
+{
+    char num[40];
+    if (v == NULL)
+        return NULL;
+    switch (json_typeof(v)) {
+    case JSON_STRING: {
+        size_t n = json_string_length(v);
+        char *s = malloc(n + 1);
+        if (s == NULL)
+            return NULL;
+        memcpy(s, json_string_value(v), n);
+        s[n] = '\0';
+        return s;
+    }
+    case JSON_INTEGER:
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        return strdup(num);
+    case JSON_REAL:
+        /* the same text as in the canonical form, so a ref and the body agree */
+        if (!format_real(json_real_value(v), num, sizeof num))
+            return NULL;
+        return strdup(num);
+    case JSON_TRUE:
+        return strdup("true");
+    case JSON_FALSE:
+        return strdup("false");
+    case JSON_NULL:
+    case JSON_OBJECT:
+    case JSON_ARRAY:
+        break;
+    }
+    return NULL;
+}

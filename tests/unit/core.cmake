@@ -1,0 +1,4 @@
+# The core library modules: canonical JSON and hashing, configuration, the ledger state machines.
+tally_unit_test(test_json SOURCES json.c error.c)
+tally_unit_test(test_config SOURCES config.c error.c)
+tally_unit_test(test_ledger SOURCES ledger.c)
