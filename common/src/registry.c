@@ -1,0 +1,951 @@
+/* registry.c — the tool registry: load the JSON file, enforce DESIGN §4, build operation keys.
+ *
+ * Validation never stops at the first problem: an operator fixing a registry wants the whole
+ * list at once. Each problem is one sentence "tool 'x': rule <id>: <what is wrong>", so a
+ * worker's refusal to start and `tally tools check` read the same.
+ */
+#include "tally/registry.h"
+#include "tally/json.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+struct tally_registry {
+    tally_tool_t *tools;
+    size_t n;
+};
+
+/* Upper bound of the millisecond settings the brief leaves open-ended: one day keeps every
+ * sum and doubling of them inside an int. */
+#define MS_MAX 86400000LL
+
+#define NAME_MAX_LEN 63
+
+static const char *const class_names[] = {
+    [TALLY_CLASS_READ] = "read",
+    [TALLY_CLASS_IDEMPOTENT] = "idempotent",
+    [TALLY_CLASS_REVERSIBLE] = "reversible",
+    [TALLY_CLASS_APPEND_ONLY] = "append_only",
+    [TALLY_CLASS_DESTRUCTIVE] = "destructive",
+};
+
+static const char *const comp_mode_names[] = {
+    [TALLY_COMP_AUTOMATIC] = "automatic",
+    [TALLY_COMP_APPROVAL_REQUIRED] = "approval_required",
+    [TALLY_COMP_MANUAL_RUNBOOK] = "manual_runbook",
+    [TALLY_COMP_NOT_SUPPORTED] = "not_supported",
+};
+
+static const char *const http_methods[] = {"GET", "POST", "PUT", "PATCH", "DELETE"};
+
+#define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
+
+const char *tally_effect_class_name(tally_effect_class_t c)
+{
+    if ((size_t)c < N_ELEMS(class_names))
+        return class_names[c];
+    return "unknown";
+}
+
+bool tally_effect_class_parse(const char *s, tally_effect_class_t *out)
+{
+    if (s == NULL)
+        return false;
+    for (size_t i = 0; i < N_ELEMS(class_names); i++) {
+        if (strcmp(s, class_names[i]) == 0) {
+            if (out != NULL)
+                *out = (tally_effect_class_t)i;
+            return true;
+        }
+    }
+    return false;
+}
+
+const char *tally_comp_mode_name(tally_comp_mode_t m)
+{
+    if ((size_t)m < N_ELEMS(comp_mode_names))
+        return comp_mode_names[m];
+    return "unknown";
+}
+
+static bool comp_mode_parse(const char *s, tally_comp_mode_t *out)
+{
+    for (size_t i = 0; i < N_ELEMS(comp_mode_names); i++) {
+        if (strcmp(s, comp_mode_names[i]) == 0) {
+            *out = (tally_comp_mode_t)i;
+            return true;
+        }
+    }
+    return false;
+}
+
+/* ---------------------------------------------------------------- problems */
+
+void tally_problems_add(tally_problems_t *p, const char *fmt, ...)
+{
+    if (p == NULL)
+        return;
+    char **lines = realloc(p->lines, (p->n + 1) * sizeof *lines);
+    if (lines == NULL)
+        return;
+    p->lines = lines;
+    va_list ap;
+    va_start(ap, fmt);
+    char *line = NULL;
+    int rc = vasprintf(&line, fmt, ap);
+    va_end(ap);
+    if (rc < 0) {
+        /* Still say that something was wrong, even if we cannot say what. */
+        line = strdup("out of memory while recording a registry problem");
+        if (line == NULL)
+            return;
+    }
+    p->lines[p->n++] = line;
+}
+
+void tally_problems_clear(tally_problems_t *p)
+{
+    if (p == NULL)
+        return;
+    for (size_t i = 0; i < p->n; i++)
+        free(p->lines[i]);
+    free(p->lines);
+    p->lines = NULL;
+    p->n = 0;
+}
+
+/* ---------------------------------------------------------------- small helpers */
+
+/* A growable string with a sticky failure flag, checked once at the end. */
+typedef struct sbuf {
+    char *s;
+    size_t len, cap;
+    bool failed;
+} sbuf_t;
+
+static void sb_put(sbuf_t *b, const char *s, size_t n)
+{
+    if (b->failed)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 64;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->s, cap);
+        if (p == NULL) {
+            b->failed = true;
+            return;
+        }
+        b->s = p;
+        b->cap = cap;
+    }
+    memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
+
+static void sb_puts(sbuf_t *b, const char *s)
+{
+    sb_put(b, s, strlen(s));
+}
+
+/* Returns the built string (caller frees), or NULL when any append failed. */
+static char *sb_finish(sbuf_t *b)
+{
+    if (b->failed || b->s == NULL) {
+        free(b->s);
+        return b->failed ? NULL : strdup("");
+    }
+    return b->s;
+}
+
+/* A copy of @p s fit for one line of a message: at most @p bufsz - 4 bytes, control
+ * characters and quotes replaced by '?', "..." when cut. Returns @p buf (bufsz >= 8). */
+static const char *shown(const char *s, char *buf, size_t bufsz)
+{
+    size_t limit = bufsz - 4;
+    size_t i = 0;
+    for (; s[i] != '\0' && i < limit; i++) {
+        unsigned char c = (unsigned char)s[i];
+        buf[i] = (c < 0x20 || c == 0x7f || c == '\'') ? '?' : (char)c;
+    }
+    if (s[i] != '\0') {
+        memcpy(buf + i, "...", 3);
+        i += 3;
+    }
+    buf[i] = '\0';
+    return buf;
+}
+
+/* A JSON value as short text for "(got ...)". */
+static const char *shown_json(const json_t *v, char *buf, size_t bufsz)
+{
+    char *text = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+    if (text == NULL) {
+        snprintf(buf, bufsz, "?");
+        return buf;
+    }
+    shown(text, buf, bufsz);
+    free(text);
+    return buf;
+}
+
+static bool has_space_or_control(const char *s)
+{
+    for (; *s != '\0'; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c <= 0x20 || c == 0x7f)
+            return true;
+    }
+    return false;
+}
+
+static bool env_name_valid(const char *s, size_t len)
+{
+    if (len == 0 || !((s[0] >= 'A' && s[0] <= 'Z') || (s[0] >= 'a' && s[0] <= 'z') || s[0] == '_'))
+        return false;
+    for (size_t i = 1; i < len; i++) {
+        char c = s[i];
+        if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+              c == '_'))
+            return false;
+    }
+    return true;
+}
+
+/* ^[a-z][a-z0-9_.-]{0,62}$ */
+static bool tool_name_valid(const char *s)
+{
+    size_t len = strlen(s);
+    if (len == 0 || len > NAME_MAX_LEN || !(s[0] >= 'a' && s[0] <= 'z'))
+        return false;
+    for (size_t i = 1; i < len; i++) {
+        char c = s[i];
+        if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '.' || c == '-'))
+            return false;
+    }
+    return true;
+}
+
+/* RFC 6901: "" or '/'-separated tokens where '~' is only followed by '0' or '1'. */
+static bool json_pointer_valid(const char *s)
+{
+    if (s[0] == '\0')
+        return true;
+    if (s[0] != '/')
+        return false;
+    for (const char *p = s; *p != '\0'; p++) {
+        if (*p == '~' && p[1] != '0' && p[1] != '1')
+            return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------- validation context */
+
+typedef struct vctx {
+    tally_problems_t *problems;
+    size_t found;    /* problems found; counted even when recording one ran out of memory */
+    char label[128]; /* "tool 'charge_card'", "tool #3" or "registry" */
+} vctx_t;
+
+static void problem(vctx_t *v, const char *rule, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void problem(vctx_t *v, const char *rule, const char *fmt, ...)
+{
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    v->found++;
+    tally_problems_add(v->problems, "%s: rule %s: %s", v->label, rule, msg);
+}
+
+/* strdup that records running out of memory as a problem. */
+static char *vdup(vctx_t *v, const char *s)
+{
+    if (s == NULL)
+        return NULL;
+    char *d = strdup(s);
+    if (d == NULL)
+        problem(v, "internal", "out of memory");
+    return d;
+}
+
+static void endpoint_free(tally_endpoint_t *e)
+{
+    free(e->method);
+    free(e->path);
+    e->method = NULL;
+    e->path = NULL;
+}
+
+static void tool_free(tally_tool_t *t)
+{
+    free(t->name);
+    free(t->owner);
+    for (size_t i = 0; i < t->n_operation_key; i++)
+        free(t->operation_key[i]);
+    free(t->operation_key);
+    free(t->base_url);
+    endpoint_free(&t->execute);
+    endpoint_free(&t->status);
+    endpoint_free(&t->compensate);
+    endpoint_free(&t->contain);
+    free(t->receipt_ref);
+    free(t->secret_env);
+    free(t->runbook);
+    memset(t, 0, sizeof *t);
+}
+
+/* An optional integer setting: @p def when absent, else it must lie in [lo, hi].
+ * Sets *@p given when the field was present and valid. */
+static int int_field(vctx_t *v, const json_t *obj, const char *key, const char *where, int def,
+                     long long lo, long long hi, bool *given)
+{
+    if (given != NULL)
+        *given = false;
+    const json_t *x = obj != NULL ? json_object_get(obj, key) : NULL;
+    if (x == NULL)
+        return def;
+    char got[80];
+    if (!json_is_integer(x) || json_integer_value(x) < lo || json_integer_value(x) > hi) {
+        problem(v, "numeric-range", "%s must be an integer from %lld to %lld (got %s)", where, lo,
+                hi, shown_json(x, got, sizeof got));
+        return def;
+    }
+    if (given != NULL)
+        *given = true;
+    return (int)json_integer_value(x);
+}
+
+/* Optional object member: NULL when absent; a problem when present but not an object. */
+static const json_t *object_field(vctx_t *v, const json_t *obj, const char *key, const char *rule)
+{
+    const json_t *x = json_object_get(obj, key);
+    if (x != NULL && !json_is_object(x)) {
+        problem(v, rule, "%s must be an object", key);
+        return NULL;
+    }
+    return x;
+}
+
+typedef enum { EP_ABSENT, EP_INVALID, EP_OK } ep_state_t;
+
+/* connector.<key>: {"method": ..., "path": ...}. Problems go under @p rule. */
+static ep_state_t endpoint_field(vctx_t *v, const json_t *conn, const char *key, const char *rule,
+                                 bool required, bool is_status, tally_endpoint_t *out)
+{
+    const json_t *ep = json_object_get(conn, key);
+    if (ep == NULL) {
+        if (required)
+            problem(v, rule,
+                    "connector.%s is required (an object with \"method\" and \"path\", e.g. "
+                    "{\"method\": \"POST\", \"path\": \"/charges\"})",
+                    key);
+        return EP_ABSENT;
+    }
+    if (!json_is_object(ep)) {
+        problem(v, rule, "connector.%s must be an object with \"method\" and \"path\"", key);
+        return EP_INVALID;
+    }
+    bool ok = true;
+    char got[80];
+    const json_t *method = json_object_get(ep, "method");
+    const char *m = json_string_value(method);
+    bool method_ok = false;
+    if (m != NULL) {
+        for (size_t i = 0; i < N_ELEMS(http_methods); i++)
+            method_ok = method_ok || strcmp(m, http_methods[i]) == 0;
+    }
+    if (method == NULL) {
+        problem(v, rule, "connector.%s.method is required (GET, POST, PUT, PATCH or DELETE)", key);
+        ok = false;
+    } else if (!method_ok) {
+        problem(v, rule,
+                "connector.%s.method must be one of GET, POST, PUT, PATCH, DELETE (got %s)", key,
+                shown_json(method, got, sizeof got));
+        ok = false;
+    }
+    const json_t *path = json_object_get(ep, "path");
+    const char *p = json_string_value(path);
+    if (path == NULL) {
+        problem(v, rule, "connector.%s.path is required (a path starting with '/')", key);
+        ok = false;
+    } else if (p == NULL || p[0] != '/') {
+        problem(v, rule, "connector.%s.path must be a string starting with '/' (got %s)", key,
+                shown_json(path, got, sizeof got));
+        ok = false;
+    } else if (has_space_or_control(p) || strchr(p, '#') != NULL) {
+        problem(v, rule, "connector.%s.path must not contain spaces, control characters or '#'",
+                key);
+        ok = false;
+    } else if (is_status && strchr(p, '?') != NULL) {
+        problem(v, rule,
+                "connector.%s.path must not carry a query string: tally appends "
+                "?idempotency_key=<operation key> itself",
+                key);
+        ok = false;
+    }
+    if (!ok)
+        return EP_INVALID;
+    out->method = vdup(v, m);
+    out->path = vdup(v, p);
+    return EP_OK;
+}
+
+/*
+ * Expand ${VAR} and ${VAR:-default} from the environment. ${VAR:-d} uses d when VAR is unset
+ * or empty, as the shell does. Returns the malloc'd result, or NULL after recording a problem.
+ */
+static char *expand_env(vctx_t *v, const char *raw)
+{
+    sbuf_t b = {0};
+    const char *p = raw;
+    char shown1[80];
+    while (*p != '\0') {
+        const char *open = strstr(p, "${");
+        if (open == NULL) {
+            sb_puts(&b, p);
+            break;
+        }
+        sb_put(&b, p, (size_t)(open - p));
+        const char *name = open + 2;
+        const char *close = strchr(name, '}');
+        if (close == NULL) {
+            problem(v, "base-url-env", "connector.base_url '%s' has a '${' without its closing '}'",
+                    shown(raw, shown1, sizeof shown1));
+            free(b.s);
+            return NULL;
+        }
+        const char *sep = strstr(name, ":-");
+        bool has_default = sep != NULL && sep < close;
+        size_t name_len = (size_t)((has_default ? sep : close) - name);
+        char var[128];
+        if (!env_name_valid(name, name_len) || name_len >= sizeof var) {
+            problem(v, "base-url-env",
+                    "connector.base_url '%s': '${...}' must name an environment variable "
+                    "([A-Za-z_][A-Za-z0-9_]*), optionally with ':-default'",
+                    shown(raw, shown1, sizeof shown1));
+            free(b.s);
+            return NULL;
+        }
+        memcpy(var, name, name_len);
+        var[name_len] = '\0';
+        const char *value = getenv(var);
+        if (has_default && (value == NULL || value[0] == '\0')) {
+            sb_put(&b, sep + 2, (size_t)(close - (sep + 2)));
+        } else if (value == NULL) {
+            problem(v, "base-url-env",
+                    "connector.base_url uses ${%s}, which is not set in the environment and has no "
+                    "default (write ${%s:-http://host:port} to give one)",
+                    var, var);
+            free(b.s);
+            return NULL;
+        } else {
+            sb_puts(&b, value);
+        }
+        p = close + 1;
+    }
+    char *out = sb_finish(&b);
+    if (out == NULL)
+        problem(v, "internal", "out of memory");
+    return out;
+}
+
+static void base_url_field(vctx_t *v, const json_t *conn, tally_tool_t *t)
+{
+    const json_t *x = json_object_get(conn, "base_url");
+    char got[80], raw_shown[80];
+    if (x == NULL) {
+        problem(v, "connector-base-url",
+                "connector.base_url is required (e.g. \"https://billing.internal\" or "
+                "\"${BILLING_URL:-http://127.0.0.1:9000}\")");
+        return;
+    }
+    const char *raw = json_string_value(x);
+    if (raw == NULL || raw[0] == '\0') {
+        problem(v, "connector-base-url",
+                "connector.base_url must be a non-empty string starting with http:// or https:// "
+                "(got %s)",
+                shown_json(x, got, sizeof got));
+        return;
+    }
+    char *url = expand_env(v, raw);
+    if (url == NULL)
+        return;
+    bool expanded = strcmp(url, raw) != 0;
+    size_t scheme = 0;
+    if (strncasecmp(url, "http://", 7) == 0)
+        scheme = 7;
+    else if (strncasecmp(url, "https://", 8) == 0)
+        scheme = 8;
+    /* Paths are appended to base_url and start with '/': drop its trailing ones. */
+    size_t len = strlen(url);
+    while (len > scheme && url[len - 1] == '/')
+        url[--len] = '\0';
+    /* Name the expanded value, and the raw one when ${...} changed it. */
+    char desc[200], u[80];
+    if (expanded)
+        snprintf(desc, sizeof desc, "'%s' (from '%s')", shown(url, u, sizeof u),
+                 shown(raw, raw_shown, sizeof raw_shown));
+    else
+        snprintf(desc, sizeof desc, "'%s'", shown(url, u, sizeof u));
+    if (scheme == 0) {
+        problem(v, "connector-base-url",
+                "connector.base_url %s must start with http:// or https://", desc);
+    } else if (url[scheme] == '\0' || url[scheme] == '/') {
+        problem(v, "connector-base-url", "connector.base_url %s has no host", desc);
+    } else if (has_space_or_control(url) || strpbrk(url, "?#") != NULL) {
+        problem(v, "connector-base-url",
+                "connector.base_url %s must not contain spaces, control characters, '?' or '#'",
+                desc);
+    } else {
+        t->base_url = url;
+        return;
+    }
+    free(url);
+}
+
+static void connector_fields(vctx_t *v, const json_t *conn, tally_tool_t *t, ep_state_t *status,
+                             ep_state_t *compensate)
+{
+    char got[80];
+    const json_t *type = json_object_get(conn, "type");
+    const char *ts = json_string_value(type);
+    if (type == NULL)
+        problem(v, "connector-type", "connector.type is required and must be \"http\"");
+    else if (ts == NULL || strcmp(ts, "http") != 0)
+        problem(v, "connector-type", "connector.type must be \"http\" (got %s)",
+                shown_json(type, got, sizeof got));
+
+    base_url_field(v, conn, t);
+
+    endpoint_field(v, conn, "execute", "execute-endpoint", true, false, &t->execute);
+    *status = endpoint_field(v, conn, "status", "endpoint", false, true, &t->status);
+    *compensate = endpoint_field(v, conn, "compensate", "endpoint", false, false, &t->compensate);
+    /* append_only's containment action; optional for every class. */
+    (void)endpoint_field(v, conn, "contain", "endpoint", false, false, &t->contain);
+
+    t->timeout_ms = int_field(v, conn, "timeout_ms", "connector.timeout_ms", 5000, 1, 600000, NULL);
+
+    const json_t *ref = json_object_get(conn, "receipt_ref");
+    if (ref == NULL) {
+        t->receipt_ref = vdup(v, "/id");
+    } else if (!json_is_string(ref) || !json_pointer_valid(json_string_value(ref))) {
+        problem(v, "receipt-ref",
+                "connector.receipt_ref must be a JSON pointer into the receipt: \"\" or a string "
+                "starting with '/', '~' only as ~0 or ~1 (got %s)",
+                shown_json(ref, got, sizeof got));
+    } else {
+        t->receipt_ref = vdup(v, json_string_value(ref));
+    }
+
+    const json_t *sec = json_object_get(conn, "secret_env");
+    if (sec != NULL) {
+        const char *s = json_string_value(sec);
+        if (s == NULL || !env_name_valid(s, strlen(s)))
+            problem(v, "secret-env",
+                    "connector.secret_env must be an environment variable name "
+                    "([A-Za-z_][A-Za-z0-9_]*) (got %s)",
+                    shown_json(sec, got, sizeof got));
+        else
+            t->secret_env = vdup(v, s);
+    }
+}
+
+static void operation_key_field(vctx_t *v, const json_t *obj, tally_tool_t *t)
+{
+    const json_t *ok = json_object_get(obj, "operation_key");
+    if (ok == NULL)
+        return;
+    if (!json_is_array(ok) || json_array_size(ok) == 0) {
+        problem(v, "operation-key",
+                "operation_key must be a non-empty array of argument names (omit it when every "
+                "intent carries its own operation_key)");
+        return;
+    }
+    size_t n = json_array_size(ok);
+    bool valid = true;
+    for (size_t i = 0; i < n; i++) {
+        const char *s = json_string_value(json_array_get(ok, i));
+        char got[80];
+        if (s == NULL || s[0] == '\0') {
+            problem(v, "operation-key",
+                    "operation_key[%zu] must be a non-empty string naming an argument (got %s)", i,
+                    shown_json(json_array_get(ok, i), got, sizeof got));
+            valid = false;
+            continue;
+        }
+        for (size_t j = 0; j < i; j++) {
+            const char *prev = json_string_value(json_array_get(ok, j));
+            if (prev != NULL && strcmp(prev, s) == 0) {
+                problem(v, "operation-key", "operation_key names '%s' more than once",
+                        shown(s, got, sizeof got));
+                valid = false;
+                break;
+            }
+        }
+    }
+    if (!valid)
+        return;
+    t->operation_key = calloc(n, sizeof *t->operation_key);
+    if (t->operation_key == NULL) {
+        problem(v, "internal", "out of memory");
+        return;
+    }
+    t->n_operation_key = n;
+    for (size_t i = 0; i < n; i++)
+        t->operation_key[i] = vdup(v, json_string_value(json_array_get(ok, i)));
+}
+
+static void compensation_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
+{
+    t->comp_mode = TALLY_COMP_AUTOMATIC;
+    const json_t *comp = object_field(v, obj, "compensation", "compensation-mode");
+    if (comp == NULL)
+        return;
+    char got[80];
+    const json_t *mode = json_object_get(comp, "mode");
+    const char *ms = json_string_value(mode);
+    if (mode != NULL && (ms == NULL || !comp_mode_parse(ms, &t->comp_mode)))
+        problem(v, "compensation-mode",
+                "compensation.mode must be one of automatic, approval_required, manual_runbook, "
+                "not_supported (got %s)",
+                shown_json(mode, got, sizeof got));
+    const json_t *rb = json_object_get(comp, "runbook");
+    if (rb != NULL) {
+        const char *s = json_string_value(rb);
+        if (s == NULL)
+            problem(v, "field-type", "compensation.runbook must be a string (a URL or a path)");
+        else if (s[0] != '\0')
+            t->runbook = vdup(v, s);
+    }
+    if (t->comp_mode == TALLY_COMP_MANUAL_RUNBOOK && t->runbook == NULL &&
+        (rb == NULL || json_is_string(rb)))
+        problem(v, "runbook-required",
+                "compensation.mode manual_runbook needs compensation.runbook: the link the "
+                "on-call engineer is paged with");
+}
+
+static void retry_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
+{
+    const json_t *retry = object_field(v, obj, "retry", "field-type");
+    bool backoff_given = false, max_given = false;
+    t->max_attempts = int_field(v, retry, "max_attempts", "retry.max_attempts", 5, 1, 100, NULL);
+    t->backoff_ms =
+        int_field(v, retry, "backoff_ms", "retry.backoff_ms", 200, 1, MS_MAX, &backoff_given);
+    t->max_backoff_ms =
+        int_field(v, retry, "max_backoff_ms", "retry.max_backoff_ms", 60000, 1, MS_MAX, &max_given);
+    if (t->max_backoff_ms < t->backoff_ms)
+        problem(v, "numeric-range",
+                "retry.max_backoff_ms (%d%s) must be at least retry.backoff_ms (%d%s)",
+                t->max_backoff_ms, max_given ? "" : ", the default", t->backoff_ms,
+                backoff_given ? "" : ", the default");
+}
+
+/* Validate tools[index] into @p t; @p prev are the tools before it (for unique names). */
+static void tool_load(vctx_t *v, const json_t *obj, size_t index, const tally_tool_t *prev,
+                      tally_tool_t *t)
+{
+    char got[80];
+    snprintf(v->label, sizeof v->label, "tool #%zu", index + 1);
+    if (!json_is_object(obj)) {
+        problem(v, "tool-shape", "each entry of \"tools\" must be an object (got %s)",
+                shown_json(obj, got, sizeof got));
+        return;
+    }
+
+    const json_t *name = json_object_get(obj, "name");
+    const char *ns = json_string_value(name);
+    if (ns != NULL && ns[0] != '\0')
+        snprintf(v->label, sizeof v->label, "tool '%s'", shown(ns, got, sizeof got));
+    if (name == NULL) {
+        problem(v, "tool-name", "name is required (a string matching ^[a-z][a-z0-9_.-]{0,62}$)");
+    } else if (ns == NULL || ns[0] == '\0') {
+        problem(v, "tool-name",
+                "name must be a non-empty string matching ^[a-z][a-z0-9_.-]{0,62}$ (got %s)",
+                shown_json(name, got, sizeof got));
+    } else {
+        if (!tool_name_valid(ns))
+            problem(v, "tool-name", "name must match ^[a-z][a-z0-9_.-]{0,62}$");
+        for (size_t j = 0; j < index; j++) {
+            if (prev[j].name != NULL && strcmp(prev[j].name, ns) == 0) {
+                problem(v, "unique-name",
+                        "tool #%zu repeats the name of tool #%zu; names must be unique", index + 1,
+                        j + 1);
+                break;
+            }
+        }
+        t->name = vdup(v, ns);
+    }
+
+    const json_t *owner = json_object_get(obj, "owner");
+    if (owner != NULL) {
+        if (!json_is_string(owner))
+            problem(v, "field-type", "owner must be a string (a team or a person)");
+        else
+            t->owner = vdup(v, json_string_value(owner));
+    }
+
+    bool have_class = false;
+    const json_t *cls = json_object_get(obj, "effect_class");
+    if (cls == NULL)
+        problem(v, "effect-class",
+                "effect_class is required: one of read, idempotent, reversible, append_only, "
+                "destructive");
+    else if (!json_is_string(cls) ||
+             !tally_effect_class_parse(json_string_value(cls), &t->effect_class))
+        problem(v, "effect-class",
+                "effect_class %s is not one of read, idempotent, reversible, append_only, "
+                "destructive",
+                shown_json(cls, got, sizeof got));
+    else
+        have_class = true;
+
+    operation_key_field(v, obj, t);
+
+    ep_state_t status = EP_ABSENT, compensate = EP_ABSENT;
+    const json_t *conn = json_object_get(obj, "connector");
+    bool have_conn = false;
+    if (conn == NULL) {
+        problem(v, "connector-type",
+                "connector is required: an object with type \"http\", base_url and execute");
+    } else if (!json_is_object(conn)) {
+        problem(v, "connector-type",
+                "connector must be an object with type \"http\", base_url and execute");
+    } else {
+        have_conn = true;
+        connector_fields(v, conn, t, &status, &compensate);
+    }
+
+    compensation_fields(v, obj, t);
+    retry_fields(v, obj, t);
+    t->settle_ms = int_field(v, obj, "settle_ms", "settle_ms", 2000, 0, MS_MAX, NULL);
+    t->max_concurrency =
+        int_field(v, obj, "max_concurrency", "max_concurrency", 64, 1, 10000, NULL);
+
+    const json_t *approval = json_object_get(obj, "requires_approval");
+    if (approval != NULL && !json_is_boolean(approval))
+        problem(v, "field-type", "requires_approval must be true or false (got %s)",
+                shown_json(approval, got, sizeof got));
+    t->requires_approval = approval != NULL && json_is_true(approval);
+
+    if (!have_class)
+        return;
+    switch (t->effect_class) {
+    case TALLY_CLASS_REVERSIBLE:
+        /* An endpoint declared but malformed was reported already under rule endpoint. */
+        if (have_conn && compensate == EP_ABSENT)
+            problem(v, "reversible-needs-compensate",
+                    "a reversible tool must declare connector.compensate (the reverse call)");
+        if (have_conn && status == EP_ABSENT)
+            problem(v, "reversible-needs-status",
+                    "a reversible tool must declare connector.status (the status check that "
+                    "resolves UNKNOWN)");
+        break;
+    case TALLY_CLASS_DESTRUCTIVE:
+        if (approval != NULL && json_is_false(approval))
+            problem(v, "destructive-requires-approval",
+                    "a destructive tool always requires approval; remove \"requires_approval\": "
+                    "false");
+        t->requires_approval = true;
+        break;
+    case TALLY_CLASS_READ:
+    case TALLY_CLASS_IDEMPOTENT:
+    case TALLY_CLASS_APPEND_ONLY:
+        /* append_only without status is allowed: an UNKNOWN outcome goes STUCK. */
+        break;
+    }
+}
+
+/* ---------------------------------------------------------------- the registry */
+
+void tally_registry_free(tally_registry_t *reg)
+{
+    if (reg == NULL)
+        return;
+    for (size_t i = 0; i < reg->n; i++)
+        tool_free(&reg->tools[i]);
+    free(reg->tools);
+    free(reg);
+}
+
+tally_registry_t *tally_registry_load_json(const json_t *doc, tally_problems_t *problems)
+{
+    vctx_t v = {.problems = problems};
+    snprintf(v.label, sizeof v.label, "registry");
+    const json_t *tools = json_is_object(doc) ? json_object_get(doc, "tools") : NULL;
+    if (!json_is_array(tools)) {
+        problem(&v, "registry-shape",
+                "the top level must be a JSON object with a \"tools\" array (got %s)",
+                json_is_object(doc) ? (tools == NULL ? "an object without \"tools\""
+                                                     : "\"tools\" that is not an array")
+                                    : "something other than an object");
+        return NULL;
+    }
+    tally_registry_t *reg = calloc(1, sizeof *reg);
+    size_t n = json_array_size(tools);
+    if (reg == NULL || (n > 0 && (reg->tools = calloc(n, sizeof *reg->tools)) == NULL)) {
+        problem(&v, "internal", "out of memory");
+        free(reg);
+        return NULL;
+    }
+    reg->n = n;
+    for (size_t i = 0; i < n; i++)
+        tool_load(&v, json_array_get(tools, i), i, reg->tools, &reg->tools[i]);
+    if (v.found > 0) {
+        tally_registry_free(reg);
+        return NULL;
+    }
+    return reg;
+}
+
+tally_registry_t *tally_registry_load_file(const char *path, tally_problems_t *problems)
+{
+    json_error_t jerr;
+    json_t *doc = json_load_file(path, TALLY_JSON_LOAD_FLAGS, &jerr);
+    if (doc == NULL) {
+        if (json_error_code(&jerr) == json_error_cannot_open_file)
+            tally_problems_add(problems, "registry: rule file: cannot read the registry: %s",
+                               jerr.text);
+        else
+            tally_problems_add(problems,
+                               "registry: rule json: not valid JSON at line %d, column %d: %s",
+                               jerr.line, jerr.column, jerr.text);
+        return NULL;
+    }
+    tally_registry_t *reg = tally_registry_load_json(doc, problems);
+    json_decref(doc);
+    return reg;
+}
+
+const tally_tool_t *tally_registry_find(const tally_registry_t *reg, const char *name)
+{
+    if (reg == NULL || name == NULL)
+        return NULL;
+    for (size_t i = 0; i < reg->n; i++) {
+        if (strcmp(reg->tools[i].name, name) == 0)
+            return &reg->tools[i];
+    }
+    return NULL;
+}
+
+size_t tally_registry_count(const tally_registry_t *reg)
+{
+    return reg != NULL ? reg->n : 0;
+}
+
+const tally_tool_t *tally_registry_at(const tally_registry_t *reg, size_t i)
+{
+    if (reg == NULL || i >= reg->n)
+        return NULL;
+    return &reg->tools[i];
+}
+
+/* ---------------------------------------------------------------- operation keys */
+
+/* Keys travel as the Idempotency-Key header: no control characters may reach it. */
+static bool key_text_ok(const char *s)
+{
+    for (; *s != '\0'; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c < 0x20 || c == 0x7f)
+            return false;
+    }
+    return true;
+}
+
+static const char *json_kind(const json_t *x)
+{
+    switch (json_typeof(x)) {
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_REAL:
+        return "a real number";
+    case JSON_NULL:
+        return "null";
+    default:
+        return "a scalar";
+    }
+}
+
+char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
+                                   const char *explicit_key, tally_error_t *err)
+{
+    const char *code = "missing_operation_key";
+    if (explicit_key != NULL && explicit_key[0] != '\0') {
+        if (!key_text_ok(explicit_key)) {
+            tally_error_set(err, code, false,
+                            "the intent's operation_key contains control characters; it is sent "
+                            "as the Idempotency-Key header");
+            return NULL;
+        }
+        char *k = strdup(explicit_key);
+        if (k == NULL)
+            tally_error_set(err, "out_of_memory", true, "out of memory building an operation key");
+        return k;
+    }
+    if (tool->n_operation_key == 0) {
+        tally_error_set(err, code, false,
+                        "tool %s declares no operation_key fields; the intent must carry "
+                        "operation_key",
+                        tool->name);
+        return NULL;
+    }
+    if (!json_is_object(args)) {
+        tally_error_set(err, code, false,
+                        "tool %s builds its operation key from args, but args is not an object",
+                        tool->name);
+        return NULL;
+    }
+    sbuf_t b = {0};
+    sb_puts(&b, tool->name);
+    for (size_t i = 0; i < tool->n_operation_key; i++) {
+        const char *field = tool->operation_key[i];
+        const json_t *x = json_object_get(args, field);
+        char num[32];
+        const char *text = NULL;
+        if (x == NULL) {
+            tally_error_set(err, code, false,
+                            "tool %s builds its operation key from args.%s, which is missing",
+                            tool->name, field);
+        } else if (json_is_string(x)) {
+            text = json_string_value(x);
+            if (text[0] == '\0' || !key_text_ok(text)) {
+                tally_error_set(
+                    err, code, false, "tool %s builds its operation key from args.%s, which is %s",
+                    tool->name, field,
+                    text[0] == '\0' ? "an empty string" : "a string with control characters");
+                text = NULL;
+            }
+        } else if (json_is_integer(x)) {
+            snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(x));
+            text = num;
+        } else if (json_is_boolean(x)) {
+            text = json_is_true(x) ? "true" : "false";
+        } else {
+            tally_error_set(err, code, false,
+                            "tool %s builds its operation key from args.%s, which is %s; it must "
+                            "be a string, an integer or a boolean",
+                            tool->name, field, json_kind(x));
+        }
+        if (text == NULL) {
+            free(b.s);
+            return NULL;
+        }
+        sb_puts(&b, ":");
+        sb_puts(&b, text);
+    }
+    char *key = sb_finish(&b);
+    if (key == NULL)
+        tally_error_set(err, "out_of_memory", true, "out of memory building an operation key");
+    return key;
+}
