@@ -1,0 +1,511 @@
+/* The fake tool's records. Everything is guarded by st->mu, which is never held while a request
+ * sleeps; JSON sent to clients is serialised under the lock so no jansson value is shared
+ * between threads. A record is kept as a small C struct with its raw body and turned into JSON
+ * only when answered: a benchmark leaves millions of them. */
+#include "fake_store.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct record {
+    char *id, *collection, *key, *run_id, *effect_id, *reversed_by;
+    char *raw; /* the raw request body: the idempotency fingerprint, and "body" parsed */
+    size_t raw_len;
+    json_int_t version;
+    bool containment;
+    char created_at[32], reversed_at[32];
+    struct record *same_key_next; /* another record with the same key (apply_twice) */
+} record_t;
+
+typedef struct log_entry {
+    uint64_t seq; /* 0: empty slot */
+    json_t *json;
+} log_entry_t;
+
+struct fake_store {
+    pthread_mutex_t mu;
+    uint64_t next_id;
+    record_t **recs; /* creation order, records and containments */
+    size_t nrecs, caprecs;
+    json_t *by_key;       /* "collection\nkey" -> index of the first record with that key */
+    json_t *by_id;        /* record id -> index */
+    json_t *reversals;    /* array, creation order */
+    json_t *rev_by_key;   /* "collection\nreverse key" -> index into reversals */
+    log_entry_t *log;     /* ring of FAKE_STORE_LOG_SIZE */
+    uint64_t log_next;    /* sequence number of the next request, from 1 */
+    uint64_t log_started; /* log_next at the last reset */
+};
+
+void fake_now_rfc3339(char *buf, size_t bufsz)
+{
+    struct timespec ts;
+    struct tm tm;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    gmtime_r(&ts.tv_sec, &tm);
+    size_t n = strftime(buf, bufsz, "%Y-%m-%dT%H:%M:%S", &tm);
+    unsigned ms = (unsigned)(ts.tv_nsec / 1000000L) % 1000u;
+    if (n > 0 && n < bufsz)
+        snprintf(buf + n, bufsz - n, ".%03uZ", ms);
+}
+
+static void reply_json(fake_reply_t *r, unsigned status, const json_t *j)
+{
+    char *text = j ? json_dumps(j, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+    if (!text) {
+        fake_reply_raw(r, 500, "{\"error\":\"out of memory\"}");
+        return;
+    }
+    r->status = status;
+    r->body = text;
+    r->len = strlen(text);
+}
+
+void fake_reply_error(fake_reply_t *r, unsigned status, const char *msg)
+{
+    json_t *j = json_pack("{s:s}", "error", msg);
+    reply_json(r, status, j);
+    json_decref(j);
+}
+
+void fake_reply_raw(fake_reply_t *r, unsigned status, const char *body)
+{
+    r->status = status;
+    r->body = strdup(body);
+    r->len = r->body ? strlen(body) : 0;
+    if (!r->body)
+        r->status = 500;
+}
+
+void fake_reply_clear(fake_reply_t *r)
+{
+    free(r->body);
+    memset(r, 0, sizeof *r);
+}
+
+/* "a\nb" in a malloc'd string; NUL is impossible in HTTP header values, so is '\n'. */
+static char *pair_key(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    char *k = malloc(la + lb + 2);
+    if (!k)
+        return NULL;
+    memcpy(k, a, la);
+    k[la] = '\n';
+    memcpy(k + la + 1, b, lb + 1);
+    return k;
+}
+
+static json_t *nullable(const char *s)
+{
+    return s ? json_string(s) : json_null();
+}
+
+static bool index_get(const json_t *map, const char *key, size_t *idx)
+{
+    json_t *v = json_object_get(map, key);
+    if (!json_is_integer(v))
+        return false;
+    *idx = (size_t)json_integer_value(v);
+    return true;
+}
+
+static void record_free(record_t *r)
+{
+    if (!r)
+        return;
+    free(r->id);
+    free(r->collection);
+    free(r->key);
+    free(r->run_id);
+    free(r->effect_id);
+    free(r->reversed_by);
+    free(r->raw);
+    free(r);
+}
+
+static char *strdup_or_null(const char *s)
+{
+    return s ? strdup(s) : NULL;
+}
+
+/* The record as answered, a new reference (NULL when out of memory). */
+static json_t *record_json(const record_t *r)
+{
+    json_t *body = json_loadb(r->raw, r->raw_len, JSON_DECODE_ANY, NULL);
+    json_t *j = json_pack(
+        "{s:s, s:s, s:s, s:o, s:s, s:I, s:s, s:o, s:o}", "id", r->id, "collection", r->collection,
+        "idempotency_key", r->key, "body", body ? body : json_null(), "status",
+        r->reversed_by ? "reversed" : "active", "version", r->version, "created_at", r->created_at,
+        "run_id", nullable(r->run_id), "effect_id", nullable(r->effect_id));
+    if (j && r->reversed_by &&
+        (json_object_set_new(j, "reversed_by", json_string(r->reversed_by)) != 0 ||
+         json_object_set_new(j, "reversed_at", json_string(r->reversed_at)) != 0)) {
+        json_decref(j);
+        return NULL;
+    }
+    return j;
+}
+
+static void reply_record(fake_reply_t *out, unsigned status, const record_t *r)
+{
+    json_t *j = record_json(r);
+    reply_json(out, status, j);
+    json_decref(j);
+}
+
+static void clear_locked(fake_store_t *st)
+{
+    for (size_t i = 0; i < st->nrecs; i++)
+        record_free(st->recs[i]);
+    st->nrecs = 0;
+    json_object_clear(st->by_key);
+    json_object_clear(st->by_id);
+    json_array_clear(st->reversals);
+    json_object_clear(st->rev_by_key);
+    for (size_t i = 0; i < FAKE_STORE_LOG_SIZE; i++) {
+        json_decref(st->log[i].json);
+        st->log[i].json = NULL;
+        st->log[i].seq = 0;
+    }
+    st->log_started = st->log_next;
+    st->next_id = 1;
+}
+
+fake_store_t *fake_store_new(void)
+{
+    fake_store_t *st = calloc(1, sizeof *st);
+    if (!st)
+        return NULL;
+    pthread_mutex_init(&st->mu, NULL);
+    st->by_key = json_object();
+    st->by_id = json_object();
+    st->reversals = json_array();
+    st->rev_by_key = json_object();
+    st->log = calloc(FAKE_STORE_LOG_SIZE, sizeof *st->log);
+    st->next_id = 1;
+    st->log_next = 1;
+    st->log_started = 1;
+    if (!st->by_key || !st->by_id || !st->reversals || !st->rev_by_key || !st->log) {
+        fake_store_free(st);
+        return NULL;
+    }
+    return st;
+}
+
+void fake_store_free(fake_store_t *st)
+{
+    if (!st)
+        return;
+    if (st->log)
+        clear_locked(st);
+    free(st->recs);
+    free(st->log);
+    json_decref(st->by_key);
+    json_decref(st->by_id);
+    json_decref(st->reversals);
+    json_decref(st->rev_by_key);
+    pthread_mutex_destroy(&st->mu);
+    free(st);
+}
+
+void fake_store_reset(fake_store_t *st)
+{
+    pthread_mutex_lock(&st->mu);
+    clear_locked(st);
+    pthread_mutex_unlock(&st->mu);
+}
+
+/* Creates one record and appends it; returns it, or NULL when out of memory. */
+static record_t *create_record_locked(fake_store_t *st, const char *collection, bool containment,
+                                      const char *key, const char *raw, size_t raw_len,
+                                      const char *run_id, const char *effect_id)
+{
+    char id[160];
+    if (st->nrecs == st->caprecs) {
+        size_t cap = st->caprecs ? st->caprecs * 2 : 1024;
+        record_t **grown = realloc(st->recs, cap * sizeof *grown);
+        if (!grown)
+            return NULL;
+        st->recs = grown;
+        st->caprecs = cap;
+    }
+    record_t *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    snprintf(id, sizeof id, "%s_%llu", collection, (unsigned long long)st->next_id);
+    r->id = strdup(id);
+    r->collection = strdup(collection);
+    r->key = strdup(key);
+    r->run_id = strdup_or_null(run_id);
+    r->effect_id = strdup_or_null(effect_id);
+    r->raw = malloc(raw_len ? raw_len : 1);
+    r->version = 1;
+    r->containment = containment;
+    fake_now_rfc3339(r->created_at, sizeof r->created_at);
+    if (!r->id || !r->collection || !r->key || (run_id && !r->run_id) ||
+        (effect_id && !r->effect_id) || !r->raw ||
+        json_object_set_new(st->by_id, id, json_integer((json_int_t)st->nrecs)) != 0) {
+        record_free(r);
+        return NULL;
+    }
+    memcpy(r->raw, raw, raw_len);
+    r->raw_len = raw_len;
+    st->next_id++;
+    st->recs[st->nrecs++] = r;
+    return r;
+}
+
+void fake_store_execute(fake_store_t *st, const char *collection, bool containment, const char *key,
+                        const char *raw, size_t raw_len, const char *run_id, const char *effect_id,
+                        int copies, fake_reply_t *out)
+{
+    char *k = pair_key(collection, key);
+    if (!k) {
+        fake_reply_error(out, 500, "out of memory");
+        return;
+    }
+    pthread_mutex_lock(&st->mu);
+    size_t idx;
+    if (index_get(st->by_key, k, &idx)) {
+        record_t *r = st->recs[idx];
+        if (r->raw_len == raw_len && memcmp(r->raw, raw, raw_len) == 0) {
+            reply_record(out, 200, r);
+            out->replayed = true;
+        } else {
+            fake_reply_error(out, 422, "idempotency key reused with a different body");
+        }
+    } else {
+        record_t *first = NULL, *prev = NULL;
+        size_t first_idx = st->nrecs;
+        for (int i = 0; i < copies; i++) {
+            record_t *r = create_record_locked(st, collection, containment, key, raw, raw_len,
+                                               run_id, effect_id);
+            if (!r)
+                break;
+            if (prev)
+                prev->same_key_next = r;
+            else
+                first = r;
+            prev = r;
+        }
+        if (first && json_object_set_new(st->by_key, k, json_integer((json_int_t)first_idx)) == 0)
+            reply_record(out, 201, first);
+        else
+            fake_reply_error(out, 500, "out of memory");
+    }
+    pthread_mutex_unlock(&st->mu);
+    free(k);
+}
+
+void fake_store_status(fake_store_t *st, const char *collection, const char *key, fake_reply_t *out)
+{
+    char *k = pair_key(collection, key);
+    json_t *arr = json_array();
+    if (!k || !arr) {
+        free(k);
+        json_decref(arr);
+        fake_reply_error(out, 500, "out of memory");
+        return;
+    }
+    pthread_mutex_lock(&st->mu);
+    size_t idx;
+    if (index_get(st->by_key, k, &idx)) {
+        for (record_t *r = st->recs[idx]; r; r = r->same_key_next)
+            json_array_append_new(arr, record_json(r));
+    }
+    reply_json(out, 200, arr);
+    pthread_mutex_unlock(&st->mu);
+    json_decref(arr);
+    free(k);
+}
+
+/* The version named by an If-Match header: `2`, `"2"` or `W/"2"`; -1 when it is not a
+ * number. `*` matches any version and is returned as -2. */
+static long long if_match_version(const char *h)
+{
+    while (*h == ' ' || *h == '\t')
+        h++;
+    if (h[0] == '*')
+        return -2;
+    if (h[0] == 'W' && h[1] == '/')
+        h += 2;
+    bool quoted = *h == '"';
+    if (quoted)
+        h++;
+    char *end;
+    long long v = strtoll(h, &end, 10);
+    if (end == h)
+        return -1;
+    if (quoted && *end++ != '"')
+        return -1;
+    while (*end == ' ' || *end == '\t')
+        end++;
+    return *end ? -1 : v;
+}
+
+void fake_store_reverse(fake_store_t *st, const char *collection, const char *reverse_key,
+                        const char *external_ref, const json_t *request, const char *if_match,
+                        const char *run_id, const char *effect_id, fake_reply_t *out)
+{
+    char *k = pair_key(collection, reverse_key);
+    if (!k) {
+        fake_reply_error(out, 500, "out of memory");
+        return;
+    }
+    pthread_mutex_lock(&st->mu);
+    size_t idx;
+    if (index_get(st->rev_by_key, k, &idx)) {
+        reply_json(out, 200, json_array_get(st->reversals, idx));
+        out->replayed = true;
+        goto done;
+    }
+    record_t *r = index_get(st->by_id, external_ref, &idx) ? st->recs[idx] : NULL;
+    if (!r || r->containment || strcmp(r->collection, collection) != 0) {
+        fake_reply_error(out, 404, "unknown external_ref");
+        goto done;
+    }
+    if (r->reversed_by) {
+        fake_reply_error(out, 404, "already reversed");
+        goto done;
+    }
+    json_int_t version = r->version;
+    if (if_match) {
+        long long want = if_match_version(if_match);
+        if (want != -2 && want != (long long)version) {
+            json_t *e = json_pack("{s:s, s:I}", "error", "If-Match does not match the version",
+                                  "version", version);
+            reply_json(out, 412, e);
+            json_decref(e);
+            goto done;
+        }
+    }
+    char id[64], now[32];
+    snprintf(id, sizeof id, "rev_%llu", (unsigned long long)st->next_id);
+    fake_now_rfc3339(now, sizeof now);
+    json_t *reason = json_object_get(request, "reason");
+    json_t *rev =
+        json_pack("{s:s, s:s, s:s, s:s, s:O, s:I, s:s, s:o, s:o}", "id", id, "collection",
+                  collection, "reverses", external_ref, "reverse_key", reverse_key, "reason",
+                  reason ? reason : json_null(), "reversed_version", version, "created_at", now,
+                  "run_id", nullable(run_id), "effect_id", nullable(effect_id));
+    size_t rev_idx = json_array_size(st->reversals);
+    char *reversed_by = strdup(id);
+    if (!rev || !reversed_by || json_array_append(st->reversals, rev) != 0 ||
+        json_object_set_new(st->rev_by_key, k, json_integer((json_int_t)rev_idx)) != 0) {
+        json_decref(rev);
+        free(reversed_by);
+        fake_reply_error(out, 500, "out of memory");
+        goto done;
+    }
+    st->next_id++;
+    r->version = version + 1;
+    r->reversed_by = reversed_by;
+    snprintf(r->reversed_at, sizeof r->reversed_at, "%s", now);
+    reply_json(out, 201, rev);
+    json_decref(rev);
+done:
+    pthread_mutex_unlock(&st->mu);
+    free(k);
+}
+
+/* Whether something of collection `c` passes the filter `collection` (NULL: everything). */
+static bool in_collection(const char *c, const char *collection)
+{
+    return !collection || (c && strcmp(c, collection) == 0);
+}
+
+/* A containment of collection C is recorded under "C_containments"; the filter accepts both. */
+static bool containment_in(const char *c, const char *collection)
+{
+    if (in_collection(c, collection))
+        return true;
+    size_t n = strlen(collection);
+    return strncmp(c, collection, n) == 0 && strcmp(c + n, "_containments") == 0;
+}
+
+char *fake_store_dump(fake_store_t *st, const char *collection)
+{
+    json_t *recs = json_array(), *revs = json_array(), *cont = json_array();
+    char *text = NULL;
+    pthread_mutex_lock(&st->mu);
+    for (size_t i = 0; i < st->nrecs && recs && cont; i++) {
+        const record_t *r = st->recs[i];
+        if (r->containment ? containment_in(r->collection, collection)
+                           : in_collection(r->collection, collection))
+            json_array_append_new(r->containment ? cont : recs, record_json(r));
+    }
+    size_t i;
+    json_t *rev;
+    json_array_foreach(st->reversals, i, rev)
+    {
+        if (revs &&
+            in_collection(json_string_value(json_object_get(rev, "collection")), collection))
+            json_array_append(revs, rev);
+    }
+    json_t *all =
+        json_pack("{s:o?, s:o?, s:o?, s:I}", "records", recs, "reversals", revs, "containments",
+                  cont, "requests", (json_int_t)(st->log_next - st->log_started));
+    if (all)
+        text = json_dumps(all, JSON_COMPACT);
+    pthread_mutex_unlock(&st->mu);
+    json_decref(all);
+    return text;
+}
+
+uint64_t fake_store_log_begin(fake_store_t *st, const fake_request_info_t *info)
+{
+    char now[32];
+    fake_now_rfc3339(now, sizeof now);
+    json_t *sig = info->signature_ok < 0 ? json_null() : json_boolean(info->signature_ok);
+    json_t *j =
+        json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:n, s:n, s:s}", "method",
+                  nullable(info->method), "path", nullable(info->path), "op", nullable(info->op),
+                  "collection", nullable(info->collection), "idempotency_key",
+                  nullable(info->idempotency_key), "run_id", nullable(info->run_id), "effect_id",
+                  nullable(info->effect_id), "traceparent", nullable(info->traceparent), "if_match",
+                  nullable(info->if_match), "signature_ok", sig, "status", "fault", "at", now);
+    pthread_mutex_lock(&st->mu);
+    uint64_t seq = st->log_next++;
+    log_entry_t *e = &st->log[seq % FAKE_STORE_LOG_SIZE];
+    json_decref(e->json);
+    e->json = j;
+    e->seq = j ? seq : 0;
+    if (j)
+        json_object_set_new(j, "seq", json_integer((json_int_t)seq));
+    pthread_mutex_unlock(&st->mu);
+    return seq;
+}
+
+void fake_store_log_end(fake_store_t *st, uint64_t seq, unsigned status, const char *fault)
+{
+    pthread_mutex_lock(&st->mu);
+    log_entry_t *e = &st->log[seq % FAKE_STORE_LOG_SIZE];
+    if (e->seq == seq && e->json) {
+        json_object_set_new(e->json, "status", status ? json_integer(status) : json_null());
+        json_object_set_new(e->json, "fault", nullable(fault));
+    }
+    pthread_mutex_unlock(&st->mu);
+}
+
+char *fake_store_requests(fake_store_t *st)
+{
+    json_t *arr = json_array();
+    char *text = NULL;
+    pthread_mutex_lock(&st->mu);
+    uint64_t first = st->log_next - st->log_started > FAKE_STORE_LOG_SIZE
+                         ? st->log_next - FAKE_STORE_LOG_SIZE
+                         : st->log_started;
+    for (uint64_t seq = first; arr && seq < st->log_next; seq++) {
+        const log_entry_t *e = &st->log[seq % FAKE_STORE_LOG_SIZE];
+        if (e->seq == seq && e->json)
+            json_array_append(arr, e->json);
+    }
+    if (arr)
+        text = json_dumps(arr, JSON_COMPACT);
+    pthread_mutex_unlock(&st->mu);
+    json_decref(arr);
+    return text;
+}

@@ -1,0 +1,740 @@
+/* tally-fake-tool: a real HTTP tool service (DESIGN.md §6) with switchable faults, for the
+ * integration tests, the demo and the benchmark. It stands for an outside service, so it uses
+ * no tally code: libmicrohttpd serves HTTP, jansson parses JSON, libcrypto checks signatures.
+ *
+ * One thread per connection, so a request told to sleep (slow, hang) holds only its own
+ * thread; thousands of such requests can wait at once. Sleeps are on a condition variable
+ * that SIGTERM broadcasts, so shutdown never waits for a hang to run out. */
+#include "fake_faults.h"
+#include "fake_store.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <microhttpd.h>
+#include <netinet/in.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <arpa/inet.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_BODY            (16u << 20)
+#define MAX_COLLECTION      100
+#define SIGNATURE_TOLERANCE 300
+#define THREAD_STACK_SIZE   (512u << 10)
+#define MAX_SECRETS         16
+
+typedef struct secret {
+    const char *env;
+    const char *value;
+    size_t len;
+} secret_t;
+
+typedef struct server {
+    fake_store_t *st;
+    fake_faults_t *ff;
+    secret_t secrets[MAX_SECRETS];
+    size_t nsecrets;
+    bool verbose;
+} server_t;
+
+/* The body of one request, gathered over the upload calls. */
+typedef struct request {
+    char *body;
+    size_t len, cap;
+    bool too_large;
+    struct timespec started;
+} request_t;
+
+/* ---- interruptible sleep ------------------------------------------------------------------ */
+
+static pthread_mutex_t nap_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t nap_cv;
+static bool stopping;
+
+static void nap_init(void)
+{
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&nap_cv, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+/* Sleeps ms milliseconds, or until the server stops. */
+static void nap(unsigned ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_sec += ms / 1000;
+    until.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&nap_mu);
+    while (!stopping && pthread_cond_timedwait(&nap_cv, &nap_mu, &until) != ETIMEDOUT)
+        ;
+    pthread_mutex_unlock(&nap_mu);
+}
+
+static void nap_wake_all(void)
+{
+    pthread_mutex_lock(&nap_mu);
+    stopping = true;
+    pthread_cond_broadcast(&nap_cv);
+    pthread_mutex_unlock(&nap_mu);
+}
+
+/* ---- HTTP helpers ------------------------------------------------------------------------ */
+
+/* Queues `r` (its body is handed to MHD) and clears it. */
+static enum MHD_Result send_reply(struct MHD_Connection *conn, fake_reply_t *r, const char *allow)
+{
+    struct MHD_Response *resp =
+        MHD_create_response_from_buffer_with_free_callback(r->len, r->body, &free);
+    if (!resp) {
+        fake_reply_clear(r);
+        return MHD_NO;
+    }
+    r->body = NULL;
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    if (r->replayed)
+        MHD_add_response_header(resp, "Idempotent-Replayed", "true");
+    if (r->retry_after)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_RETRY_AFTER, "1");
+    if (allow)
+        MHD_add_response_header(resp, MHD_HTTP_HEADER_ALLOW, allow);
+    enum MHD_Result ret = MHD_queue_response(conn, r->status, resp);
+    MHD_destroy_response(resp);
+    fake_reply_clear(r);
+    return ret;
+}
+
+static enum MHD_Result send_error(struct MHD_Connection *conn, unsigned status, const char *msg,
+                                  const char *allow)
+{
+    fake_reply_t r = {0};
+    fake_reply_error(&r, status, msg);
+    return send_reply(conn, &r, allow);
+}
+
+static enum MHD_Result send_json(struct MHD_Connection *conn, unsigned status, json_t *j)
+{
+    fake_reply_t r = {0};
+    char *text = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    if (!text)
+        return send_error(conn, 500, "out of memory", NULL);
+    r.status = status;
+    r.body = text;
+    r.len = strlen(text);
+    return send_reply(conn, &r, NULL);
+}
+
+static enum MHD_Result send_text(struct MHD_Connection *conn, unsigned status, char *text)
+{
+    if (!text)
+        return send_error(conn, 500, "out of memory", NULL);
+    fake_reply_t r = {.status = status, .body = text, .len = strlen(text)};
+    return send_reply(conn, &r, NULL);
+}
+
+static const char *header(struct MHD_Connection *conn, const char *name)
+{
+    const char *v = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, name);
+    return v && *v ? v : NULL;
+}
+
+static double elapsed_ms(const struct timespec *since)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - since->tv_sec) * 1e3 +
+           (double)(now.tv_nsec - since->tv_nsec) / 1e6;
+}
+
+/* ---- signatures -------------------------------------------------------------------------- */
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
+    return -1;
+}
+
+/* Checks `Tally-Signature: t=<unix>,v1=<hex>` (several v1 allowed) against every configured
+ * secret. Returns NULL when it verifies, else why not. */
+static const char *check_signature(const server_t *srv, const char *hdr, const char *body,
+                                   size_t len)
+{
+    if (!hdr)
+        return "missing Tally-Signature";
+    char t[32] = "";
+    unsigned char sigs[4][32];
+    size_t nsigs = 0;
+    for (const char *p = hdr; *p;) {
+        while (*p == ' ' || *p == ',')
+            p++;
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        while (n && p[n - 1] == ' ')
+            n--;
+        if (n > 2 && strncmp(p, "t=", 2) == 0 && n - 2 < sizeof t) {
+            memcpy(t, p + 2, n - 2);
+            t[n - 2] = '\0';
+        } else if (n == 3 + 64 && strncmp(p, "v1=", 3) == 0 && nsigs < 4) {
+            bool ok = true;
+            for (size_t i = 0; i < 32; i++) {
+                int hi = hexval(p[3 + 2 * i]), lo = hexval(p[4 + 2 * i]);
+                ok = ok && hi >= 0 && lo >= 0;
+                sigs[nsigs][i] = (unsigned char)((hi << 4) | (lo & 0xf));
+            }
+            nsigs += ok;
+        }
+        p = end ? end : p + strlen(p);
+    }
+    if (!*t || strspn(t, "0123456789") != strlen(t) || nsigs == 0)
+        return "malformed Tally-Signature";
+    long long ts = strtoll(t, NULL, 10);
+    long long now = (long long)time(NULL);
+    if (ts < now - SIGNATURE_TOLERANCE || ts > now + SIGNATURE_TOLERANCE)
+        return "Tally-Signature timestamp outside the tolerance";
+
+    size_t tlen = strlen(t);
+    unsigned char *msg = malloc(tlen + 1 + len + 1);
+    if (!msg)
+        return "out of memory";
+    memcpy(msg, t, tlen);
+    msg[tlen] = '.';
+    if (len)
+        memcpy(msg + tlen + 1, body, len);
+    bool match = false;
+    for (size_t s = 0; s < srv->nsecrets; s++) {
+        unsigned char mac[EVP_MAX_MD_SIZE];
+        unsigned int maclen = 0;
+        if (!HMAC(EVP_sha256(), srv->secrets[s].value, (int)srv->secrets[s].len, msg,
+                  tlen + 1 + len, mac, &maclen) ||
+            maclen != 32)
+            continue;
+        for (size_t i = 0; i < nsigs; i++)
+            match |= CRYPTO_memcmp(mac, sigs[i], 32) == 0;
+    }
+    free(msg);
+    return match ? NULL : "Tally-Signature does not match";
+}
+
+/* ---- the tool API ------------------------------------------------------------------------ */
+
+typedef enum op { OP_EXECUTE, OP_STATUS, OP_REVERSE, OP_CONTAIN } op_t;
+
+static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain"};
+
+/* "/<collection>", "/<collection>/reverse" or "/<collection>/contain"; collection [a-z_]+.
+ * Returns the suffix ("", "/reverse", "/contain") or NULL when the path is none of these. */
+static const char *parse_tool_path(const char *url, char *collection, size_t sz)
+{
+    if (url[0] != '/')
+        return NULL;
+    size_t n = strspn(url + 1, "abcdefghijklmnopqrstuvwxyz_");
+    if (n == 0 || n > MAX_COLLECTION || n >= sz)
+        return NULL;
+    const char *rest = url + 1 + n;
+    if (*rest && strcmp(rest, "/reverse") != 0 && strcmp(rest, "/contain") != 0)
+        return NULL;
+    memcpy(collection, url + 1, n);
+    collection[n] = '\0';
+    return rest;
+}
+
+static void log_line(const server_t *srv, const request_t *rq, const fake_request_info_t *info,
+                     unsigned status, const char *fault)
+{
+    if (!srv->verbose)
+        return;
+    char now[32];
+    fake_now_rfc3339(now, sizeof now);
+    json_t *j =
+        json_pack("{s:s, s:s, s:s, s:s?, s:s?, s:s?, s:s?, s:i, s:s?, s:f}", "at", now, "method",
+                  info->method, "path", info->path, "op", info->op, "collection", info->collection,
+                  "idempotency_key", info->idempotency_key, "run_id", info->run_id, "status",
+                  (int)status, "fault", fault, "duration_ms", elapsed_ms(&rq->started));
+    char *text = j ? json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(6)) : NULL;
+    json_decref(j);
+    if (text) {
+        size_t n = strlen(text);
+        text[n] = '\n'; /* replaces the NUL; written with its length, never as a C string */
+        ssize_t w = write(STDERR_FILENO, text, n + 1);
+        (void)w;
+        free(text);
+    }
+}
+
+/* Applies the operation: validated, fault-free behaviour. */
+static void apply(server_t *srv, op_t op, const char *collection, const char *key,
+                  const request_t *rq, const fake_request_info_t *info, json_t *body, int copies,
+                  fake_reply_t *out)
+{
+    char contained[MAX_COLLECTION + 16];
+    switch (op) {
+    case OP_EXECUTE:
+        fake_store_execute(srv->st, collection, false, key, rq->body, rq->len, info->run_id,
+                           info->effect_id, copies, out);
+        break;
+    case OP_CONTAIN:
+        snprintf(contained, sizeof contained, "%s_containments", collection);
+        fake_store_execute(srv->st, contained, true, key, rq->body, rq->len, info->run_id,
+                           info->effect_id, copies, out);
+        break;
+    case OP_STATUS:
+        fake_store_status(srv->st, collection, key, out);
+        break;
+    case OP_REVERSE:
+        fake_store_reverse(srv->st, collection, key,
+                           json_string_value(json_object_get(body, "external_ref")), body,
+                           info->if_match, info->run_id, info->effect_id, out);
+        break;
+    }
+}
+
+/* Checks what a well-formed request of `op` needs; on success *body is the parsed body (NULL
+ * for a status check). Returns an error message otherwise. */
+static const char *validate(op_t op, const char *key, const request_t *rq, json_t **body)
+{
+    *body = NULL;
+    if (!key)
+        return op == OP_STATUS ? "idempotency_key query parameter is required"
+                               : "Idempotency-Key header is required";
+    if (op == OP_STATUS)
+        return NULL;
+    json_error_t jerr;
+    *body = rq->len ? json_loadb(rq->body, rq->len, JSON_DECODE_ANY, &jerr) : NULL;
+    if (!*body)
+        return "request body must be JSON";
+    if (op == OP_REVERSE && !json_is_string(json_object_get(*body, "external_ref"))) {
+        json_decref(*body);
+        *body = NULL;
+        return "external_ref (a string) is required";
+    }
+    return NULL;
+}
+
+static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, request_t *rq,
+                                   const char *method, const char *url, const char *collection,
+                                   const char *suffix)
+{
+    op_t op;
+    const char *allow = NULL;
+    if (*suffix == '\0' && strcmp(method, "POST") == 0)
+        op = OP_EXECUTE;
+    else if (*suffix == '\0' && strcmp(method, "GET") == 0)
+        op = OP_STATUS;
+    else if (strcmp(suffix, "/reverse") == 0 && strcmp(method, "POST") == 0)
+        op = OP_REVERSE;
+    else if (strcmp(suffix, "/contain") == 0 && strcmp(method, "POST") == 0)
+        op = OP_CONTAIN;
+    else
+        allow = *suffix ? "POST" : "GET, POST";
+    if (allow)
+        return send_error(conn, 405, "method not allowed", allow);
+
+    /* A status check names its key in the query; the header, sent on every request, is what
+     * the request log shows when present. */
+    const char *key_header = header(conn, "Idempotency-Key");
+    const char *key = key_header;
+    if (op == OP_STATUS) {
+        const char *q = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "idempotency_key");
+        key = q && *q ? q : NULL;
+    }
+    const char *sig_error = NULL;
+    if (srv->nsecrets)
+        sig_error = check_signature(srv, header(conn, "Tally-Signature"), rq->body, rq->len);
+    fake_request_info_t info = {
+        .method = method,
+        .path = url,
+        .op = OP_NAMES[op],
+        .collection = collection,
+        .idempotency_key = key_header ? key_header : key,
+        .run_id = header(conn, "Tally-Run-Id"),
+        .effect_id = header(conn, "Tally-Effect-Id"),
+        .traceparent = header(conn, "traceparent"),
+        .if_match = header(conn, "If-Match"),
+        .signature_ok = srv->nsecrets ? sig_error == NULL : -1,
+    };
+    uint64_t seq = fake_store_log_begin(srv->st, &info);
+    fake_reply_t r = {0};
+    json_t *body = NULL;
+    const char *why;
+    fake_fault_t f = {FAKE_FAULT_NONE, 0, 0};
+
+    if (sig_error) {
+        fake_reply_error(&r, 401, sig_error);
+    } else if (rq->too_large) {
+        fake_reply_error(&r, 413, "request body too large");
+    } else if ((why = validate(op, key, rq, &body)) != NULL) {
+        fake_reply_error(&r, 400, why);
+    } else {
+        f = fake_faults_take(srv->ff, collection, OP_NAMES[op], key);
+        switch (f.kind) {
+        case FAKE_FAULT_SLOW:
+            nap(f.delay_ms);
+            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            break;
+        case FAKE_FAULT_REFUSE_503:
+        case FAKE_FAULT_REFUSE_429:
+            fake_reply_error(&r, f.status, "refused, try again later");
+            r.retry_after = true;
+            break;
+        case FAKE_FAULT_HANG_BEFORE_APPLY:
+            nap(f.delay_ms);
+            fake_reply_error(&r, f.status, "timed out before applying");
+            r.retry_after = true;
+            break;
+        case FAKE_FAULT_ERROR_4XX:
+            fake_reply_error(&r, f.status, "injected client error");
+            break;
+        case FAKE_FAULT_REVERSE_412:
+            fake_reply_error(&r, f.status, "precondition failed");
+            break;
+        case FAKE_FAULT_REVERSE_409:
+            fake_reply_error(&r, f.status, "a request with this key is in progress");
+            break;
+        case FAKE_FAULT_REVERSE_500:
+        case FAKE_FAULT_STATUS_500:
+            fake_reply_error(&r, f.status, "injected server error");
+            break;
+        case FAKE_FAULT_STATUS_GARBAGE:
+            fake_reply_raw(&r, f.status, "[{\"id\": \"garbage");
+            break;
+        case FAKE_FAULT_FAIL_AFTER_APPLY:
+            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            fake_reply_clear(&r);
+            fake_reply_error(&r, f.status, "injected server error after applying");
+            break;
+        case FAKE_FAULT_APPLY_THEN_HANG:
+            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            nap(f.delay_ms);
+            break;
+        case FAKE_FAULT_APPLY_TWICE:
+            apply(srv, op, collection, key, rq, &info, body, 2, &r);
+            break;
+        case FAKE_FAULT_DROP_CONNECTION:
+        case FAKE_FAULT_NONE:
+            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            break;
+        }
+    }
+    json_decref(body);
+
+    const char *fault = fake_fault_name(f.kind);
+    if (f.kind == FAKE_FAULT_DROP_CONNECTION) {
+        fake_store_log_end(srv->st, seq, 0, fault);
+        log_line(srv, rq, &info, 0, fault);
+        fake_reply_clear(&r);
+        return MHD_NO; /* MHD closes the socket without an answer */
+    }
+    fake_store_log_end(srv->st, seq, r.status, fault);
+    log_line(srv, rq, &info, r.status, fault);
+    return send_reply(conn, &r, NULL);
+}
+
+/* ---- the control API (for tests; not part of DESIGN.md) ---------------------------------- */
+
+static enum MHD_Result handle_control(server_t *srv, struct MHD_Connection *conn,
+                                      const request_t *rq, const char *method, const char *url)
+{
+    bool get = strcmp(method, "GET") == 0, post = strcmp(method, "POST") == 0;
+    if (strcmp(url, "/_control/faults") == 0) {
+        if (strcmp(method, "DELETE") == 0) {
+            fake_faults_clear(srv->ff);
+            return send_json(conn, 200, json_pack("{s:b}", "cleared", 1));
+        }
+        if (get)
+            return send_json(conn, 200, json_pack("{s:o}", "faults", fake_faults_list(srv->ff)));
+        if (!post)
+            return send_error(conn, 405, "method not allowed", "GET, POST, DELETE");
+        json_error_t jerr;
+        json_t *rule = json_loadb(rq->body ? rq->body : "", rq->len, 0, &jerr);
+        char err[256];
+        json_t *added = rule ? fake_faults_add(srv->ff, rule, err, sizeof err) : NULL;
+        if (!rule)
+            snprintf(err, sizeof err, "the rule must be a JSON object: %.160s", jerr.text);
+        json_decref(rule);
+        return added ? send_json(conn, 201, added) : send_error(conn, 400, err, NULL);
+    }
+    if (strcmp(url, "/_control/records") == 0) {
+        if (!get)
+            return send_error(conn, 405, "method not allowed", "GET");
+        const char *c = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "collection");
+        return send_text(conn, 200, fake_store_dump(srv->st, c && *c ? c : NULL));
+    }
+    if (strcmp(url, "/_control/requests") == 0) {
+        if (!get)
+            return send_error(conn, 405, "method not allowed", "GET");
+        return send_text(conn, 200, fake_store_requests(srv->st));
+    }
+    if (strcmp(url, "/_control/reset") == 0) {
+        if (!post)
+            return send_error(conn, 405, "method not allowed", "POST");
+        fake_faults_clear(srv->ff);
+        fake_store_reset(srv->st);
+        return send_json(conn, 200, json_pack("{s:b}", "reset", 1));
+    }
+    return send_error(conn, 404, "no such control endpoint", NULL);
+}
+
+/* ---- MHD callbacks ----------------------------------------------------------------------- */
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const char *url,
+                                  const char *method, const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls)
+{
+    server_t *srv = cls;
+    request_t *rq = *con_cls;
+    (void)version;
+    if (!rq) {
+        rq = calloc(1, sizeof *rq);
+        if (!rq)
+            return MHD_NO;
+        clock_gettime(CLOCK_MONOTONIC, &rq->started);
+        *con_cls = rq;
+        return MHD_YES;
+    }
+    if (*upload_data_size) {
+        size_t n = *upload_data_size;
+        *upload_data_size = 0;
+        if (rq->too_large || rq->len + n > MAX_BODY) {
+            rq->too_large = true;
+            return MHD_YES;
+        }
+        if (rq->len + n + 1 > rq->cap) {
+            size_t cap = rq->cap ? rq->cap : 4096;
+            while (cap < rq->len + n + 1)
+                cap *= 2;
+            char *grown = realloc(rq->body, cap);
+            if (!grown)
+                return MHD_NO;
+            rq->body = grown;
+            rq->cap = cap;
+        }
+        memcpy(rq->body + rq->len, upload_data, n);
+        rq->len += n;
+        rq->body[rq->len] = '\0';
+        return MHD_YES;
+    }
+
+    if (strncmp(url, "/_control", 9) == 0 && (url[9] == '/' || url[9] == '\0'))
+        return handle_control(srv, conn, rq, method, url);
+    char collection[MAX_COLLECTION + 1];
+    const char *suffix = parse_tool_path(url, collection, sizeof collection);
+    if (!suffix)
+        return send_error(conn, 404, "not found", NULL);
+    return handle_tool(srv, conn, rq, method, url, collection, suffix);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    request_t *rq = *con_cls;
+    (void)cls;
+    (void)conn;
+    (void)toe;
+    if (rq) {
+        free(rq->body);
+        free(rq);
+        *con_cls = NULL;
+    }
+}
+
+/* ---- startup ----------------------------------------------------------------------------- */
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: tally-fake-tool [--listen HOST:PORT] [--port-file PATH] [--secret-env VAR]...\n"
+            "                       [--verbose]\n"
+            "A tool service speaking tally's HTTP connector protocol, with switchable faults.\n"
+            "  --listen HOST:PORT  address to serve (default 127.0.0.1:0; port 0 picks one)\n"
+            "  --port-file PATH    write the bound port there (atomically) once ready\n"
+            "  --secret-env VAR    require Tally-Signature made with the secret in $VAR\n"
+            "                      (repeatable; any configured secret is accepted)\n"
+            "  --verbose           log one JSON line per request on stderr\n");
+}
+
+static bool parse_listen(const char *arg, struct sockaddr_in *sa, char *host, size_t hostsz)
+{
+    const char *colon = strrchr(arg, ':');
+    const char *port = colon ? colon + 1 : arg;
+    size_t hl = colon ? (size_t)(colon - arg) : 0;
+    if (hl >= hostsz)
+        return false;
+    memcpy(host, arg, hl);
+    host[hl] = '\0';
+    if (!*host)
+        snprintf(host, hostsz, "127.0.0.1");
+    char *end;
+    long p = strtol(port, &end, 10);
+    if (!*port || *end || p < 0 || p > 65535)
+        return false;
+    memset(sa, 0, sizeof *sa);
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons((uint16_t)p);
+    return inet_pton(AF_INET, host, &sa->sin_addr) == 1;
+}
+
+static bool write_port_file(const char *path, unsigned port)
+{
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+        return false;
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return false;
+    bool ok = fprintf(f, "%u\n", port) > 0;
+    ok = fclose(f) == 0 && ok;
+    if (ok && rename(tmp, path) == 0)
+        return true;
+    unlink(tmp);
+    return false;
+}
+
+/* Raises the soft open-files limit to the hard one; returns the limit now in force. */
+static rlim_t raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return 1024;
+    rlim_t want = rl.rlim_max == RLIM_INFINITY ? 1048576 : rl.rlim_max;
+    if (rl.rlim_cur < want) {
+        rlim_t old = rl.rlim_cur;
+        rl.rlim_cur = want;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            return old;
+    }
+    return rl.rlim_cur;
+}
+
+int main(int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"listen", required_argument, NULL, 'l'},
+        {"port-file", required_argument, NULL, 'p'},
+        {"secret-env", required_argument, NULL, 's'},
+        {"verbose", no_argument, NULL, 'v'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    static server_t srv;
+    const char *listen_arg = "127.0.0.1:0", *port_file = NULL;
+    int c;
+    while ((c = getopt_long(argc, argv, "l:p:s:vh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'l':
+            listen_arg = optarg;
+            break;
+        case 'p':
+            port_file = optarg;
+            break;
+        case 's': {
+            if (srv.nsecrets == MAX_SECRETS) {
+                fprintf(stderr, "tally-fake-tool: at most %d --secret-env\n", MAX_SECRETS);
+                return 2;
+            }
+            const char *v = getenv(optarg);
+            if (v && *v)
+                srv.secrets[srv.nsecrets++] = (secret_t){optarg, v, strlen(v)};
+            else
+                fprintf(stderr, "tally-fake-tool: $%s is not set; not required\n", optarg);
+            break;
+        }
+        case 'v':
+            srv.verbose = true;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        usage(stderr);
+        return 2;
+    }
+    struct sockaddr_in sa;
+    char host[64];
+    if (!parse_listen(listen_arg, &sa, host, sizeof host)) {
+        fprintf(stderr, "tally-fake-tool: --listen wants IPV4:PORT, got \"%s\"\n", listen_arg);
+        return 2;
+    }
+
+    /* Signals are taken by sigwait() in this thread; every thread started later inherits
+     * the mask, so none of them is interrupted. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    nap_init();
+
+    rlim_t nofile = raise_nofile();
+    unsigned limit = nofile > 128 ? (unsigned)(nofile - 64 < 1000000 ? nofile - 64 : 1000000) : 64;
+    srv.st = fake_store_new();
+    srv.ff = fake_faults_new();
+    if (!srv.st || !srv.ff) {
+        fprintf(stderr, "tally-fake-tool: out of memory\n");
+        return 1;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+    if (srv.verbose)
+        flags |= MHD_USE_ERROR_LOG;
+    struct MHD_Daemon *d = MHD_start_daemon(
+        flags, 0, NULL, NULL, &on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
+        MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)300,
+        MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)4096, MHD_OPTION_THREAD_STACK_SIZE,
+        (size_t)THREAD_STACK_SIZE, MHD_OPTION_NOTIFY_COMPLETED, &on_completed, NULL,
+        MHD_OPTION_END);
+    if (!d) {
+        fprintf(stderr, "tally-fake-tool: cannot listen on %s: %s\n", listen_arg, strerror(errno));
+        fake_store_free(srv.st);
+        fake_faults_free(srv.ff);
+        return 1;
+    }
+    const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
+    unsigned port = info ? info->port : ntohs(sa.sin_port);
+    printf("listening on http://%s:%u\n", host, port);
+    fflush(stdout);
+    if (srv.verbose)
+        fprintf(stderr,
+                "{\"msg\":\"listening\",\"port\":%u,\"connection_limit\":%u,\"secrets\":%zu}\n",
+                port, limit, srv.nsecrets);
+    int rc = 0;
+    if (port_file && !write_port_file(port_file, port)) {
+        fprintf(stderr, "tally-fake-tool: cannot write %s: %s\n", port_file, strerror(errno));
+        rc = 1;
+    }
+    while (rc == 0) {
+        int sig;
+        if (sigwait(&sigs, &sig) == 0)
+            break;
+    }
+    nap_wake_all();
+    MHD_stop_daemon(d);
+    fake_store_free(srv.st);
+    fake_faults_free(srv.ff);
+    return rc;
+}

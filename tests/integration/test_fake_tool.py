@@ -1,0 +1,458 @@
+"""tally-fake-tool on its own: the connector protocol (DESIGN.md §6) as a tool service speaks
+it, every switchable fault, request signatures and the control API the other tests rely on.
+No PostgreSQL or Kafka: the binary is started directly and spoken to with urllib."""
+
+import concurrent.futures
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+import tallytest
+
+NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError,
+                  TimeoutError, OSError)
+
+
+class FakeTool:
+    """One tally-fake-tool process on a free port."""
+
+    def __init__(self, *args, env=None):
+        self.tmp = tempfile.mkdtemp(prefix="tally-fake-tool-")
+        port_file = os.path.join(self.tmp, "port")
+        self.log_path = os.path.join(self.tmp, "stderr.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [tallytest.binary("tally-fake-tool"), "--listen", "127.0.0.1:0",
+             "--port-file", port_file, *args],
+            stdout=subprocess.PIPE, stderr=self._log, text=True,
+            env=dict(os.environ, **(env or {})))
+        self.banner = self.proc.stdout.readline().strip()
+        tallytest.wait_for(lambda: os.path.exists(port_file) or self.proc.poll() is not None,
+                           timeout=10, what="the port file")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"tally-fake-tool exited: {self.log()}")
+        with open(port_file) as f:
+            self.port = int(f.read())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def log(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def request(self, method, path, body=None, headers=None, timeout=5):
+        """(status, headers, parsed JSON or raw text) of one request; HTTP errors included."""
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+        elif isinstance(body, str):
+            body = body.encode()
+        req = urllib.request.Request(self.url + path, data=body, method=method,
+                                     headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, hdrs, raw = r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            status, hdrs, raw = e.code, e.headers, e.read()
+        try:
+            return status, hdrs, json.loads(raw)
+        except ValueError:
+            return status, hdrs, raw.decode(errors="replace")
+
+    def execute(self, collection, key, body, timeout=5, **headers):
+        return self.request("POST", f"/{collection}", body,
+                            {"Idempotency-Key": key, **headers}, timeout=timeout)
+
+    def status_of(self, collection, key):
+        return self.request("GET", f"/{collection}?idempotency_key={key}")
+
+    def reverse(self, collection, reverse_key, ref, **headers):
+        body = {"external_ref": ref, "receipt": {"id": ref}, "args": {}, "reason": "test"}
+        return self.request("POST", f"/{collection}/reverse", body,
+                            {"Idempotency-Key": reverse_key, **headers})
+
+    def fault(self, **rule):
+        status, _, body = self.request("POST", "/_control/faults", rule)
+        assert status == 201, (status, body)
+        return body
+
+    def records(self, collection=None):
+        path = "/_control/records" + (f"?collection={collection}" if collection else "")
+        status, _, body = self.request("GET", path)
+        assert status == 200, (status, body)
+        return body
+
+    def requests(self):
+        status, _, body = self.request("GET", "/_control/requests")
+        assert status == 200, (status, body)
+        return body
+
+    def stop(self, timeout=10):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self._log.close()
+
+
+class FakeToolCase(unittest.TestCase):
+    tool_args = ()
+    tool_env = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tool = FakeTool(*cls.tool_args, env=cls.tool_env)
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.tool.stop()
+        if rc != 0:
+            raise AssertionError(f"tally-fake-tool exited {rc}: {cls.tool.log()}")
+
+    def setUp(self):
+        status, _, _ = self.tool.request("POST", "/_control/reset", b"")
+        self.assertEqual(status, 200)
+
+
+class ProtocolTest(FakeToolCase):
+
+    def test_banner_and_port_file_agree(self):
+        self.assertEqual(self.tool.banner, f"listening on http://127.0.0.1:{self.tool.port}")
+
+    def test_execute_creates_a_record_and_replays_it(self):
+        body = b'{"amount":500,"payment_id":"p1"}'
+        status, hdrs, rec = self.tool.execute("charges", "charge:p1", body,
+                                              **{"Tally-Run-Id": "run-1",
+                                                 "Tally-Effect-Id": "eff-1"})
+        self.assertEqual(status, 201)
+        self.assertIsNone(hdrs.get("Idempotent-Replayed"))
+        self.assertRegex(rec["id"], r"^charges_\d+$")
+        self.assertEqual(rec["collection"], "charges")
+        self.assertEqual(rec["idempotency_key"], "charge:p1")
+        self.assertEqual(rec["body"], {"amount": 500, "payment_id": "p1"})
+        self.assertEqual((rec["status"], rec["version"]), ("active", 1))
+        self.assertEqual((rec["run_id"], rec["effect_id"]), ("run-1", "eff-1"))
+        self.assertRegex(rec["created_at"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+        status, hdrs, again = self.tool.execute("charges", "charge:p1", body)
+        self.assertEqual(status, 200)
+        self.assertEqual(hdrs.get("Idempotent-Replayed"), "true")
+        self.assertEqual(again, rec)
+        self.assertEqual(len(self.tool.records()["records"]), 1)
+
+    def test_same_key_with_other_bytes_is_422(self):
+        self.assertEqual(self.tool.execute("charges", "k", b'{"a":1,"b":2}')[0], 201)
+        status, _, body = self.tool.execute("charges", "k", b'{"b":2,"a":1}')
+        self.assertEqual(status, 422)
+        self.assertEqual(body, {"error": "idempotency key reused with a different body"})
+        # The same key in another collection is another operation.
+        self.assertEqual(self.tool.execute("emails", "k", b'{"b":2,"a":1}')[0], 201)
+
+    def test_bad_requests(self):
+        self.assertEqual(self.tool.request("POST", "/charges", b'{"a":1}')[0], 400)
+        self.assertEqual(self.tool.execute("charges", "k", b"not json")[0], 400)
+        self.assertEqual(self.tool.execute("charges", "k", b"")[0], 400)
+        self.assertEqual(self.tool.request("GET", "/charges")[0], 400)
+        self.assertEqual(self.tool.request("POST", "/Charges", b"{}")[0], 404)
+        self.assertEqual(self.tool.request("POST", "/charges/other", b"{}")[0], 404)
+        status, hdrs, _ = self.tool.request("PUT", "/charges", b"{}")
+        self.assertEqual(status, 405)
+        self.assertIn("POST", hdrs.get("Allow"))
+        status, _, _ = self.tool.reverse("charges", "reverse:o1", None)
+        self.assertEqual(status, 400)
+        self.assertEqual(self.tool.records()["records"], [])
+
+    def test_status_finds_zero_one_or_two_records(self):
+        self.assertEqual(self.tool.status_of("charges", "s1")[:3:2], (200, []))
+        _, _, rec = self.tool.execute("charges", "s1", {"x": 1})
+        self.assertEqual(self.tool.status_of("charges", "s1")[2], [rec])
+        self.tool.fault(collection="charges", op="execute", key="s2", fault="apply_twice")
+        status, _, first = self.tool.execute("charges", "s2", {"x": 2})
+        self.assertEqual(status, 201)
+        found = self.tool.status_of("charges", "s2")[2]
+        self.assertEqual(len(found), 2)
+        self.assertEqual(found[0], first)
+        self.assertNotEqual(found[0]["id"], found[1]["id"])
+        self.assertEqual({r["idempotency_key"] for r in found}, {"s2"})
+
+    def test_reverse_happy_path_and_replay(self):
+        _, _, rec = self.tool.execute("charges", "r1", {"x": 1})
+        status, hdrs, rev = self.tool.reverse("charges", "reverse:o1", rec["id"],
+                                              **{"If-Match": "1"})
+        self.assertEqual(status, 201, rev)
+        self.assertRegex(rev["id"], r"^rev_\d+$")
+        self.assertEqual((rev["reverses"], rev["reverse_key"]), (rec["id"], "reverse:o1"))
+        now = self.tool.status_of("charges", "r1")[2][0]
+        self.assertEqual((now["status"], now["version"]), ("reversed", 2))
+
+        status, hdrs, again = self.tool.reverse("charges", "reverse:o1", rec["id"])
+        self.assertEqual(status, 200)
+        self.assertEqual(hdrs.get("Idempotent-Replayed"), "true")
+        self.assertEqual(again, rev)
+        records = self.tool.records()
+        self.assertEqual(records["reversals"], [rev])
+
+    def test_reverse_refusals(self):
+        status, _, body = self.tool.reverse("charges", "reverse:o1", "charges_999")
+        self.assertEqual((status, body), (404, {"error": "unknown external_ref"}))
+        _, _, rec = self.tool.execute("charges", "r2", {"x": 1})
+        # A ref of another collection is unknown here.
+        self.assertEqual(self.tool.reverse("refunds", "reverse:o1", rec["id"])[0], 404)
+
+        status, _, body = self.tool.reverse("charges", "reverse:o2", rec["id"],
+                                            **{"If-Match": '"7"'})
+        self.assertEqual(status, 412, body)
+        self.assertEqual(self.tool.status_of("charges", "r2")[2][0]["status"], "active")
+
+        self.assertEqual(self.tool.reverse("charges", "reverse:o3", rec["id"],
+                                           **{"If-Match": '"1"'})[0], 201)
+        status, _, body = self.tool.reverse("charges", "reverse:o4", rec["id"])
+        self.assertEqual((status, body), (404, {"error": "already reversed"}))
+        self.assertEqual(len(self.tool.records()["reversals"]), 1)
+
+    def test_contain_records_a_containment(self):
+        status, _, c = self.tool.request("POST", "/emails/contain", {"to": "a@b", "why": "oops"},
+                                         {"Idempotency-Key": "contain:o1"})
+        self.assertEqual(status, 201)
+        self.assertEqual(c["collection"], "emails_containments")
+        self.assertEqual(self.tool.request("POST", "/emails/contain", {"to": "a@b", "why": "oops"},
+                                           {"Idempotency-Key": "contain:o1"})[0], 200)
+        records = self.tool.records()
+        self.assertEqual(records["records"], [])
+        self.assertEqual(records["containments"], [c])
+        self.assertEqual(self.tool.records("emails")["containments"], [c])
+        self.assertEqual(self.tool.records("charges")["containments"], [])
+
+    def test_control_records_and_requests(self):
+        _, _, a = self.tool.execute("charges", "c1", {"n": 1},
+                                    traceparent="00-0af7651916cd43dd8448eb211c80319c-"
+                                                "b7ad6b7169203331-01",
+                                    **{"Tally-Run-Id": "run-9", "Tally-Effect-Id": "e-1"})
+        _, _, b = self.tool.execute("emails", "m1", {"n": 2})
+        self.tool.reverse("charges", "reverse:x", a["id"])
+        records = self.tool.records()
+        self.assertEqual([r["id"] for r in records["records"]], [a["id"], b["id"]])
+        self.assertEqual(records["requests"], 3)
+        self.assertEqual([r["id"] for r in self.tool.records("emails")["records"]], [b["id"]])
+        self.assertEqual(self.tool.records("emails")["reversals"], [])
+
+        reqs = self.tool.requests()
+        self.assertEqual([(r["method"], r["path"], r["status"]) for r in reqs],
+                         [("POST", "/charges", 201), ("POST", "/emails", 201),
+                          ("POST", "/charges/reverse", 201)])
+        first = reqs[0]
+        self.assertEqual(first["idempotency_key"], "c1")
+        self.assertEqual((first["run_id"], first["effect_id"]), ("run-9", "e-1"))
+        self.assertTrue(first["traceparent"].startswith("00-0af7651916cd43dd"))
+        self.assertIsNone(first["signature_ok"])
+        self.assertEqual(reqs[2]["idempotency_key"], "reverse:x")
+
+        self.assertEqual(self.tool.request("POST", "/_control/reset", b"")[0], 200)
+        self.assertEqual(self.tool.records(),
+                         {"records": [], "reversals": [], "containments": [], "requests": 0})
+        self.assertEqual(self.tool.requests(), [])
+
+    def test_many_slow_requests_at_once(self):
+        """Each slow request holds only its own connection: 300 of 400 ms finish together."""
+        self.tool.fault(fault="slow", delay_ms=400, times=-1)
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=300) as pool:
+            statuses = list(pool.map(
+                lambda i: self.tool.execute("charges", f"slow{i}", {"i": i}, timeout=20)[0],
+                range(300)))
+        self.assertEqual(statuses, [201] * 300)
+        self.assertLess(time.monotonic() - start, 6)
+        self.assertEqual(len(self.tool.records()["records"]), 300)
+
+
+class FaultTest(FakeToolCase):
+
+    def assert_no_records(self):
+        self.assertEqual(self.tool.records()["records"], [])
+
+    def test_slow(self):
+        self.tool.fault(fault="slow", delay_ms=300)
+        start = time.monotonic()
+        self.assertEqual(self.tool.execute("charges", "k", {})[0], 201)
+        self.assertGreaterEqual(time.monotonic() - start, 0.29)
+
+    def test_refusals_are_not_applied(self):
+        for fault, code in (("refuse_503", 503), ("refuse_429", 429)):
+            self.tool.fault(fault=fault)
+            status, hdrs, _ = self.tool.execute("charges", "k", {})
+            self.assertEqual((status, hdrs.get("Retry-After")), (code, "1"), fault)
+            self.assert_no_records()
+        self.tool.fault(fault="error_4xx")
+        self.assertEqual(self.tool.execute("charges", "k", {})[0], 400)
+        self.tool.fault(fault="error_4xx", status=403)
+        self.assertEqual(self.tool.execute("charges", "k", {})[0], 403)
+        self.assert_no_records()
+        self.assertEqual(self.tool.execute("charges", "k", {})[0], 201)
+
+    def test_fail_after_apply(self):
+        self.tool.fault(fault="fail_after_apply")
+        self.assertEqual(self.tool.execute("charges", "k", {"a": 1})[0], 500)
+        self.assertEqual(len(self.tool.status_of("charges", "k")[2]), 1)
+        self.tool.fault(fault="fail_after_apply", status=502)
+        self.assertEqual(self.tool.execute("charges", "k2", {"a": 1})[0], 502)
+        self.assertEqual(len(self.tool.records()["records"]), 2)
+
+    def test_apply_then_hang_times_the_caller_out_after_applying(self):
+        self.tool.fault(fault="apply_then_hang", delay_ms=2000)
+        with self.assertRaises(NETWORK_ERRORS):
+            self.tool.execute("charges", "hang", {"a": 1}, timeout=0.3)
+        found = self.tool.status_of("charges", "hang")[2]
+        self.assertEqual(len(found), 1)
+        self.assertEqual(found[0]["idempotency_key"], "hang")
+
+    def test_hang_before_apply_times_out_without_applying(self):
+        self.tool.fault(fault="hang_before_apply", delay_ms=500)
+        with self.assertRaises(NETWORK_ERRORS):
+            self.tool.execute("charges", "hang", {"a": 1}, timeout=0.2)
+        tallytest.wait_for(lambda: self.tool.requests()[0]["status"] == 503, timeout=5,
+                           what="the hung request to answer 503")
+        self.assertEqual(self.tool.requests()[0]["fault"], "hang_before_apply")
+        self.assert_no_records()
+        self.tool.fault(fault="hang_before_apply", delay_ms=50)
+        self.assertEqual(self.tool.execute("charges", "hang", {"a": 1})[0], 503)
+        self.assert_no_records()
+
+    def test_drop_connection_applies_then_closes(self):
+        self.tool.fault(fault="drop_connection")
+        with self.assertRaises(NETWORK_ERRORS):
+            self.tool.execute("charges", "drop", {"a": 1})
+        self.assertEqual(len(self.tool.status_of("charges", "drop")[2]), 1)
+        last = self.tool.requests()[0]
+        self.assertEqual((last["fault"], last["status"]), ("drop_connection", None))
+
+    def test_reverse_faults_are_not_applied(self):
+        _, _, rec = self.tool.execute("charges", "k", {"a": 1})
+        for fault, code in (("reverse_412", 412), ("reverse_500", 500), ("reverse_409", 409)):
+            self.tool.fault(op="reverse", fault=fault)
+            self.assertEqual(self.tool.reverse("charges", "reverse:o1", rec["id"])[0], code)
+            self.assertEqual(self.tool.status_of("charges", "k")[2][0]["status"], "active")
+        self.assertEqual(self.tool.records()["reversals"], [])
+        self.assertEqual(self.tool.reverse("charges", "reverse:o1", rec["id"])[0], 201)
+
+    def test_status_faults(self):
+        self.tool.execute("charges", "k", {"a": 1})
+        self.tool.fault(op="status", fault="status_500")
+        self.assertEqual(self.tool.status_of("charges", "k")[0], 500)
+        self.tool.fault(op="status", fault="status_garbage")
+        status, _, body = self.tool.status_of("charges", "k")
+        self.assertEqual(status, 200)
+        self.assertIsInstance(body, str)
+        with self.assertRaises(ValueError):
+            json.loads(body)
+        self.assertEqual(len(self.tool.status_of("charges", "k")[2]), 1)
+
+    def test_rules_match_in_order_and_are_consumed(self):
+        self.tool.fault(collection="charges", op="execute", key="a", fault="refuse_503", times=2)
+        self.tool.fault(collection="*", op="*", key="*", fault="error_4xx", status=409)
+        self.tool.fault(collection="emails", fault="refuse_429", times=-1)
+        # The first rule matches only key "a"; the catch-all matches once.
+        self.assertEqual(self.tool.execute("charges", "b", {})[0], 409)
+        self.assertEqual(self.tool.execute("charges", "b", {})[0], 201)
+        self.assertEqual(self.tool.execute("charges", "a", {})[0], 503)
+        self.assertEqual(self.tool.execute("charges", "a", {})[0], 503)
+        self.assertEqual(self.tool.execute("charges", "a", {})[0], 201)
+        for _ in range(3):
+            self.assertEqual(self.tool.execute("emails", "e", {})[0], 429)
+        status, _, listed = self.tool.request("GET", "/_control/faults")
+        self.assertEqual([r["fault"] for r in listed["faults"]], ["refuse_429"])
+        self.assertEqual(self.tool.request("DELETE", "/_control/faults")[0], 200)
+        self.assertEqual(self.tool.execute("emails", "e", {})[0], 201)
+
+    def test_bad_rules_are_refused(self):
+        for rule in ({"fault": "explode"}, {"op": "delete", "fault": "slow"},
+                     {"fault": "slow", "times": 0}, {"fault": "error_4xx", "status": 500},
+                     {"collection": "Bad", "fault": "slow"}, {}):
+            status, _, body = self.tool.request("POST", "/_control/faults", rule)
+            self.assertEqual(status, 400, rule)
+            self.assertIn("error", body)
+
+
+SECRET = "s3cret-for-tests"
+
+
+def signature(body, secret=SECRET, t=None):
+    t = int(time.time()) if t is None else t
+    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={t},v1={mac}"
+
+
+class SignatureTest(FakeToolCase):
+    tool_args = ("--secret-env", "FAKE_TOOL_TEST_SECRET")
+    tool_env = {"FAKE_TOOL_TEST_SECRET": SECRET}
+
+    def test_valid_signature_is_accepted(self):
+        body = b'{"amount":1}'
+        status, _, _ = self.tool.execute("charges", "k", body,
+                                         **{"Tally-Signature": signature(body)})
+        self.assertEqual(status, 201)
+        status, _, found = self.tool.request("GET", "/charges?idempotency_key=k",
+                                             headers={"Tally-Signature": signature(b"")})
+        self.assertEqual((status, len(found)), (200, 1))
+        self.assertEqual([r["signature_ok"] for r in self.tool.requests()], [True, True])
+
+    def test_missing_bad_or_stale_signature_is_401(self):
+        body = b'{"amount":1}'
+        cases = {
+            "missing": None,
+            "garbage": "nonsense",
+            "wrong secret": signature(body, secret="other"),
+            "other body": signature(b'{"amount":2}'),
+            "stale": signature(body, t=int(time.time()) - 301),
+            "future": signature(body, t=int(time.time()) + 400),
+        }
+        for name, sig in cases.items():
+            headers = {"Tally-Signature": sig} if sig else {}
+            status, _, err = self.tool.execute("charges", "k", body, **headers)
+            self.assertEqual(status, 401, name)
+            self.assertIn("error", err)
+        self.assertEqual(self.tool.records()["records"], [])
+        self.assertEqual({r["signature_ok"] for r in self.tool.requests()}, {False})
+        # The control API is for tests and is not signed.
+        self.assertEqual(self.tool.request("GET", "/_control/faults")[0], 200)
+
+
+class LifecycleTest(unittest.TestCase):
+
+    def test_sigterm_interrupts_a_hang_and_exits_zero(self):
+        tool = FakeTool()
+        try:
+            tool.fault(fault="apply_then_hang", delay_ms=60000)
+            def call():
+                try:
+                    tool.execute("charges", "k", {}, timeout=30)
+                except NETWORK_ERRORS:
+                    pass  # the connection closes as the server stops
+
+            t = threading.Thread(target=call)
+            t.start()
+            tallytest.wait_for(lambda: tool.records()["records"], timeout=5,
+                               what="the hung request to apply")
+            start = time.monotonic()
+            self.assertEqual(tool.stop(timeout=10), 0)
+            self.assertLess(time.monotonic() - start, 5)
+            t.join(10)
+        finally:
+            if tool.proc.poll() is None:
+                tool.stop()
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
