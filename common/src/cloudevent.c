@@ -1,0 +1,632 @@
+/* cloudevent.c — CloudEvents 1.0 structured JSON: build tally events, parse intents.
+ *
+ * tally_intent_parse is the gate of the intents topic: whatever bytes arrive, it answers
+ * with a parsed intent or with one DLQ reason and a sentence naming the problem. The checks
+ * run cheapest first (size, UTF-8, JSON, envelope, type, data) so an oversized or binary
+ * message is never handed to the JSON parser. */
+#include "tally/cloudevent.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "tally/id.h"
+#include "tally/json.h"
+
+#define RUN_ID_MAX_BYTES        200
+#define STEP_MAX_BYTES          100
+#define OPERATION_KEY_MAX_BYTES 500
+#define EXCERPT_MAX_BYTES       60
+
+static const char *const TYPE_INTENT = "tally.intent.v1";
+static const char *const TYPE_COMPENSATE_RUN = "tally.compensate_run.v1";
+static const char *const TYPE_CANCEL_RUN = "tally.cancel_run.v1";
+
+/* ---------------------------------------------------------------------------------------- */
+/* Building                                                                                  */
+
+/* RFC 3339 UTC with milliseconds: 2024-05-01T12:34:56.789Z */
+static bool rfc3339_now(char out[32])
+{
+    struct timespec ts;
+    struct tm tm;
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0 || gmtime_r(&ts.tv_sec, &tm) == NULL)
+        return false;
+    char base[24];
+    if (strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm) == 0)
+        return false;
+    int n = snprintf(out, 32, "%s.%03ldZ", base, ts.tv_nsec / 1000000L);
+    return n > 0 && n < 32;
+}
+
+json_t *tally_ce_new(const char *type, const char *source, const char *subject, json_t *data,
+                     char id_out[37])
+{
+    if (type == NULL || source == NULL || data == NULL) {
+        json_decref(data);
+        return NULL;
+    }
+    char id[37];
+    char time_text[32];
+    tally_uuid(id);
+    if (!rfc3339_now(time_text)) {
+        json_decref(data);
+        return NULL;
+    }
+
+    json_t *ev = json_object();
+    if (ev == NULL) {
+        json_decref(data);
+        return NULL;
+    }
+    /* json_string returns NULL for invalid UTF-8 and json_object_set_new then fails: every
+     * error, including an out-of-memory one, lands in the one check below. */
+    int rc = 0;
+    rc |= json_object_set_new(ev, "specversion", json_string("1.0"));
+    rc |= json_object_set_new(ev, "id", json_string(id));
+    rc |= json_object_set_new(ev, "source", json_string(source));
+    rc |= json_object_set_new(ev, "type", json_string(type));
+    rc |= json_object_set_new(ev, "time", json_string(time_text));
+    rc |= json_object_set_new(ev, "datacontenttype", json_string("application/json"));
+    if (subject != NULL)
+        rc |= json_object_set_new(ev, "subject", json_string(subject));
+    rc |= json_object_set_new(ev, "data", data); /* steals data, even on failure */
+    if (rc != 0) {
+        json_decref(ev);
+        return NULL;
+    }
+    if (id_out != NULL)
+        memcpy(id_out, id, sizeof id);
+    return ev;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Reasons                                                                                   */
+
+const char *tally_dlq_reason_name(tally_dlq_reason_t r)
+{
+    switch (r) {
+    case TALLY_DLQ_NONE:
+        return "none";
+    case TALLY_DLQ_TOO_LARGE:
+        return "too_large";
+    case TALLY_DLQ_INVALID_UTF8:
+        return "invalid_utf8";
+    case TALLY_DLQ_NOT_JSON:
+        return "not_json";
+    case TALLY_DLQ_NOT_CLOUDEVENT:
+        return "not_cloudevent";
+    case TALLY_DLQ_UNKNOWN_TYPE:
+        return "unknown_type";
+    case TALLY_DLQ_MISSING_FIELD:
+        return "missing_field";
+    case TALLY_DLQ_INVALID_FIELD:
+        return "invalid_field";
+    case TALLY_DLQ_UNKNOWN_TOOL:
+        return "unknown_tool";
+    case TALLY_DLQ_MISSING_OPERATION_KEY:
+        return "missing_operation_key";
+    }
+    return "unknown";
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Parsing helpers                                                                           */
+
+/* Length of the well-formed UTF-8 sequence starting at s[0..len), or 0 when it is malformed
+ * or incomplete. Used to keep detail sentences well-formed and to point at the first bad
+ * byte; whether the input is acceptable is decided by tally_utf8_valid. */
+static size_t utf8_seq_len(const unsigned char *s, size_t len)
+{
+    if (len == 0)
+        return 0;
+    unsigned char c = s[0];
+    size_t n;
+    if (c < 0x80)
+        return 1;
+    else if (c >= 0xC2 && c <= 0xDF)
+        n = 2;
+    else if (c >= 0xE0 && c <= 0xEF)
+        n = 3;
+    else if (c >= 0xF0 && c <= 0xF4)
+        n = 4;
+    else
+        return 0;
+    if (len < n)
+        return 0;
+    for (size_t i = 1; i < n; i++)
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+    /* No overlong forms, no UTF-16 surrogates, nothing above U+10FFFF. */
+    if ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] > 0x9F) || (c == 0xF0 && s[1] < 0x90) ||
+        (c == 0xF4 && s[1] > 0x8F))
+        return 0;
+    return n;
+}
+
+/* The detail goes into DLQ records and logs as a JSON string, which must be valid UTF-8:
+ * cut it at the first malformed or truncated sequence (snprintf may split a character). */
+static void detail_make_utf8(char *detail)
+{
+    const unsigned char *s = (const unsigned char *)detail;
+    size_t len = strlen(detail);
+    size_t i = 0;
+    while (i < len) {
+        size_t n = utf8_seq_len(s + i, len - i);
+        if (n == 0)
+            break;
+        i += n;
+    }
+    detail[i] = '\0';
+}
+
+static void set_detail(char *detail, size_t detailsz, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void set_detail(char *detail, size_t detailsz, const char *fmt, ...)
+{
+    if (detail == NULL || detailsz == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, detailsz, fmt, ap);
+    va_end(ap);
+    detail_make_utf8(detail);
+}
+
+/* A short, printable excerpt of a value from the message, for quoting in a detail sentence:
+ * at most EXCERPT_MAX_BYTES, cut on a character boundary, control characters as '?'. */
+static void excerpt(const char *s, char out[EXCERPT_MAX_BYTES + 4])
+{
+    const unsigned char *u = (const unsigned char *)s;
+    size_t len = strlen(s);
+    size_t i = 0, o = 0;
+    while (i < len) {
+        size_t n = utf8_seq_len(u + i, len - i);
+        if (n == 0 || o + n > EXCERPT_MAX_BYTES)
+            break;
+        if (n == 1 && (u[i] < 0x20 || u[i] == 0x7F)) {
+            out[o++] = '?';
+        } else {
+            memcpy(out + o, s + i, n);
+            o += n;
+        }
+        i += n;
+    }
+    if (i < len) {
+        memcpy(out + o, "...", 3);
+        o += 3;
+    }
+    out[o] = '\0';
+}
+
+static const char *json_type_name(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT:
+        return "an object";
+    case JSON_ARRAY:
+        return "an array";
+    case JSON_STRING:
+        return "a string";
+    case JSON_INTEGER:
+        return "an integer";
+    case JSON_REAL:
+        return "a number with a fraction or exponent";
+    case JSON_TRUE:
+    case JSON_FALSE:
+        return "a boolean";
+    case JSON_NULL:
+        return "null";
+    }
+    return "an unknown JSON value";
+}
+
+static bool has_control_chars(const char *s, size_t len)
+{
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == 0x7F)
+            return true;
+    }
+    return false;
+}
+
+static bool all_digits(const char *s)
+{
+    if (*s == '\0')
+        return false;
+    for (; *s; s++)
+        if (*s < '0' || *s > '9')
+            return false;
+    return true;
+}
+
+/* n lowercase hex digits (W3C trace context requires lowercase), not all zero when
+ * @p nonzero. */
+static bool hex_field(const char *s, size_t n, bool nonzero)
+{
+    bool any = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return false;
+        if (c != '0')
+            any = true;
+    }
+    return !nonzero || any;
+}
+
+/* W3C Trace Context version 00: 00-<32 hex trace id>-<16 hex parent id>-<2 hex flags>. */
+static bool traceparent_valid(const char *s)
+{
+    if (strlen(s) != 55)
+        return false;
+    return s[0] == '0' && s[1] == '0' && s[2] == '-' && hex_field(s + 3, 32, true) &&
+           s[35] == '-' && hex_field(s + 36, 16, true) && s[52] == '-' &&
+           hex_field(s + 53, 2, false);
+}
+
+/* "application/json", "application/json; charset=utf-8", "application/cloudevents+json":
+ * the media type before any parameters is application/json or has the +json suffix. */
+static bool media_type_is_json(const char *s)
+{
+    if (s == NULL)
+        return false;
+    size_t n = strcspn(s, ";");
+    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t'))
+        n--;
+    return (n == 16 && strncasecmp(s, "application/json", 16) == 0) ||
+           (n > 5 && strncasecmp(s + n - 5, "+json", 5) == 0);
+}
+
+/* The outcome of checking one field; the caller turns it into a DLQ reason. */
+typedef struct check {
+    tally_dlq_reason_t reason;
+    char *detail;
+    size_t detailsz;
+} check_t;
+
+/* data.<name> as a string. Required: absent is MISSING_FIELD. Optional: absent or null gives
+ * NULL with ck->reason left alone. A present value of the wrong type or shape is
+ * INVALID_FIELD. @p rule says what a valid value is, for the sentence. */
+static const char *data_string(const json_t *data, const char *name, bool required, bool nonempty,
+                               size_t max_bytes, bool no_control, const char *rule, check_t *ck)
+{
+    json_t *v = json_object_get(data, name);
+    if (v == NULL || (!required && json_is_null(v))) {
+        if (required) {
+            ck->reason = TALLY_DLQ_MISSING_FIELD;
+            set_detail(ck->detail, ck->detailsz, "data.%s is missing; it must be %s", name, rule);
+        }
+        return NULL;
+    }
+    if (!json_is_string(v)) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.%s must be %s, not %s", name, rule,
+                   json_type_name(v));
+        return NULL;
+    }
+    const char *s = json_string_value(v);
+    size_t len = json_string_length(v);
+    /* Without JSON_ALLOW_NUL jansson refuses \u0000, so s has no embedded NUL; the check
+     * stays in case the flags ever change, because callers use these as C strings. */
+    if (strlen(s) != len) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.%s must be %s; it contains a NUL character",
+                   name, rule);
+        return NULL;
+    }
+    if (nonempty && len == 0) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.%s must be %s; it is empty", name, rule);
+        return NULL;
+    }
+    if (max_bytes > 0 && len > max_bytes) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.%s must be %s; it is %zu bytes long", name, rule,
+                   len);
+        return NULL;
+    }
+    if (no_control && has_control_chars(s, len)) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.%s must be %s; it contains a control character",
+                   name, rule);
+        return NULL;
+    }
+    return s;
+}
+
+/* A CloudEvents attribute that must be a non-empty string. */
+static const char *ce_attribute(const json_t *doc, const char *name, check_t *ck)
+{
+    json_t *v = json_object_get(doc, name);
+    if (v == NULL) {
+        ck->reason = TALLY_DLQ_NOT_CLOUDEVENT;
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents attribute %s is missing (a CloudEvents 1.0 message needs "
+                   "specversion, id, source and type)",
+                   name);
+        return NULL;
+    }
+    if (!json_is_string(v)) {
+        ck->reason = TALLY_DLQ_NOT_CLOUDEVENT;
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents attribute %s must be a string, not %s", name,
+                   json_type_name(v));
+        return NULL;
+    }
+    if (json_string_length(v) == 0) {
+        ck->reason = TALLY_DLQ_NOT_CLOUDEVENT;
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents attribute %s must be a non-empty string", name);
+        return NULL;
+    }
+    return json_string_value(v);
+}
+
+static bool parse_step(const json_t *data, tally_intent_t *out, check_t *ck)
+{
+    static const char rule[] =
+        "a string or a non-negative integer (a string of 1 to 100 bytes without control "
+        "characters)";
+    json_t *v = json_object_get(data, "step");
+    if (v == NULL) {
+        ck->reason = TALLY_DLQ_MISSING_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.step is missing; it must be %s", rule);
+        return false;
+    }
+    if (json_is_integer(v)) {
+        json_int_t n = json_integer_value(v);
+        if (n < 0) {
+            ck->reason = TALLY_DLQ_INVALID_FIELD;
+            set_detail(
+                ck->detail, ck->detailsz,
+                "data.step must be a string or a non-negative integer, not %" JSON_INTEGER_FORMAT,
+                n);
+            return false;
+        }
+        snprintf(out->step, sizeof out->step, "%" JSON_INTEGER_FORMAT, n);
+        out->step_is_number = true;
+        return true;
+    }
+    if (!json_is_string(v)) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz,
+                   "data.step must be a string or a non-negative integer, not %s",
+                   json_type_name(v));
+        return false;
+    }
+    const char *s = data_string(data, "step", true, true, STEP_MAX_BYTES, true, rule, ck);
+    if (s == NULL)
+        return false;
+    memcpy(out->step, s, strlen(s) + 1); /* ≤ 100 bytes: fits step[128] */
+    out->step_is_number = all_digits(s);
+    return true;
+}
+
+static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *ck)
+{
+    out->run_id = data_string(data, "run_id", true, true, RUN_ID_MAX_BYTES, true,
+                              "a non-empty string of at most 200 bytes without control "
+                              "characters",
+                              ck);
+    if (out->run_id == NULL)
+        return false;
+    if (!parse_step(data, out, ck))
+        return false;
+    out->tool =
+        data_string(data, "tool", true, true, 0, false, "a non-empty string (a tool name)", ck);
+    if (out->tool == NULL)
+        return false;
+
+    json_t *args = json_object_get(data, "args");
+    if (args == NULL) {
+        ck->reason = TALLY_DLQ_MISSING_FIELD;
+        set_detail(ck->detail, ck->detailsz,
+                   "data.args is missing; it must be a JSON object (the tool's arguments)");
+        return false;
+    }
+    if (!json_is_object(args)) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.args must be a JSON object, not %s",
+                   json_type_name(args));
+        return false;
+    }
+    out->args = args;
+
+    out->operation_key = data_string(data, "operation_key", false, true, OPERATION_KEY_MAX_BYTES,
+                                     false, "a non-empty string of at most 500 bytes", ck);
+    if (ck->reason != TALLY_DLQ_NONE)
+        return false;
+    out->tenant = data_string(data, "tenant", false, false, 0, false, "a string", ck);
+    if (ck->reason != TALLY_DLQ_NONE)
+        return false;
+    return true;
+}
+
+static bool parse_run_data(const json_t *data, tally_intent_t *out, check_t *ck)
+{
+    out->run_id = data_string(data, "run_id", true, true, RUN_ID_MAX_BYTES, true,
+                              "a non-empty string of at most 200 bytes without control "
+                              "characters",
+                              ck);
+    if (out->run_id == NULL)
+        return false;
+    out->reason = data_string(data, "reason", true, false, 0, false, "a string", ck);
+    if (out->reason == NULL)
+        return false;
+    if (out->type == TALLY_MSG_CANCEL_RUN) {
+        json_t *c = json_object_get(data, "compensate");
+        if (c != NULL && !json_is_null(c)) {
+            if (!json_is_boolean(c)) {
+                ck->reason = TALLY_DLQ_INVALID_FIELD;
+                set_detail(ck->detail, ck->detailsz,
+                           "data.compensate must be a boolean (true or false), not %s",
+                           json_type_name(c));
+                return false;
+            }
+            out->compensate = json_is_true(c);
+        }
+    }
+    return true;
+}
+
+/* The optional W3C traceparent, accepted on every message type. */
+static bool parse_traceparent(const json_t *data, tally_intent_t *out, check_t *ck)
+{
+    static const char rule[] =
+        "a W3C traceparent: 00-<32 lowercase hex, not all zero>-<16 lowercase hex, not all "
+        "zero>-<2 hex flags>";
+    out->traceparent = data_string(data, "traceparent", false, true, 0, false, rule, ck);
+    if (ck->reason != TALLY_DLQ_NONE)
+        return false;
+    if (out->traceparent != NULL && !traceparent_valid(out->traceparent)) {
+        char ex[EXCERPT_MAX_BYTES + 4];
+        excerpt(out->traceparent, ex);
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        set_detail(ck->detail, ck->detailsz, "data.traceparent must be %s; got \"%s\"", rule, ex);
+        out->traceparent = NULL;
+        return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Parsing                                                                                   */
+
+static tally_dlq_reason_t parse_doc(json_t *doc, tally_intent_t *out, check_t *ck)
+{
+    const char *specversion = ce_attribute(doc, "specversion", ck);
+    if (specversion == NULL)
+        return ck->reason;
+    if (strcmp(specversion, "1.0") != 0) {
+        char ex[EXCERPT_MAX_BYTES + 4];
+        excerpt(specversion, ex);
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents specversion is \"%s\"; tally accepts \"1.0\"", ex);
+        return ck->reason = TALLY_DLQ_NOT_CLOUDEVENT;
+    }
+    out->id = ce_attribute(doc, "id", ck);
+    if (out->id == NULL)
+        return ck->reason;
+    if (ce_attribute(doc, "source", ck) == NULL)
+        return ck->reason;
+    const char *type = ce_attribute(doc, "type", ck);
+    if (type == NULL)
+        return ck->reason;
+
+    if (strcmp(type, TYPE_INTENT) == 0) {
+        out->type = TALLY_MSG_INTENT;
+    } else if (strcmp(type, TYPE_COMPENSATE_RUN) == 0) {
+        out->type = TALLY_MSG_COMPENSATE_RUN;
+    } else if (strcmp(type, TYPE_CANCEL_RUN) == 0) {
+        out->type = TALLY_MSG_CANCEL_RUN;
+    } else {
+        char ex[EXCERPT_MAX_BYTES + 4];
+        excerpt(type, ex);
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents type \"%s\" is not one tally accepts on the intents topic "
+                   "(%s, %s, %s)",
+                   ex, TYPE_INTENT, TYPE_COMPENSATE_RUN, TYPE_CANCEL_RUN);
+        return ck->reason = TALLY_DLQ_UNKNOWN_TYPE;
+    }
+
+    /* Structured mode: data is inline JSON. A different datacontenttype means the producer
+     * meant something other than what tally reads. */
+    json_t *dct = json_object_get(doc, "datacontenttype");
+    if (dct != NULL && !media_type_is_json(json_string_value(dct))) {
+        char ex[EXCERPT_MAX_BYTES + 4];
+        excerpt(json_is_string(dct) ? json_string_value(dct) : json_type_name(dct), ex);
+        set_detail(ck->detail, ck->detailsz,
+                   "datacontenttype must be \"application/json\" (or another JSON media type), "
+                   "not %s%s%s",
+                   json_is_string(dct) ? "\"" : "", ex, json_is_string(dct) ? "\"" : "");
+        return ck->reason = TALLY_DLQ_INVALID_FIELD;
+    }
+
+    json_t *data = json_object_get(doc, "data");
+    if (data == NULL) {
+        set_detail(
+            ck->detail, ck->detailsz, "data is missing; %s needs a JSON object in data%s", type,
+            json_object_get(doc, "data_base64") != NULL ? " (data_base64 is not accepted)" : "");
+        return ck->reason = TALLY_DLQ_MISSING_FIELD;
+    }
+    if (!json_is_object(data)) {
+        set_detail(ck->detail, ck->detailsz, "data must be a JSON object, not %s",
+                   json_type_name(data));
+        return ck->reason = TALLY_DLQ_INVALID_FIELD;
+    }
+
+    bool ok = out->type == TALLY_MSG_INTENT ? parse_intent_data(data, out, ck)
+                                            : parse_run_data(data, out, ck);
+    if (ok)
+        ok = parse_traceparent(data, out, ck);
+    return ok ? TALLY_DLQ_NONE : ck->reason;
+}
+
+tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_bytes,
+                                      tally_intent_t *out, char *detail, size_t detailsz)
+{
+    memset(out, 0, sizeof *out);
+    if (detail != NULL && detailsz > 0)
+        detail[0] = '\0';
+    if (buf == NULL)
+        buf = "";
+    check_t ck = {TALLY_DLQ_NONE, detail, detailsz};
+
+    if (len > max_bytes) {
+        set_detail(detail, detailsz,
+                   "the message is %zu bytes, above the limit of %zu bytes "
+                   "(TALLY_MAX_MESSAGE_BYTES)",
+                   len, max_bytes);
+        return TALLY_DLQ_TOO_LARGE;
+    }
+    if (!tally_utf8_valid(buf, len)) {
+        /* Point at the first bad byte so the producer can find it. */
+        size_t off = 0;
+        while (off < len) {
+            size_t n = utf8_seq_len((const unsigned char *)buf + off, len - off);
+            if (n == 0)
+                break;
+            off += n;
+        }
+        set_detail(detail, detailsz,
+                   "the message is not valid UTF-8 (first bad byte 0x%02X at offset %zu)",
+                   off < len ? ((const unsigned char *)buf)[off] : 0u, off);
+        return TALLY_DLQ_INVALID_UTF8;
+    }
+
+    json_error_t jerr;
+    json_t *doc = json_loadb(buf, len, TALLY_JSON_LOAD_FLAGS, &jerr);
+    if (doc == NULL) {
+        set_detail(detail, detailsz, "the message is not JSON: %s (line %d, column %d)", jerr.text,
+                   jerr.line, jerr.column);
+        return TALLY_DLQ_NOT_JSON;
+    }
+    if (!json_is_object(doc)) {
+        set_detail(detail, detailsz, "the message is %s, not a JSON object", json_type_name(doc));
+        json_decref(doc);
+        return TALLY_DLQ_NOT_JSON;
+    }
+
+    tally_dlq_reason_t r = parse_doc(doc, out, &ck);
+    if (r != TALLY_DLQ_NONE) {
+        json_decref(doc);
+        memset(out, 0, sizeof *out);
+        return r;
+    }
+    out->doc = doc;
+    return TALLY_DLQ_NONE;
+}
+
+void tally_intent_clear(tally_intent_t *in)
+{
+    if (in == NULL)
+        return;
+    json_decref(in->doc);
+    memset(in, 0, sizeof *in);
+}

@@ -1,0 +1,840 @@
+/* test_cloudevent.c — CloudEvents building and the intents-topic gate: every refusal an agent
+ * can provoke, with the reason and the sentence it gets back, and no crash on any input. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+
+#include "tally/cloudevent.h"
+#include "tally/json.h"
+
+#define MAX_BYTES (1024 * 1024)
+
+static char detail[512];
+
+static tally_dlq_reason_t parse_buf(const void *buf, size_t len, tally_intent_t *in)
+{
+    return tally_intent_parse(buf, len, MAX_BYTES, in, detail, sizeof detail);
+}
+
+static tally_dlq_reason_t parse_str(const char *s, tally_intent_t *in)
+{
+    return parse_buf(s, strlen(s), in);
+}
+
+static const char BASE_INTENT_DATA[] =
+    "{\"run_id\":\"run-1\",\"step\":\"charge\",\"tool\":\"charge_card\","
+    "\"args\":{\"tenant_id\":\"t1\",\"payment_id\":\"pay_42\",\"amount\":1200}}";
+static const char BASE_COMPENSATE_DATA[] = "{\"run_id\":\"run-1\",\"reason\":\"agent gave up\"}";
+static const char BASE_CANCEL_DATA[] = "{\"run_id\":\"run-1\",\"reason\":\"user cancelled\"}";
+
+/* A whole CloudEvent of @p type around @p data_json, as text (caller frees). */
+static char *envelope(const char *type, const char *data_json)
+{
+    json_error_t jerr;
+    json_t *data = json_loads(data_json, 0, &jerr);
+    assert_non_null(data);
+    json_t *ev = json_pack("{s:s, s:s, s:s, s:s, s:o}", "specversion", "1.0", "id",
+                           "7d7b4f0e-1111-4222-8333-444455556666", "source", "/test/agent", "type",
+                           type, "data", data);
+    assert_non_null(ev);
+    char *s = json_dumps(ev, JSON_COMPACT);
+    json_decref(ev);
+    assert_non_null(s);
+    return s;
+}
+
+/* Parse an event of @p type whose data is @p base_data with @p field set to the JSON
+ * @p value_json (NULL: the field removed). */
+static tally_dlq_reason_t parse_with_field(const char *type, const char *base_data,
+                                           const char *field, const char *value_json,
+                                           tally_intent_t *in)
+{
+    json_error_t jerr;
+    json_t *data = json_loads(base_data, 0, &jerr);
+    assert_non_null(data);
+    if (value_json == NULL) {
+        json_object_del(data, field);
+    } else {
+        json_t *v = json_loads(value_json, JSON_DECODE_ANY, &jerr);
+        if (v == NULL)
+            fail_msg("bad test value %s: %s", value_json, jerr.text);
+        assert_int_equal(json_object_set_new(data, field, v), 0);
+    }
+    char *data_json = json_dumps(data, JSON_COMPACT);
+    json_decref(data);
+    char *msg = envelope(type, data_json);
+    free(data_json);
+    tally_dlq_reason_t r = parse_str(msg, in);
+    free(msg);
+    return r;
+}
+
+static void assert_refused(tally_dlq_reason_t got, tally_dlq_reason_t want, const char *needle)
+{
+    if (got != want)
+        fail_msg("expected %s, got %s (%s)", tally_dlq_reason_name(want),
+                 tally_dlq_reason_name(got), detail);
+    if (needle != NULL && strstr(detail, needle) == NULL)
+        fail_msg("detail \"%s\" does not mention \"%s\"", detail, needle);
+    assert_true(tally_utf8_valid(detail, strlen(detail)));
+}
+
+/* Expect a refusal of field data.<field> set to @p value_json with @p want. */
+static void expect_field(const char *type, const char *base, const char *field,
+                         const char *value_json, tally_dlq_reason_t want)
+{
+    tally_intent_t in;
+    char needle[64];
+    snprintf(needle, sizeof needle, "data.%s", field);
+    tally_dlq_reason_t r = parse_with_field(type, base, field, value_json, &in);
+    assert_refused(r, want, needle);
+    assert_null(in.doc);
+}
+
+/* A JSON string of @p n copies of @p ch, quotes included (caller frees). */
+static char *quoted_run(char ch, size_t n)
+{
+    char *s = malloc(n + 3);
+    assert_non_null(s);
+    s[0] = '"';
+    memset(s + 1, ch, n);
+    s[n + 1] = '"';
+    s[n + 2] = '\0';
+    return s;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+
+static void test_ce_new_has_every_attribute(void **state)
+{
+    (void)state;
+    char id[37] = {0};
+    json_t *ev = tally_ce_new("tally.effect.confirmed.v1", "/tally/dispatcher/w1", "run-9",
+                              json_pack("{s:s}", "run_id", "run-9"), id);
+    assert_non_null(ev);
+    assert_int_equal(strlen(id), 36);
+    for (int i = 0; i < 36; i++) {
+        if (i == 8 || i == 13 || i == 18 || i == 23)
+            assert_int_equal(id[i], '-');
+        else
+            assert_non_null(strchr("0123456789abcdef", id[i]));
+    }
+    assert_string_equal(json_string_value(json_object_get(ev, "specversion")), "1.0");
+    assert_string_equal(json_string_value(json_object_get(ev, "id")), id);
+    assert_string_equal(json_string_value(json_object_get(ev, "source")), "/tally/dispatcher/w1");
+    assert_string_equal(json_string_value(json_object_get(ev, "type")),
+                        "tally.effect.confirmed.v1");
+    assert_string_equal(json_string_value(json_object_get(ev, "datacontenttype")),
+                        "application/json");
+    assert_string_equal(json_string_value(json_object_get(ev, "subject")), "run-9");
+    assert_string_equal(json_string_value(json_object_get(json_object_get(ev, "data"), "run_id")),
+                        "run-9");
+
+    /* RFC 3339 UTC with milliseconds: 2024-05-01T12:34:56.789Z */
+    const char *t = json_string_value(json_object_get(ev, "time"));
+    assert_non_null(t);
+    assert_int_equal(strlen(t), 24);
+    assert_int_equal(t[4], '-');
+    assert_int_equal(t[10], 'T');
+    assert_int_equal(t[19], '.');
+    assert_int_equal(t[23], 'Z');
+    json_decref(ev);
+}
+
+static void test_ce_new_without_subject_and_failures(void **state)
+{
+    (void)state;
+    json_t *ev =
+        tally_ce_new("tally.obligation.v1", "/tally/reconciler", NULL, json_object(), NULL);
+    assert_non_null(ev);
+    assert_null(json_object_get(ev, "subject"));
+    assert_true(json_is_object(json_object_get(ev, "data")));
+    json_decref(ev);
+
+    /* NULL data (a failed json_pack upstream) and strings jansson refuses give NULL; data
+     * is released either way (LeakSanitizer would see it). */
+    assert_null(tally_ce_new("t", "/s", NULL, NULL, NULL));
+    assert_null(tally_ce_new("t", "/bad\xff", NULL, json_object(), NULL));
+    assert_null(tally_ce_new(NULL, "/s", NULL, json_object(), NULL));
+
+    /* Two events never share an id. */
+    char a[37], b[37];
+    json_t *e1 = tally_ce_new("t", "/s", NULL, json_object(), a);
+    json_t *e2 = tally_ce_new("t", "/s", NULL, json_object(), b);
+    assert_non_null(e1);
+    assert_non_null(e2);
+    assert_string_not_equal(a, b);
+    json_decref(e1);
+    json_decref(e2);
+}
+
+static void test_ce_new_round_trips_through_the_parser(void **state)
+{
+    (void)state;
+    char id[37];
+    json_t *data = json_pack("{s:s, s:i, s:s, s:{s:s}}", "run_id", "r-rt", "step", 4, "tool",
+                             "send_email", "args", "to", "a@example.com");
+    json_t *ev = tally_ce_new("tally.intent.v1", "/test", "r-rt", data, id);
+    assert_non_null(ev);
+    char *text = json_dumps(ev, JSON_COMPACT);
+    json_decref(ev);
+    assert_non_null(text);
+
+    tally_intent_t in;
+    assert_int_equal(parse_str(text, &in), TALLY_DLQ_NONE);
+    assert_string_equal(in.id, id);
+    assert_string_equal(in.run_id, "r-rt");
+    assert_string_equal(in.step, "4");
+    assert_true(in.step_is_number);
+    assert_string_equal(in.tool, "send_email");
+    tally_intent_clear(&in);
+    free(text);
+}
+
+static void test_intent_with_every_field(void **state)
+{
+    (void)state;
+    const char *msg =
+        "{\"specversion\":\"1.0\",\"id\":\"ev-1\",\"source\":\"/agents/a1\","
+        "\"type\":\"tally.intent.v1\",\"time\":\"2024-05-01T12:00:00.000Z\","
+        "\"datacontenttype\":\"application/json\",\"subject\":\"run-1\",\"data\":{"
+        "\"run_id\":\"run-1\",\"step\":\"charge\",\"tool\":\"charge_card\","
+        "\"args\":{\"tenant_id\":\"t1\",\"payment_id\":\"pay_42\"},"
+        "\"operation_key\":\"refund:t1:pay_42:dup\",\"tenant\":\"t1\","
+        "\"traceparent\":\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"}}";
+    tally_intent_t in;
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    assert_non_null(in.doc);
+    assert_int_equal(in.type, TALLY_MSG_INTENT);
+    assert_string_equal(in.id, "ev-1");
+    assert_string_equal(in.run_id, "run-1");
+    assert_string_equal(in.step, "charge");
+    assert_false(in.step_is_number);
+    assert_string_equal(in.tool, "charge_card");
+    assert_true(json_is_object(in.args));
+    assert_string_equal(json_string_value(json_object_get(in.args, "payment_id")), "pay_42");
+    assert_string_equal(in.operation_key, "refund:t1:pay_42:dup");
+    assert_string_equal(in.tenant, "t1");
+    assert_string_equal(in.traceparent, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    assert_null(in.reason);
+    assert_false(in.compensate);
+    tally_intent_clear(&in);
+    assert_null(in.doc);
+    tally_intent_clear(&in); /* twice is harmless */
+    tally_intent_clear(NULL);
+}
+
+static void test_intent_optional_fields_absent_or_null(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    char *msg = envelope("tally.intent.v1", BASE_INTENT_DATA);
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    assert_null(in.operation_key);
+    assert_null(in.tenant);
+    assert_null(in.traceparent);
+    tally_intent_clear(&in);
+    free(msg);
+
+    /* null is "not given" for optional fields (agents in Python send None). */
+    assert_int_equal(
+        parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "operation_key", "null", &in),
+        TALLY_DLQ_NONE);
+    assert_null(in.operation_key);
+    tally_intent_clear(&in);
+
+    /* Unknown extra fields are welcome (more fields may come). */
+    assert_int_equal(
+        parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "x_note", "{\"a\":[1,2]}", &in),
+        TALLY_DLQ_NONE);
+    tally_intent_clear(&in);
+}
+
+static void test_step_integer_and_string(void **state)
+{
+    (void)state;
+    struct {
+        const char *json;
+        const char *text;
+        bool is_number;
+    } ok[] = {
+        {"3", "3", true},
+        {"0", "0", true},
+        {"9223372036854775807", "9223372036854775807", true},
+        {"\"12\"", "12", true},
+        {"\"007\"", "007", true},
+        {"\"charge\"", "charge", false},
+        {"\"3a\"", "3a", false},
+        {"\"étape-2\"", "étape-2", false},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        tally_intent_t in;
+        tally_dlq_reason_t r =
+            parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "step", ok[i].json, &in);
+        if (r != TALLY_DLQ_NONE)
+            fail_msg("step %s refused: %s", ok[i].json, detail);
+        assert_string_equal(in.step, ok[i].text);
+        assert_int_equal(in.step_is_number, ok[i].is_number);
+        tally_intent_clear(&in);
+    }
+
+    /* 100 bytes accepted, 101 refused. */
+    char *step100 = quoted_run('s', 100), *step101 = quoted_run('s', 101);
+    tally_intent_t in;
+    assert_int_equal(parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "step", step100, &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(strlen(in.step), 100);
+    tally_intent_clear(&in);
+    expect_field("tally.intent.v1", BASE_INTENT_DATA, "step", step101, TALLY_DLQ_INVALID_FIELD);
+    free(step100);
+    free(step101);
+
+    const char *bad[] = {"-1", "1.5", "1e3", "true", "null", "[]", "{}", "\"\"", "\"a\\nb\""};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        tally_dlq_reason_t r =
+            parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "step", bad[i], &in);
+        assert_refused(r, TALLY_DLQ_INVALID_FIELD,
+                       "data.step must be a string or a non-negative integer");
+    }
+    expect_field("tally.intent.v1", BASE_INTENT_DATA, "step", NULL, TALLY_DLQ_MISSING_FIELD);
+}
+
+static void test_intent_required_fields(void **state)
+{
+    (void)state;
+    const char *t = "tally.intent.v1";
+    expect_field(t, BASE_INTENT_DATA, "run_id", NULL, TALLY_DLQ_MISSING_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "tool", NULL, TALLY_DLQ_MISSING_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "args", NULL, TALLY_DLQ_MISSING_FIELD);
+
+    expect_field(t, BASE_INTENT_DATA, "run_id", "42", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "run_id", "\"\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "run_id", "\"run\\u0007bell\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "run_id", "\"run\\ttab\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "tool", "\"\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "tool", "[\"charge_card\"]", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "args", "[1,2]", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "args", "\"{}\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "args", "null", TALLY_DLQ_INVALID_FIELD);
+
+    /* run_id: 200 bytes accepted, 201 refused. */
+    char *v200 = quoted_run('r', 200), *v201 = quoted_run('r', 201);
+    tally_intent_t in;
+    assert_int_equal(parse_with_field(t, BASE_INTENT_DATA, "run_id", v200, &in), TALLY_DLQ_NONE);
+    assert_int_equal(strlen(in.run_id), 200);
+    tally_intent_clear(&in);
+    expect_field(t, BASE_INTENT_DATA, "run_id", v201, TALLY_DLQ_INVALID_FIELD);
+    free(v200);
+    free(v201);
+    assert_non_null(strstr(detail, "200 bytes"));
+}
+
+static void test_operation_key_and_tenant(void **state)
+{
+    (void)state;
+    const char *t = "tally.intent.v1";
+    tally_intent_t in;
+    char *k500 = quoted_run('k', 500), *k501 = quoted_run('k', 501);
+    assert_int_equal(parse_with_field(t, BASE_INTENT_DATA, "operation_key", k500, &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(strlen(in.operation_key), 500);
+    tally_intent_clear(&in);
+    expect_field(t, BASE_INTENT_DATA, "operation_key", k501, TALLY_DLQ_INVALID_FIELD);
+    free(k500);
+    free(k501);
+    expect_field(t, BASE_INTENT_DATA, "operation_key", "\"\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "operation_key", "17", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "tenant", "17", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_INTENT_DATA, "tenant", "{}", TALLY_DLQ_INVALID_FIELD);
+}
+
+static void test_traceparent(void **state)
+{
+    (void)state;
+    const char *t = "tally.intent.v1";
+    const char *good[] = {
+        "\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"",
+        "\"00-00000000000000000000000000000001-0000000000000001-00\"",
+        "\"00-ffffffffffffffffffffffffffffffff-ffffffffffffffff-ff\"",
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        tally_intent_t in;
+        tally_dlq_reason_t r = parse_with_field(t, BASE_INTENT_DATA, "traceparent", good[i], &in);
+        if (r != TALLY_DLQ_NONE)
+            fail_msg("traceparent %s refused: %s", good[i], detail);
+        assert_int_equal(strlen(in.traceparent), 55);
+        tally_intent_clear(&in);
+    }
+    const char *bad[] = {
+        "\"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"",  /* version */
+        "\"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01\"",  /* uppercase */
+        "\"00-00000000000000000000000000000000-00f067aa0ba902b7-01\"",  /* zero trace id */
+        "\"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01\"",  /* zero parent id */
+        "\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1\"",   /* short flags */
+        "\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-\"", /* trailing */
+        "\"00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01\"",  /* separators */
+        "\"00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01\"",  /* not hex */
+        "\"\"",
+        "\"junk\"",
+        "12",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_field(t, BASE_INTENT_DATA, "traceparent", bad[i], TALLY_DLQ_INVALID_FIELD);
+    /* Validated on the run-level messages too. */
+    expect_field("tally.cancel_run.v1", BASE_CANCEL_DATA, "traceparent", "\"00-zz\"",
+                 TALLY_DLQ_INVALID_FIELD);
+}
+
+static void test_compensate_run(void **state)
+{
+    (void)state;
+    const char *t = "tally.compensate_run.v1";
+    tally_intent_t in;
+    char *msg = envelope(t, BASE_COMPENSATE_DATA);
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    free(msg);
+    assert_int_equal(in.type, TALLY_MSG_COMPENSATE_RUN);
+    assert_string_equal(in.run_id, "run-1");
+    assert_string_equal(in.reason, "agent gave up");
+    assert_string_equal(in.step, "");
+    assert_null(in.tool);
+    assert_null(in.args);
+    assert_false(in.compensate);
+    tally_intent_clear(&in);
+
+    expect_field(t, BASE_COMPENSATE_DATA, "run_id", NULL, TALLY_DLQ_MISSING_FIELD);
+    expect_field(t, BASE_COMPENSATE_DATA, "reason", NULL, TALLY_DLQ_MISSING_FIELD);
+    expect_field(t, BASE_COMPENSATE_DATA, "reason", "false", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_COMPENSATE_DATA, "run_id", "[]", TALLY_DLQ_INVALID_FIELD);
+}
+
+static void test_cancel_run(void **state)
+{
+    (void)state;
+    const char *t = "tally.cancel_run.v1";
+    tally_intent_t in;
+    char *msg = envelope(t, BASE_CANCEL_DATA);
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    free(msg);
+    assert_int_equal(in.type, TALLY_MSG_CANCEL_RUN);
+    assert_string_equal(in.reason, "user cancelled");
+    assert_false(in.compensate); /* default */
+    tally_intent_clear(&in);
+
+    assert_int_equal(parse_with_field(t, BASE_CANCEL_DATA, "compensate", "true", &in),
+                     TALLY_DLQ_NONE);
+    assert_true(in.compensate);
+    tally_intent_clear(&in);
+    assert_int_equal(parse_with_field(t, BASE_CANCEL_DATA, "compensate", "false", &in),
+                     TALLY_DLQ_NONE);
+    assert_false(in.compensate);
+    tally_intent_clear(&in);
+
+    expect_field(t, BASE_CANCEL_DATA, "compensate", "\"yes\"", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_CANCEL_DATA, "compensate", "1", TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_CANCEL_DATA, "reason", NULL, TALLY_DLQ_MISSING_FIELD);
+    expect_field(t, BASE_CANCEL_DATA, "run_id", NULL, TALLY_DLQ_MISSING_FIELD);
+}
+
+static void test_too_large_is_refused_before_parsing(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    char *msg = envelope("tally.intent.v1", BASE_INTENT_DATA);
+    size_t len = strlen(msg);
+    /* Exactly at the limit is fine; one byte over is not. */
+    assert_int_equal(tally_intent_parse(msg, len, len, &in, detail, sizeof detail), TALLY_DLQ_NONE);
+    tally_intent_clear(&in);
+    assert_refused(tally_intent_parse(msg, len, len - 1, &in, detail, sizeof detail),
+                   TALLY_DLQ_TOO_LARGE, "above the limit");
+    free(msg);
+
+    /* 4 MiB of bytes that are neither UTF-8 nor JSON: the size decides, nothing else runs. */
+    size_t big = 4u * 1024 * 1024;
+    unsigned char *junk = malloc(big);
+    assert_non_null(junk);
+    memset(junk, 0xFF, big);
+    assert_refused(parse_buf(junk, big, &in), TALLY_DLQ_TOO_LARGE, "4194304 bytes");
+    assert_null(in.doc);
+    free(junk);
+}
+
+static void test_invalid_utf8(void **state)
+{
+    (void)state;
+    struct {
+        const char *bytes;
+        const char *what;
+    } cases[] = {
+        {"\xC0\xAF", "overlong '/'"},
+        {"\xE0\x80\xAF", "overlong 3-byte"},
+        {"\xED\xA0\x80", "UTF-16 lone surrogate U+D800 encoded in UTF-8"},
+        {"\xED\xBF\xBF", "surrogate U+DFFF"},
+        {"\xE2\x82", "truncated 3-byte sequence"},
+        {"\xF4\x90\x80\x80", "above U+10FFFF"},
+        {"\x80", "lone continuation byte"},
+        {"\xFF", "0xFF"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        static const char prefix[] = "{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\","
+                                     "\"type\":\"tally.intent.v1\",\"data\":{\"run_id\":\"r";
+        char msg[512], where[32];
+        /* Inside a string value, where a lax parser would carry it into the ledger. */
+        int n = snprintf(msg, sizeof msg, "%s%s\",\"step\":1,\"tool\":\"x\",\"args\":{}}}", prefix,
+                         cases[i].bytes);
+        snprintf(where, sizeof where, "offset %zu", sizeof prefix - 1);
+        tally_intent_t in;
+        tally_dlq_reason_t r = parse_buf(msg, (size_t)n, &in);
+        if (r != TALLY_DLQ_INVALID_UTF8)
+            fail_msg("%s: got %s (%s)", cases[i].what, tally_dlq_reason_name(r), detail);
+        assert_non_null(strstr(detail, where));
+        assert_true(tally_utf8_valid(detail, strlen(detail)));
+    }
+    /* Truncated at the very end of the message. */
+    tally_intent_t in;
+    assert_refused(parse_buf("{\"a\":\"\xF0\x9F\x98", 9, &in), TALLY_DLQ_INVALID_UTF8,
+                   "not valid UTF-8");
+}
+
+static void test_not_json(void **state)
+{
+    (void)state;
+    const char *cases[] = {
+        "",
+        "not json",
+        "{\"specversion\":\"1.0\",",
+        "{\"specversion\":\"1.0\"} trailing",
+        "{'single':'quotes'}",
+        "{\"a\":1,}",
+        "[1,2,3]",
+        "\"just a string\"",
+        "42",
+        "null",
+        "{\"s\":\"nul \\u0000 inside\"}",
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tally_intent_t in;
+        tally_dlq_reason_t r = parse_str(cases[i], &in);
+        if (r != TALLY_DLQ_NOT_JSON)
+            fail_msg("input %s: got %s (%s)", cases[i], tally_dlq_reason_name(r), detail);
+        assert_true(detail[0] != '\0');
+        assert_null(in.doc);
+    }
+    tally_intent_t in;
+    assert_refused(parse_str("{\n  \"a\": tru\n}", &in), TALLY_DLQ_NOT_JSON, "line 2");
+    assert_refused(parse_str("[]", &in), TALLY_DLQ_NOT_JSON, "an array, not a JSON object");
+    /* A raw NUL byte inside the buffer. */
+    assert_refused(parse_buf("{\"a\":\0\"b\"}", 10, &in), TALLY_DLQ_NOT_JSON, "not JSON");
+}
+
+static void test_duplicate_keys_refused(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    /* Two ids: which one would a consumer deduplicate on? */
+    assert_refused(parse_str("{\"specversion\":\"1.0\",\"id\":\"a\",\"id\":\"b\",\"source\":\"/s\","
+                             "\"type\":\"tally.intent.v1\",\"data\":{}}",
+                             &in),
+                   TALLY_DLQ_NOT_JSON, "duplicate");
+    /* Two amounts inside args: the tool and the ledger could read different ones. */
+    assert_refused(parse_str("{\"specversion\":\"1.0\",\"id\":\"a\",\"source\":\"/s\","
+                             "\"type\":\"tally.intent.v1\",\"data\":{\"run_id\":\"r\",\"step\":1,"
+                             "\"tool\":\"t\",\"args\":{\"amount\":1,\"amount\":1000}}}",
+                             &in),
+                   TALLY_DLQ_NOT_JSON, "duplicate");
+}
+
+static void test_not_cloudevent(void **state)
+{
+    (void)state;
+    const char *cases[][2] = {
+        {"{\"id\":\"e\",\"source\":\"/s\",\"type\":\"tally.intent.v1\",\"data\":{}}",
+         "specversion"},
+        {"{\"specversion\":\"0.3\",\"id\":\"e\",\"source\":\"/s\",\"type\":\"tally.intent.v1\"}",
+         "\"0.3\""},
+        {"{\"specversion\":1.0,\"id\":\"e\",\"source\":\"/s\",\"type\":\"tally.intent.v1\"}",
+         "specversion must be a string"},
+        {"{\"specversion\":\"1.0\",\"source\":\"/s\",\"type\":\"tally.intent.v1\"}", "id"},
+        {"{\"specversion\":\"1.0\",\"id\":\"\",\"source\":\"/s\",\"type\":\"tally.intent.v1\"}",
+         "id must be a non-empty string"},
+        {"{\"specversion\":\"1.0\",\"id\":7,\"source\":\"/s\",\"type\":\"tally.intent.v1\"}",
+         "id must be a string"},
+        {"{\"specversion\":\"1.0\",\"id\":\"e\",\"type\":\"tally.intent.v1\"}", "source"},
+        {"{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":null,\"type\":\"tally.intent.v1\"}",
+         "source must be a string"},
+        {"{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\"}", "type"},
+        {"{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\",\"type\":[]}",
+         "type must be a string"},
+        {"{}", "specversion"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tally_intent_t in;
+        assert_refused(parse_str(cases[i][0], &in), TALLY_DLQ_NOT_CLOUDEVENT, cases[i][1]);
+    }
+}
+
+static void test_unknown_type(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    char *msg = envelope("tally.intent.v2", BASE_INTENT_DATA);
+    assert_refused(parse_str(msg, &in), TALLY_DLQ_UNKNOWN_TYPE, "\"tally.intent.v2\"");
+    free(msg);
+    msg = envelope("tally.effect.confirmed.v1", "{}");
+    assert_refused(parse_str(msg, &in), TALLY_DLQ_UNKNOWN_TYPE, "tally.intent.v1");
+    free(msg);
+}
+
+static void test_data_missing_or_not_object(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    assert_refused(parse_str("{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\","
+                             "\"type\":\"tally.intent.v1\"}",
+                             &in),
+                   TALLY_DLQ_MISSING_FIELD, "data is missing");
+    assert_refused(parse_str("{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\","
+                             "\"type\":\"tally.intent.v1\",\"data_base64\":\"e30=\"}",
+                             &in),
+                   TALLY_DLQ_MISSING_FIELD, "data_base64");
+    const char *bad[] = {"[]", "\"{}\"", "null", "1"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char msg[256];
+        snprintf(msg, sizeof msg,
+                 "{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\","
+                 "\"type\":\"tally.cancel_run.v1\",\"data\":%s}",
+                 bad[i]);
+        assert_refused(parse_str(msg, &in), TALLY_DLQ_INVALID_FIELD, "data must be a JSON object");
+    }
+    assert_refused(parse_str("{\"specversion\":\"1.0\",\"id\":\"e\",\"source\":\"/s\","
+                             "\"type\":\"tally.intent.v1\",\"datacontenttype\":\"text/plain\","
+                             "\"data\":{}}",
+                             &in),
+                   TALLY_DLQ_INVALID_FIELD, "datacontenttype");
+    /* application/json with parameters and +json types are JSON. */
+    char *base = envelope("tally.intent.v1", BASE_INTENT_DATA);
+    json_error_t jerr;
+    json_t *doc = json_loads(base, 0, &jerr);
+    free(base);
+    json_object_set_new(doc, "datacontenttype", json_string("application/json; charset=utf-8"));
+    char *msg = json_dumps(doc, JSON_COMPACT);
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    tally_intent_clear(&in);
+    free(msg);
+    json_decref(doc);
+}
+
+static void test_reason_names(void **state)
+{
+    (void)state;
+    const struct {
+        tally_dlq_reason_t r;
+        const char *name;
+    } names[] = {
+        {TALLY_DLQ_NONE, "none"},
+        {TALLY_DLQ_TOO_LARGE, "too_large"},
+        {TALLY_DLQ_INVALID_UTF8, "invalid_utf8"},
+        {TALLY_DLQ_NOT_JSON, "not_json"},
+        {TALLY_DLQ_NOT_CLOUDEVENT, "not_cloudevent"},
+        {TALLY_DLQ_UNKNOWN_TYPE, "unknown_type"},
+        {TALLY_DLQ_MISSING_FIELD, "missing_field"},
+        {TALLY_DLQ_INVALID_FIELD, "invalid_field"},
+        {TALLY_DLQ_UNKNOWN_TOOL, "unknown_tool"},
+        {TALLY_DLQ_MISSING_OPERATION_KEY, "missing_operation_key"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        assert_string_equal(tally_dlq_reason_name(names[i].r), names[i].name);
+}
+
+static void test_detail_stays_utf8_and_bounded(void **state)
+{
+    (void)state;
+    /* A long type of 3-byte characters, quoted into a small buffer: the cut must not split
+     * a character (the DLQ writes the detail as a JSON string). */
+    char type[3 * 400 + 1];
+    for (int i = 0; i < 400; i++)
+        memcpy(type + 3 * i, "\xE2\x82\xAC", 3); /* € */
+    type[3 * 400] = '\0';
+    char *msg = envelope(type, "{}");
+    for (size_t sz = 1; sz < 120; sz++) {
+        char small[120];
+        tally_intent_t in;
+        tally_dlq_reason_t r = tally_intent_parse(msg, strlen(msg), MAX_BYTES, &in, small, sz);
+        assert_int_equal(r, TALLY_DLQ_UNKNOWN_TYPE);
+        assert_true(strlen(small) < sz);
+        assert_true(tally_utf8_valid(small, strlen(small)));
+    }
+    /* A NULL detail is allowed. */
+    tally_intent_t in;
+    assert_int_equal(tally_intent_parse(msg, strlen(msg), MAX_BYTES, &in, NULL, 0),
+                     TALLY_DLQ_UNKNOWN_TYPE);
+    free(msg);
+    /* Control characters quoted from the input are not copied into the sentence. */
+    msg = envelope("evil\r\ntype", "{}");
+    assert_refused(parse_str(msg, &in), TALLY_DLQ_UNKNOWN_TYPE, "evil??type");
+    free(msg);
+}
+
+static void test_deep_nesting(void **state)
+{
+    (void)state;
+    /* Far beyond jansson's depth limit: refused as not JSON, no stack overflow. */
+    size_t depth = 200000;
+    char *deep = malloc(2 * depth + 1);
+    assert_non_null(deep);
+    memset(deep, '[', depth);
+    memset(deep + depth, ']', depth);
+    deep[2 * depth] = '\0';
+    tally_intent_t in;
+    assert_refused(parse_str(deep, &in), TALLY_DLQ_NOT_JSON, NULL);
+    for (size_t i = 0; i < depth; i++)
+        deep[i] = (i % 2) ? '[' : '{';
+    assert_int_equal(parse_buf(deep, depth, &in), TALLY_DLQ_NOT_JSON);
+    free(deep);
+
+    /* Moderately deep args are just args. */
+    char args[2100];
+    size_t n = 0, levels = 500;
+    for (size_t i = 0; i < levels; i++)
+        args[n++] = '[';
+    for (size_t i = 0; i < levels; i++)
+        args[n++] = ']';
+    args[n] = '\0';
+    char data[2300];
+    snprintf(data, sizeof data,
+             "{\"run_id\":\"r\",\"step\":1,\"tool\":\"t\",\"args\":{\"deep\":%s}}", args);
+    char *msg = envelope("tally.intent.v1", data);
+    assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
+    tally_intent_clear(&in);
+    free(msg);
+}
+
+/* xorshift64*: reproducible inputs, so a failure can be replayed. */
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1Dull;
+}
+
+static void check_any_input(const unsigned char *buf, size_t len)
+{
+    tally_intent_t in;
+    char d[256];
+    tally_dlq_reason_t r = tally_intent_parse(buf, len, 4096, &in, d, sizeof d);
+    if (r == TALLY_DLQ_NONE) {
+        assert_non_null(in.doc);
+        assert_non_null(in.id);
+        assert_non_null(in.run_id);
+        if (in.type == TALLY_MSG_INTENT) {
+            assert_non_null(in.tool);
+            assert_true(json_is_object(in.args));
+            assert_true(in.step[0] != '\0');
+        } else {
+            assert_non_null(in.reason);
+        }
+        tally_intent_clear(&in);
+    } else {
+        assert_null(in.doc);
+        assert_true(d[0] != '\0');
+        assert_true(tally_utf8_valid(d, strlen(d)));
+        assert_true(r == TALLY_DLQ_TOO_LARGE || r == TALLY_DLQ_INVALID_UTF8 ||
+                    r == TALLY_DLQ_NOT_JSON || r == TALLY_DLQ_NOT_CLOUDEVENT ||
+                    r == TALLY_DLQ_UNKNOWN_TYPE || r == TALLY_DLQ_MISSING_FIELD ||
+                    r == TALLY_DLQ_INVALID_FIELD);
+    }
+}
+
+static void test_random_and_truncated_inputs_never_crash(void **state)
+{
+    (void)state;
+    const char *seeds[] = {
+        "{\"specversion\":\"1.0\",\"id\":\"e1\",\"source\":\"/a\",\"type\":\"tally.intent.v1\","
+        "\"data\":{\"run_id\":\"r\",\"step\":\"s1\",\"tool\":\"t\",\"args\":{\"k\":[1,2.5,null,"
+        "true,\"\xC3\xA9\"]},\"operation_key\":\"k1\",\"tenant\":\"t\",\"traceparent\":"
+        "\"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\"}}",
+        "{\"specversion\":\"1.0\",\"id\":\"e2\",\"source\":\"/a\",\"type\":\"tally.cancel_run.v1\","
+        "\"data\":{\"run_id\":\"r\",\"reason\":\"x\",\"compensate\":true}}",
+        "{\"specversion\":\"1.0\",\"id\":\"e3\",\"source\":\"/a\","
+        "\"type\":\"tally.compensate_run.v1\",\"data\":{\"run_id\":\"r\",\"reason\":\"x\"}}",
+    };
+    static const char alphabet[] = "{}[]\",:0-9e.\\ntfu\x80\xC3\xFF";
+    unsigned char buf[4200];
+    for (size_t s = 0; s < sizeof seeds / sizeof seeds[0]; s++) {
+        size_t len = strlen(seeds[s]);
+        /* Every truncation. */
+        for (size_t cut = 0; cut <= len; cut++) {
+            memcpy(buf, seeds[s], cut);
+            check_any_input(buf, cut);
+        }
+        /* Random mutations: flip, replace or insert bytes. */
+        for (int round = 0; round < 4000; round++) {
+            size_t n = len;
+            memcpy(buf, seeds[s], len);
+            int edits = 1 + (int)(rng() % 4);
+            for (int e = 0; e < edits; e++) {
+                size_t at = (size_t)(rng() % n);
+                switch (rng() % 3) {
+                case 0:
+                    buf[at] ^= (unsigned char)(1u << (rng() % 8));
+                    break;
+                case 1:
+                    buf[at] = (unsigned char)alphabet[rng() % (sizeof alphabet - 1)];
+                    break;
+                default:
+                    if (n + 1 < sizeof buf) {
+                        memmove(buf + at + 1, buf + at, n - at);
+                        buf[at] = (unsigned char)rng();
+                        n++;
+                    }
+                }
+            }
+            check_any_input(buf, n);
+        }
+    }
+    /* Pure noise, including lengths above the 4096-byte limit given to the parser. */
+    for (int round = 0; round < 3000; round++) {
+        size_t n = (size_t)(rng() % sizeof buf);
+        for (size_t i = 0; i < n; i++)
+            buf[i] = (unsigned char)rng();
+        check_any_input(buf, n);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ce_new_has_every_attribute),
+        cmocka_unit_test(test_ce_new_without_subject_and_failures),
+        cmocka_unit_test(test_ce_new_round_trips_through_the_parser),
+        cmocka_unit_test(test_intent_with_every_field),
+        cmocka_unit_test(test_intent_optional_fields_absent_or_null),
+        cmocka_unit_test(test_step_integer_and_string),
+        cmocka_unit_test(test_intent_required_fields),
+        cmocka_unit_test(test_operation_key_and_tenant),
+        cmocka_unit_test(test_traceparent),
+        cmocka_unit_test(test_compensate_run),
+        cmocka_unit_test(test_cancel_run),
+        cmocka_unit_test(test_too_large_is_refused_before_parsing),
+        cmocka_unit_test(test_invalid_utf8),
+        cmocka_unit_test(test_not_json),
+        cmocka_unit_test(test_duplicate_keys_refused),
+        cmocka_unit_test(test_not_cloudevent),
+        cmocka_unit_test(test_unknown_type),
+        cmocka_unit_test(test_data_missing_or_not_object),
+        cmocka_unit_test(test_reason_names),
+        cmocka_unit_test(test_detail_stays_utf8_and_bounded),
+        cmocka_unit_test(test_deep_nesting),
+        cmocka_unit_test(test_random_and_truncated_inputs_never_crash),
+    };
+    return cmocka_run_group_tests_name("cloudevent", tests, NULL, NULL);
+}
