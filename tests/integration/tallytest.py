@@ -182,11 +182,15 @@ class TallyCase(unittest.TestCase):
         self.stack = Stack.get()
         self.tmp = tempfile.mkdtemp(prefix=f"tally-{self._testMethodName[:20]}-")
         self.dbname = "t_" + uuid.uuid4().hex[:12]
-        with psycopg2.connect(self.stack.pg) as admin:
+        # Not `with connect(...)`: psycopg2 wraps that block in a transaction, and CREATE
+        # DATABASE cannot run inside one.
+        admin = psycopg2.connect(self.stack.pg)
+        try:
             admin.autocommit = True
             with admin.cursor() as cur:
                 cur.execute(f'CREATE DATABASE "{self.dbname}"')
-        admin.close()
+        finally:
+            admin.close()
         self.pg = psycopg2.extensions.make_dsn(self.stack.pg, dbname=self.dbname)
         self.prefix = f"t{uuid.uuid4().hex[:8]}."
         self.procs = []

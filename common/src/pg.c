@@ -1,0 +1,433 @@
+/* pg.c — a PostgreSQL connection that reconnects with backoff, and parameterised queries. */
+#include "tally/pg.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tally/log.h"
+
+#define PG_BACKOFF_MIN_MS 100
+#define PG_BACKOFF_MAX_MS 5000
+
+struct tally_pg {
+    char *conninfo;
+    char *application_name;
+    PGconn *conn;
+    /* set when a statement saw the connection drop; the next use reconnects */
+    bool broken;
+    /* BEGIN succeeded and neither COMMIT nor ROLLBACK has run: a lost connection must not be
+     * replaced silently, or the caller's next statement would run outside its transaction */
+    bool in_tx;
+    /* the last connection attempt failed: warn once per outage, not once per attempt */
+    bool failing;
+    char **channels;
+    size_t n_channels;
+    unsigned int seed;
+};
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* libpq messages end with a newline (sometimes several lines); keep the first line only. */
+static void copy_message(char *dst, size_t dstsz, const char *src)
+{
+    if (src == NULL || *src == '\0')
+        src = "unknown error";
+    size_t n = strcspn(src, "\n");
+    if (n >= dstsz)
+        n = dstsz - 1;
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
+static bool sqlstate_retriable(const char *state)
+{
+    if (state == NULL)
+        return false;
+    return strncmp(state, "08", 2) == 0 || strcmp(state, "40001") == 0 ||
+           strcmp(state, "40P01") == 0 || strcmp(state, "57P01") == 0 ||
+           strcmp(state, "57P02") == 0 || strcmp(state, "57P03") == 0;
+}
+
+/* Server notices (e.g. "relation already exists, skipping") go to the log, not to stderr. */
+static void notice_processor(void *arg, const char *message)
+{
+    (void)arg;
+    char line[512];
+    copy_message(line, sizeof(line), message);
+    TALLY_DEBUG("postgresql: %s", line);
+}
+
+tally_pg_t *tally_pg_new(const char *conninfo, const char *application_name)
+{
+    tally_pg_t *pg = calloc(1, sizeof(*pg));
+    if (pg == NULL)
+        return NULL;
+    pg->conninfo = strdup(conninfo ? conninfo : "");
+    pg->application_name = strdup(application_name ? application_name : "tally");
+    if (pg->conninfo == NULL || pg->application_name == NULL) {
+        tally_pg_free(pg);
+        return NULL;
+    }
+    pg->seed = (unsigned int)((uintptr_t)pg ^ (uintptr_t)getpid() ^ (uintptr_t)now_ms());
+    return pg;
+}
+
+static void drop_conn(tally_pg_t *pg)
+{
+    if (pg->conn != NULL)
+        PQfinish(pg->conn);
+    pg->conn = NULL;
+    pg->broken = false;
+    pg->in_tx = false;
+}
+
+bool tally_pg_ok(const tally_pg_t *pg)
+{
+    return pg != NULL && pg->conn != NULL && !pg->broken && PQstatus(pg->conn) == CONNECTION_OK;
+}
+
+PGconn *tally_pg_conn(tally_pg_t *pg)
+{
+    return tally_pg_ok(pg) ? pg->conn : NULL;
+}
+
+static bool listen_one(PGconn *conn, const char *channel, tally_error_t *err)
+{
+    char *ident = PQescapeIdentifier(conn, channel, strlen(channel));
+    if (ident == NULL) {
+        tally_error_set(err, "08006", true, "LISTEN %s: %s", channel, PQerrorMessage(conn));
+        return false;
+    }
+    size_t len = strlen(ident) + sizeof("LISTEN ");
+    char *sql = malloc(len);
+    if (sql == NULL) {
+        PQfreemem(ident);
+        tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+        return false;
+    }
+    snprintf(sql, len, "LISTEN %s", ident);
+    PQfreemem(ident);
+    PGresult *res = PQexec(conn, sql);
+    free(sql);
+    bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+    if (!ok) {
+        const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+        char msg[400];
+        copy_message(msg, sizeof(msg), PQerrorMessage(conn));
+        tally_error_set(err, state ? state : "08006", state ? sqlstate_retriable(state) : true,
+                        "LISTEN %s: %s", channel, msg);
+    }
+    PQclear(res);
+    return ok;
+}
+
+/* One connection attempt, including LISTEN for every registered channel. */
+static bool connect_once(tally_pg_t *pg, tally_error_t *err)
+{
+    drop_conn(pg);
+    /* Entries before the expanded "dbname" are defaults that the conninfo may override. */
+    const char *keys[4];
+    const char *vals[4];
+    int n = 0;
+    keys[n] = "application_name";
+    vals[n++] = pg->application_name;
+    if (getenv("PGCONNECT_TIMEOUT") == NULL) {
+        keys[n] = "connect_timeout";
+        vals[n++] = "10";
+    }
+    keys[n] = "dbname";
+    vals[n++] = pg->conninfo;
+    keys[n] = NULL;
+    vals[n] = NULL;
+
+    PGconn *conn = PQconnectdbParams(keys, vals, 1);
+    if (conn == NULL) {
+        tally_error_set(err, "08001", true, "cannot connect to PostgreSQL: out of memory");
+        return false;
+    }
+    if (PQstatus(conn) != CONNECTION_OK) {
+        char msg[480];
+        copy_message(msg, sizeof(msg), PQerrorMessage(conn));
+        tally_error_set(err, "08001", true, "cannot connect to PostgreSQL: %s", msg);
+        PQfinish(conn);
+        return false;
+    }
+    PQsetNoticeProcessor(conn, notice_processor, NULL);
+    for (size_t i = 0; i < pg->n_channels; i++) {
+        if (!listen_one(conn, pg->channels[i], err)) {
+            PQfinish(conn);
+            return false;
+        }
+    }
+    pg->conn = conn;
+    return true;
+}
+
+/* Sleep @p ms in short slices so a stop request is seen promptly. */
+static void sleep_ms(int ms, volatile const int *stop)
+{
+    while (ms > 0 && !(stop && *stop)) {
+        int slice = ms < 50 ? ms : 50;
+        struct timespec ts = {slice / 1000, (long)(slice % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+        ms -= slice;
+    }
+}
+
+bool tally_pg_connect(tally_pg_t *pg, int deadline_ms, volatile const int *stop, tally_error_t *err)
+{
+    if (tally_pg_ok(pg))
+        return true;
+    int64_t deadline = now_ms() + (deadline_ms > 0 ? deadline_ms : 0);
+    int backoff = PG_BACKOFF_MIN_MS;
+    int attempt = 0;
+    for (;;) {
+        attempt++;
+        tally_error_t local;
+        tally_error_t *e = err ? err : &local;
+        if (connect_once(pg, e)) {
+            if (pg->failing)
+                TALLY_INFO("connected to PostgreSQL again");
+            pg->failing = false;
+            return true;
+        }
+        pg->failing = true;
+        /* a single attempt is the caller's to report; a retry loop reports its own progress */
+        if (deadline_ms == 0 || (stop && *stop))
+            return false;
+        if (attempt == 1)
+            TALLY_WARN("%s; retrying", e->message);
+        else
+            TALLY_DEBUG("%s (attempt %d)", e->message, attempt);
+        /* full backoff halved plus a random half: spreads reconnect storms */
+        int delay = backoff / 2 + (int)(rand_r(&pg->seed) % (unsigned)(backoff / 2 + 1));
+        if (deadline_ms > 0) {
+            int64_t left = deadline - now_ms();
+            if (left <= 0)
+                return false;
+            if (delay > left)
+                delay = (int)left;
+        }
+        sleep_ms(delay, stop);
+        if (stop && *stop)
+            return false;
+        if (deadline_ms > 0 && now_ms() >= deadline)
+            return false;
+        backoff = backoff * 2 > PG_BACKOFF_MAX_MS ? PG_BACKOFF_MAX_MS : backoff * 2;
+    }
+}
+
+/* Fill @p err from a failed result or the connection, and note a lost connection. */
+static void result_error(tally_pg_t *pg, PGresult *res, tally_error_t *err)
+{
+    const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    const char *primary = res ? PQresultErrorField(res, PG_DIAG_MESSAGE_PRIMARY) : NULL;
+    char msg[480];
+    copy_message(msg, sizeof(msg), primary ? primary : PQerrorMessage(pg->conn));
+    bool lost = PQstatus(pg->conn) != CONNECTION_OK;
+    if (lost)
+        pg->broken = true;
+    if (state != NULL && *state != '\0')
+        tally_error_set(err, state, lost || sqlstate_retriable(state), "%s", msg);
+    else if (lost)
+        tally_error_set(err, "08006", true, "PostgreSQL connection lost: %s", msg);
+    else /* refused by libpq itself, before reaching the server */
+        tally_error_set(err, "pg_client", false, "%s", msg);
+}
+
+static bool ensure_connected(tally_pg_t *pg, tally_error_t *err)
+{
+    if (tally_pg_ok(pg))
+        return true;
+    if (pg->in_tx) {
+        tally_error_set(err, "08006", true,
+                        "PostgreSQL connection lost inside a transaction; roll back and retry");
+        return false;
+    }
+    return tally_pg_connect(pg, 0, NULL, err);
+}
+
+PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                        tally_error_t *err)
+{
+    if (!ensure_connected(pg, err))
+        return NULL;
+    PGresult *res = PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+    ExecStatusType st = PQresultStatus(res);
+    if (res != NULL && (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK))
+        return res;
+    result_error(pg, res, err);
+    PQclear(res);
+    return NULL;
+}
+
+bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                  tally_error_t *err)
+{
+    PGresult *res = tally_pg_exec(pg, sql, nparams, params, err);
+    if (res == NULL)
+        return false;
+    PQclear(res);
+    return true;
+}
+
+bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err)
+{
+    if (pg->in_tx)
+        tally_pg_rollback(pg); /* a caller that lost track: never nest silently */
+    if (!tally_pg_run(pg, "BEGIN", 0, NULL, err))
+        return false;
+    pg->in_tx = true;
+    return true;
+}
+
+bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err)
+{
+    if (!tally_pg_ok(pg)) {
+        pg->in_tx = false;
+        tally_error_set(err, "08006", true, "PostgreSQL connection lost before COMMIT");
+        return false;
+    }
+    PGresult *res = tally_pg_exec(pg, "COMMIT", 0, NULL, err);
+    pg->in_tx = false;
+    if (res == NULL)
+        return false;
+    /* COMMIT of a transaction that already failed answers "ROLLBACK", not an error */
+    bool rolled_back = strcmp(PQcmdStatus(res), "ROLLBACK") == 0;
+    PQclear(res);
+    if (rolled_back) {
+        tally_error_set(err, "25P02", false,
+                        "transaction was aborted by an earlier error; COMMIT rolled it back");
+        return false;
+    }
+    return true;
+}
+
+void tally_pg_rollback(tally_pg_t *pg)
+{
+    if (pg == NULL)
+        return;
+    pg->in_tx = false;
+    if (!tally_pg_ok(pg))
+        return;
+    if (PQtransactionStatus(pg->conn) == PQTRANS_IDLE)
+        return;
+    PGresult *res = PQexec(pg->conn, "ROLLBACK");
+    if (PQresultStatus(res) != PGRES_COMMAND_OK && PQstatus(pg->conn) != CONNECTION_OK)
+        pg->broken = true;
+    PQclear(res);
+}
+
+bool tally_pg_listen(tally_pg_t *pg, const char *channel, tally_error_t *err)
+{
+    bool known = false;
+    for (size_t i = 0; i < pg->n_channels; i++)
+        if (strcmp(pg->channels[i], channel) == 0)
+            known = true;
+    if (!known) {
+        char **grown = realloc(pg->channels, (pg->n_channels + 1) * sizeof(*grown));
+        if (grown == NULL) {
+            tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+            return false;
+        }
+        pg->channels = grown;
+        pg->channels[pg->n_channels] = strdup(channel);
+        if (pg->channels[pg->n_channels] == NULL) {
+            tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+            return false;
+        }
+        pg->n_channels++;
+    }
+    /* A fresh connection LISTENs on every registered channel as it connects. */
+    if (!tally_pg_ok(pg))
+        return ensure_connected(pg, err);
+    if (!listen_one(pg->conn, channel, err)) {
+        if (PQstatus(pg->conn) != CONNECTION_OK)
+            pg->broken = true;
+        return false;
+    }
+    return true;
+}
+
+static int drain_notifies(tally_pg_t *pg)
+{
+    int n = 0;
+    PGnotify *nf;
+    while ((nf = PQnotifies(pg->conn)) != NULL) {
+        n++;
+        PQfreemem(nf);
+    }
+    return n;
+}
+
+int tally_pg_wait_notify(tally_pg_t *pg, int timeout_ms)
+{
+    if (timeout_ms < 0)
+        timeout_ms = 0;
+    if (!tally_pg_ok(pg)) {
+        tally_error_t err;
+        if (pg->in_tx || !tally_pg_connect(pg, 0, NULL, &err)) {
+            sleep_ms(timeout_ms, NULL);
+            return 0;
+        }
+    }
+    /* notifications may already be buffered from an earlier statement */
+    if (!PQconsumeInput(pg->conn)) {
+        pg->broken = true;
+        return 0;
+    }
+    int n = drain_notifies(pg);
+    int64_t deadline = now_ms() + timeout_ms;
+    while (n == 0) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0)
+            break;
+        struct pollfd pfd = {.fd = PQsocket(pg->conn), .events = POLLIN};
+        if (pfd.fd < 0) {
+            pg->broken = true;
+            break;
+        }
+        int rc = poll(&pfd, 1, (int)left);
+        if (rc < 0) {
+            if (errno == EINTR)
+                break; /* a signal: let the caller look at its stop flag */
+            pg->broken = true;
+            break;
+        }
+        if (rc == 0)
+            break;
+        if (!PQconsumeInput(pg->conn)) {
+            char msg[400];
+            copy_message(msg, sizeof(msg), PQerrorMessage(pg->conn));
+            TALLY_WARN("PostgreSQL connection lost while waiting for notifications: %s", msg);
+            pg->broken = true;
+            break;
+        }
+        n = drain_notifies(pg);
+    }
+    return n;
+}
+
+void tally_pg_free(tally_pg_t *pg)
+{
+    if (pg == NULL)
+        return;
+    if (pg->conn != NULL)
+        PQfinish(pg->conn);
+    for (size_t i = 0; i < pg->n_channels; i++)
+        free(pg->channels[i]);
+    free(pg->channels);
+    free(pg->conninfo);
+    free(pg->application_name);
+    free(pg);
+}

@@ -1,0 +1,606 @@
+/* relay.c — publishes the message outbox to Kafka; deletes a row only after its delivery report.
+ *
+ * A round leases rows with one UPDATE (FOR UPDATE SKIP LOCKED, lease from now()), produces
+ * them with the idempotent producer, waits for every delivery report, then DELETEs the
+ * delivered rows and releases the failed ones with a backoff, one statement each. A relay
+ * that dies mid-round leaves leased rows that another relay publishes once the lease ends:
+ * a message may be published twice (consumers deduplicate by the CloudEvent id, which the
+ * "ce_id" header also carries) but is never lost.
+ */
+#include "tally/relay.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <jansson.h>
+
+#include "tally/kafka.h"
+#include "tally/log.h"
+#include "tally/pg.h"
+
+#define NOTIFY_CHANNEL      "tally_message_outbox"
+#define DEFAULT_MSG_TIMEOUT 30000
+#define GAUGE_REFRESH_MS    1000
+#define STOP_WAIT_CAP_MS    5000
+
+/* The logical topics message_outbox allows (its CHECK constraint). */
+static const char *const RELAY_TOPICS[] = {"outcomes", "obligations", "alerts", "dlq"};
+#define N_RELAY_TOPICS (sizeof(RELAY_TOPICS) / sizeof(RELAY_TOPICS[0]))
+
+/* Lease up to $2 due rows for $1 until now() + $3 ms; attempts counts publications tried. */
+static const char SQL_LEASE[] =
+    "UPDATE message_outbox SET lease_owner = $1,"
+    " lease_until = now() + $3::int * interval '1 millisecond', attempts = attempts + 1"
+    " WHERE id IN (SELECT id FROM message_outbox"
+    "  WHERE lease_until IS NULL OR lease_until < now()"
+    "  ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+    " RETURNING id, topic, msg_key, event_id, payload";
+
+/* Delivered: gone. Only while still ours; a row re-leased by another relay is its business. */
+static const char SQL_DELETE[] =
+    "DELETE FROM message_outbox WHERE id = ANY($1::bigint[]) AND lease_owner = $2";
+
+/* Not delivered: back in the queue after 1 s, 2 s, 4 s ... 30 s, with the reason. */
+static const char SQL_RELEASE[] =
+    "UPDATE message_outbox m SET lease_owner = NULL, last_error = f.err,"
+    " lease_until = now() + least(interval '30 seconds',"
+    "  interval '1 second' * power(2, least(greatest(m.attempts, 1), 6) - 1))"
+    " FROM json_to_recordset($1::json) AS f(id bigint, err text)"
+    " WHERE m.id = f.id AND m.lease_owner = $2";
+
+static const char SQL_BACKLOG[] =
+    "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8"
+    " FROM message_outbox";
+
+typedef enum {
+    RELAY_ROW_PENDING = 0,
+    RELAY_ROW_DELIVERED,
+    RELAY_ROW_FAILED,
+} relay_row_state_t;
+
+typedef struct relay_row {
+    int64_t id;
+    const char *topic; /* logical name; points into the round's PGresult */
+    const char *key;   /* may be NULL */
+    const char *event_id;
+    const char *payload;
+    int payload_len;
+    relay_row_state_t state;
+    char error[256];
+} relay_row_t;
+
+/* A growable list of row ids. */
+typedef struct id_list {
+    int64_t *ids;
+    size_t n, cap;
+} id_list_t;
+
+struct tally_relay {
+    char *prefix;
+    char *owner; /* lease_owner written on leased rows */
+    char *worker_id;
+    int batch;
+    int poll_ms;
+    int lease_ms; /* longer than the longest wait for delivery reports */
+    int wait_ms;  /* message.timeout.ms plus a margin: every report arrives within it */
+
+    const tally_config_t *cfg; /* for re-creating the producer after a fatal error */
+    tally_pg_t *pg;
+    rd_kafka_t *rk;
+    /* handles for RELAY_TOPICS, made with the producer so their metadata is fetched early */
+    rd_kafka_topic_t *rkt[N_RELAY_TOPICS];
+
+    tally_metrics_t *metrics;
+    tally_metric_t *m_published;
+    tally_metric_t *m_failures;
+    tally_metric_t *m_backlog;
+    tally_metric_t *m_lag;
+    int64_t gauges_at_ms;
+    bool gauges_stale; /* rows moved since the last refresh */
+
+    /* the current round: delivery reports are matched to rows by id */
+    relay_row_t *rows;
+    size_t n_rows;
+    size_t pending;
+    /* delivered after their round stopped waiting (or whose DELETE failed): deleted next round */
+    id_list_t late;
+
+    pthread_t thread;
+    bool started;
+    volatile const int *stop;
+    atomic_int closing;
+};
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static bool id_list_push(id_list_t *l, int64_t id)
+{
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        int64_t *grown = realloc(l->ids, cap * sizeof(*grown));
+        if (grown == NULL)
+            return false;
+        l->ids = grown;
+        l->cap = cap;
+    }
+    l->ids[l->n++] = id;
+    return true;
+}
+
+static bool stopping(const tally_relay_t *r)
+{
+    return atomic_load(&r->closing) || (r->stop != NULL && *r->stop);
+}
+
+static int cmp_row_id(const void *a, const void *b)
+{
+    int64_t x = ((const relay_row_t *)a)->id, y = ((const relay_row_t *)b)->id;
+    return (x > y) - (x < y);
+}
+
+static relay_row_t *find_row(tally_relay_t *r, int64_t id)
+{
+    relay_row_t key = {.id = id};
+    if (r->n_rows == 0)
+        return NULL;
+    return bsearch(&key, r->rows, r->n_rows, sizeof(*r->rows), cmp_row_id);
+}
+
+/* Called from rd_kafka_poll/flush on the thread that polls: the relay's own. */
+static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *msg, void *opaque)
+{
+    (void)rk;
+    tally_relay_t *r = opaque;
+    int64_t id = (int64_t)(intptr_t)msg->_private;
+    relay_row_t *row = find_row(r, id);
+    if (row == NULL || row->state != RELAY_ROW_PENDING) {
+        /* a report for an earlier round that stopped waiting for it */
+        if (msg->err == RD_KAFKA_RESP_ERR_NO_ERROR) {
+            if (!id_list_push(&r->late, id))
+                TALLY_WARN("message_outbox row %" PRId64 " was delivered late but cannot be "
+                           "queued for deletion (out of memory); it will be published again",
+                           id);
+        } else {
+            TALLY_WARN("message_outbox row %" PRId64 " not delivered: %s; it will be retried "
+                       "when its lease ends",
+                       id, rd_kafka_err2str(msg->err));
+        }
+        return;
+    }
+    if (msg->err == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        row->state = RELAY_ROW_DELIVERED;
+    } else {
+        row->state = RELAY_ROW_FAILED;
+        snprintf(row->error, sizeof(row->error), "%s", rd_kafka_err2str(msg->err));
+    }
+    r->pending--;
+}
+
+/* The message timeout the producer runs with: a passthrough, or tally's default. */
+static int message_timeout_ms(const tally_config_t *cfg)
+{
+    for (size_t i = 0; i < cfg->n_kafka_props; i++)
+        if (strcmp(cfg->kafka_props[i].name, "message.timeout.ms") == 0 ||
+            strcmp(cfg->kafka_props[i].name, "delivery.timeout.ms") == 0) {
+            long v = strtol(cfg->kafka_props[i].value, NULL, 10);
+            /* 0 means "no limit" to librdkafka; the lease still has to end somewhere */
+            return v > 0 && v < 3600000 ? (int)v : 300000;
+        }
+    return DEFAULT_MSG_TIMEOUT;
+}
+
+static void drop_producer(tally_relay_t *r)
+{
+    for (size_t i = 0; i < N_RELAY_TOPICS; i++) {
+        if (r->rkt[i] != NULL)
+            rd_kafka_topic_destroy(r->rkt[i]);
+        r->rkt[i] = NULL;
+    }
+    rd_kafka_t *rk = r->rk;
+    r->rk = NULL;
+    tally_kafka_producer_close(rk, 5000);
+}
+
+static bool make_producer(tally_relay_t *r, char *errstr, size_t errsz)
+{
+    r->rk = tally_kafka_producer_new(r->cfg, true, on_delivery, r, errstr, errsz);
+    if (r->rk == NULL)
+        return false;
+    for (size_t i = 0; i < N_RELAY_TOPICS; i++) {
+        char name[512];
+        snprintf(name, sizeof(name), "%s%s", r->prefix, RELAY_TOPICS[i]);
+        r->rkt[i] = rd_kafka_topic_new(r->rk, name, NULL);
+        if (r->rkt[i] == NULL) {
+            snprintf(errstr, errsz, "Kafka topic %s: %s", name,
+                     rd_kafka_err2str(rd_kafka_last_error()));
+            drop_producer(r);
+            return false;
+        }
+    }
+    return true;
+}
+
+static rd_kafka_topic_t *topic_handle(tally_relay_t *r, const char *logical)
+{
+    for (size_t i = 0; i < N_RELAY_TOPICS; i++)
+        if (strcmp(RELAY_TOPICS[i], logical) == 0)
+            return r->rkt[i];
+    return NULL;
+}
+
+tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metrics, char *errstr,
+                               size_t errsz)
+{
+    tally_relay_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        snprintf(errstr, errsz, "relay: out of memory");
+        return NULL;
+    }
+    r->cfg = cfg;
+    r->prefix = strdup(cfg->topic_prefix ? cfg->topic_prefix : "");
+    r->worker_id = strdup(cfg->worker_id ? cfg->worker_id : "tally");
+    size_t olen = strlen(r->worker_id ? r->worker_id : "") + sizeof("/relay");
+    r->owner = malloc(olen);
+    if (r->prefix == NULL || r->worker_id == NULL || r->owner == NULL) {
+        snprintf(errstr, errsz, "relay: out of memory");
+        tally_relay_free(r);
+        return NULL;
+    }
+    snprintf(r->owner, olen, "%s/relay", r->worker_id);
+    r->batch = cfg->relay_batch > 0 ? cfg->relay_batch : 500;
+    r->poll_ms = cfg->poll_ms > 0 ? cfg->poll_ms : 1000;
+    r->wait_ms = message_timeout_ms(cfg) + 5000;
+    r->lease_ms = cfg->lease_ms > r->wait_ms + 5000 ? cfg->lease_ms : r->wait_ms + 5000;
+
+    r->pg = tally_pg_new(cfg->pg, "tally-relay");
+    if (r->pg == NULL) {
+        snprintf(errstr, errsz, "relay: out of memory");
+        tally_relay_free(r);
+        return NULL;
+    }
+    if (strlen(r->prefix) > 200) {
+        snprintf(errstr, errsz, "TALLY_TOPIC_PREFIX is longer than 200 bytes");
+        tally_relay_free(r);
+        return NULL;
+    }
+    if (!make_producer(r, errstr, errsz)) {
+        tally_relay_free(r);
+        return NULL;
+    }
+    if (metrics != NULL) {
+        r->metrics = metrics;
+        r->m_published = tally_metrics_counter(
+            metrics, "tally_relay_published_total",
+            "Outbox messages published to Kafka (delivery acknowledged)", "topic");
+        r->m_failures = tally_metrics_counter(metrics, "tally_relay_failures_total",
+                                              "Outbox messages whose delivery failed", NULL);
+        r->m_backlog = tally_metrics_gauge(metrics, "tally_outbox_backlog",
+                                           "Rows waiting in message_outbox", NULL);
+        r->m_lag = tally_metrics_gauge(metrics, "tally_relay_lag_seconds",
+                                       "Age of the oldest row in message_outbox", NULL);
+    }
+    return r;
+}
+
+/* At most once a second, or now (@p force) so an idle relay does not show a stale backlog. */
+static void refresh_gauges(tally_relay_t *r, bool force)
+{
+    if (r->metrics == NULL)
+        return;
+    int64_t now = mono_ms();
+    if (!force && r->gauges_at_ms != 0 && now - r->gauges_at_ms < GAUGE_REFRESH_MS)
+        return;
+    r->gauges_at_ms = now;
+    r->gauges_stale = false;
+    tally_error_t err;
+    PGresult *res = tally_pg_exec(r->pg, SQL_BACKLOG, 0, NULL, &err);
+    if (res == NULL) {
+        TALLY_DEBUG("relay: cannot read the outbox backlog: %s", err.message);
+        return;
+    }
+    tally_metric_set(r->m_backlog, strtod(PQgetvalue(res, 0, 0), NULL));
+    tally_metric_set(r->m_lag, strtod(PQgetvalue(res, 0, 1), NULL));
+    PQclear(res);
+}
+
+/* "{1,2,3}" for a bigint[] parameter. @returns malloc'd text or NULL. */
+static char *bigint_array(const int64_t *ids, size_t n)
+{
+    size_t cap = 2 + n * 21 + 1;
+    char *s = malloc(cap);
+    if (s == NULL)
+        return NULL;
+    size_t len = 0;
+    s[len++] = '{';
+    for (size_t i = 0; i < n; i++)
+        len += (size_t)snprintf(s + len, cap - len, "%s%" PRId64, i ? "," : "", ids[i]);
+    s[len++] = '}';
+    s[len] = '\0';
+    return s;
+}
+
+/* DELETE the delivered rows of this round plus any delivered late; keeps them for the next
+ * round when PostgreSQL is unreachable (otherwise they would only be published again). */
+static void delete_delivered(tally_relay_t *r)
+{
+    for (size_t i = 0; i < r->n_rows; i++)
+        if (r->rows[i].state == RELAY_ROW_DELIVERED && !id_list_push(&r->late, r->rows[i].id))
+            TALLY_WARN("relay: out of memory; row %" PRId64 " will be published again",
+                       r->rows[i].id);
+    if (r->late.n == 0)
+        return;
+    char *arr = bigint_array(r->late.ids, r->late.n);
+    if (arr == NULL) {
+        TALLY_WARN("relay: out of memory deleting %zu delivered rows; retrying", r->late.n);
+        return;
+    }
+    const char *params[2] = {arr, r->owner};
+    tally_error_t err;
+    bool ok = tally_pg_run(r->pg, SQL_DELETE, 2, params, &err);
+    free(arr);
+    if (!ok) {
+        TALLY_WARN("relay: cannot delete %zu delivered message_outbox rows (%s: %s); retrying",
+                   r->late.n, err.code, err.message);
+        return;
+    }
+    r->late.n = 0;
+}
+
+/* Release the failed rows with a backoff and their reason, in one statement. */
+static void release_failed(tally_relay_t *r, size_t n_failed)
+{
+    if (n_failed == 0)
+        return;
+    json_t *arr = json_array();
+    for (size_t i = 0; arr != NULL && i < r->n_rows; i++) {
+        relay_row_t *row = &r->rows[i];
+        if (row->state != RELAY_ROW_FAILED)
+            continue;
+        if (json_array_append_new(
+                arr, json_pack("{s:I, s:s}", "id", (json_int_t)row->id, "err", row->error)) != 0) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    char *text = arr ? json_dumps(arr, JSON_COMPACT) : NULL;
+    json_decref(arr);
+    if (text == NULL) {
+        TALLY_WARN("relay: out of memory releasing %zu failed rows; they retry when their lease "
+                   "ends",
+                   n_failed);
+        return;
+    }
+    const char *params[2] = {text, r->owner};
+    tally_error_t err;
+    if (!tally_pg_run(r->pg, SQL_RELEASE, 2, params, &err))
+        TALLY_WARN("relay: cannot release %zu failed message_outbox rows (%s: %s); they retry "
+                   "when their lease ends",
+                   n_failed, err.code, err.message);
+    free(text);
+}
+
+static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
+{
+    rd_kafka_topic_t *rkt = topic_handle(r, row->topic);
+    if (rkt == NULL) { /* the table's CHECK constraint makes this unreachable */
+        row->state = RELAY_ROW_FAILED;
+        snprintf(row->error, sizeof(row->error), "unknown logical topic '%.64s'", row->topic);
+        return;
+    }
+    for (;;) {
+        rd_kafka_resp_err_t e =
+            rd_kafka_producev(r->rk, RD_KAFKA_V_RKT(rkt), RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY),
+                              RD_KAFKA_V_KEY(row->key, row->key ? strlen(row->key) : 0),
+                              RD_KAFKA_V_VALUE((void *)row->payload, (size_t)row->payload_len),
+                              RD_KAFKA_V_HEADER("ce_id", row->event_id, -1),
+                              RD_KAFKA_V_OPAQUE((void *)(intptr_t)row->id), RD_KAFKA_V_END);
+        if (e == RD_KAFKA_RESP_ERR_NO_ERROR) {
+            r->pending++;
+            return;
+        }
+        if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL && mono_ms() < deadline) {
+            rd_kafka_poll(r->rk, 100); /* serve delivery reports to make room */
+            continue;
+        }
+        row->state = RELAY_ROW_FAILED;
+        snprintf(row->error, sizeof(row->error), "produce refused: %s", rd_kafka_err2str(e));
+        return;
+    }
+}
+
+/* After a fatal idempotent-producer error the instance is unusable: replace it. */
+static void check_fatal(tally_relay_t *r)
+{
+    char why[512];
+    rd_kafka_resp_err_t e = rd_kafka_fatal_error(r->rk, why, sizeof(why));
+    if (e == RD_KAFKA_RESP_ERR_NO_ERROR)
+        return;
+    TALLY_ERROR("relay: fatal Kafka producer error (%s): %s; creating a new producer",
+                rd_kafka_err2name(e), why);
+    drop_producer(r); /* reports of purged messages are served here, as late reports */
+    char errstr[512];
+    if (!make_producer(r, errstr, sizeof(errstr)))
+        TALLY_ERROR("relay: cannot create a new Kafka producer: %s", errstr);
+}
+
+int tally_relay_round(tally_relay_t *r)
+{
+    if (r->rk == NULL) {
+        char errstr[512];
+        if (!make_producer(r, errstr, sizeof(errstr))) {
+            TALLY_ERROR("relay: cannot create the Kafka producer: %s", errstr);
+            return -1;
+        }
+    }
+    rd_kafka_poll(r->rk, 0); /* late reports from an earlier round */
+    refresh_gauges(r, false);
+
+    char batch[16], lease[16];
+    snprintf(batch, sizeof(batch), "%d", r->batch);
+    snprintf(lease, sizeof(lease), "%d", r->lease_ms);
+    const char *params[3] = {r->owner, batch, lease};
+    tally_error_t err;
+    PGresult *res = tally_pg_exec(r->pg, SQL_LEASE, 3, params, &err);
+    if (res == NULL) {
+        TALLY_WARN("relay: cannot lease message_outbox rows (%s: %s)", err.code, err.message);
+        return -1;
+    }
+    int n = PQntuples(res);
+    if (n == 0) {
+        PQclear(res);
+        delete_delivered(r);
+        return 0;
+    }
+    r->rows = calloc((size_t)n, sizeof(*r->rows));
+    if (r->rows == NULL) {
+        PQclear(res);
+        TALLY_ERROR("relay: out of memory for %d rows; they retry when their lease ends", n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        relay_row_t *row = &r->rows[i];
+        row->id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+        row->topic = PQgetvalue(res, i, 1);
+        row->key = PQgetisnull(res, i, 2) ? NULL : PQgetvalue(res, i, 2);
+        row->event_id = PQgetvalue(res, i, 3);
+        row->payload = PQgetvalue(res, i, 4);
+        row->payload_len = PQgetlength(res, i, 4);
+    }
+    /* keys of one run stay in outbox order; sorted ids also let reports find their row */
+    qsort(r->rows, (size_t)n, sizeof(*r->rows), cmp_row_id);
+    r->n_rows = (size_t)n;
+    r->pending = 0;
+
+    int64_t start = mono_ms();
+    int64_t deadline = start + r->wait_ms;
+    for (size_t i = 0; i < r->n_rows; i++)
+        produce_row(r, &r->rows[i], deadline);
+    while (r->pending > 0) {
+        int64_t now = mono_ms();
+        if (stopping(r) && deadline > now + STOP_WAIT_CAP_MS)
+            deadline = now + STOP_WAIT_CAP_MS;
+        if (now >= deadline)
+            break;
+        rd_kafka_poll(r->rk, 100);
+    }
+
+    size_t delivered = 0, failed = 0, unknown = 0;
+    for (size_t i = 0; i < r->n_rows; i++) {
+        relay_row_t *row = &r->rows[i];
+        switch (row->state) {
+        case RELAY_ROW_DELIVERED:
+            delivered++;
+            if (r->m_published != NULL)
+                tally_metric_add(r->m_published, 1.0, row->topic);
+            break;
+        case RELAY_ROW_FAILED:
+            failed++;
+            if (r->m_failures != NULL)
+                tally_metric_add(r->m_failures, 1.0);
+            TALLY_WARN("relay: message_outbox row %" PRId64
+                       " (topic %s, event %s) not delivered: %s; retrying after a backoff",
+                       row->id, row->topic, row->event_id, row->error);
+            break;
+        case RELAY_ROW_PENDING:
+            unknown++;
+            break;
+        }
+    }
+    if (unknown > 0)
+        TALLY_WARN("relay: no delivery report for %zu message%s within %d ms; %s when the lease "
+                   "ends unless the report still arrives",
+                   unknown, unknown == 1 ? "" : "s", r->wait_ms,
+                   unknown == 1 ? "it is retried" : "they are retried");
+    delete_delivered(r);
+    release_failed(r, failed);
+    r->gauges_stale = true;
+    if (delivered > 0)
+        TALLY_DEBUG("relay: published %zu message%s in %lld ms", delivered,
+                    delivered == 1 ? "" : "s", (long long)(mono_ms() - start));
+
+    free(r->rows);
+    r->rows = NULL;
+    r->n_rows = 0;
+    r->pending = 0;
+    PQclear(res);
+    check_fatal(r);
+    return (int)delivered;
+}
+
+void tally_relay_run(tally_relay_t *r, volatile const int *stop)
+{
+    r->stop = stop;
+    tally_error_t err;
+    /* Registered even when PostgreSQL is down: every reconnect LISTENs again. */
+    if (!tally_pg_listen(r->pg, NOTIFY_CHANNEL, &err))
+        TALLY_WARN("relay: LISTEN %s: %s (will retry)", NOTIFY_CHANNEL, err.message);
+    int idle_backoff = 100;
+    while (!stopping(r)) {
+        int n = tally_relay_round(r);
+        if (n > 0) {
+            idle_backoff = 100;
+            continue; /* more may be waiting */
+        }
+        if (n < 0) {
+            /* PostgreSQL or Kafka trouble: back off, up to the poll interval */
+            struct timespec ts = {idle_backoff / 1000, (long)(idle_backoff % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+            idle_backoff = idle_backoff * 2 > r->poll_ms ? r->poll_ms : idle_backoff * 2;
+            continue;
+        }
+        idle_backoff = 100;
+        if (r->gauges_stale)
+            refresh_gauges(r, true);
+        tally_pg_wait_notify(r->pg, r->poll_ms);
+    }
+}
+
+static void *relay_thread(void *arg)
+{
+    tally_relay_t *r = arg;
+    tally_relay_run(r, r->stop);
+    return NULL;
+}
+
+bool tally_relay_start(tally_relay_t *r, volatile const int *stop)
+{
+    r->stop = stop;
+    if (pthread_create(&r->thread, NULL, relay_thread, r) != 0) {
+        TALLY_ERROR("relay: cannot start its thread");
+        return false;
+    }
+    r->started = true;
+    return true;
+}
+
+void tally_relay_free(tally_relay_t *r)
+{
+    if (r == NULL)
+        return;
+    atomic_store(&r->closing, 1);
+    if (r->started)
+        pthread_join(r->thread, NULL);
+    r->started = false;
+    /* reports served here for earlier rounds only queue ids; rows are no longer current */
+    drop_producer(r);
+    if (r->late.n > 0 && r->pg != NULL)
+        delete_delivered(r);
+    tally_pg_free(r->pg);
+    free(r->late.ids);
+    free(r->rows);
+    free(r->prefix);
+    free(r->owner);
+    free(r->worker_id);
+    free(r);
+}
