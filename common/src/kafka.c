@@ -138,9 +138,18 @@ rd_kafka_t *tally_kafka_consumer_new(const tally_config_t *cfg, const char *grou
         return NULL;
     char session[16];
     snprintf(session, sizeof(session), "%d", cfg->session_timeout_ms);
+    /* Cooperative-sticky moves only the partitions that must move on a rebalance, but before
+     * librdkafka 2.3.0 a consumer closed during a cooperative rebalance aborts in
+     * rd_kafka_sticky_assignor_state_destroy (librdkafka issue #4312; Debian 12 ships 2.0.2,
+     * where a restarted worker rejoining its group hits it). There we use the eager default;
+     * TALLY_KAFKA_PARTITION_ASSIGNMENT_STRATEGY still overrides either choice. */
+    const char *strategy =
+        rd_kafka_version() >= 0x020300ff ? "cooperative-sticky" : "range,roundrobin";
+    if (passed_through(cfg, "partition.assignment.strategy"))
+        strategy = NULL;
     const char *fixed[][3] = {
         {"group.id", group_id, "TALLY_CONSUMER_GROUP"},
-        {"partition.assignment.strategy", "cooperative-sticky", "tally's consumer"},
+        {"partition.assignment.strategy", strategy, "tally's consumer"},
         /* offsets are stored only after the PostgreSQL COMMIT of what they carried */
         {"enable.auto.offset.store", "false", "tally's consumer"},
         {"enable.auto.commit", "true", "tally's consumer"},
@@ -148,7 +157,8 @@ rd_kafka_t *tally_kafka_consumer_new(const tally_config_t *cfg, const char *grou
         {"session.timeout.ms", session, "TALLY_SESSION_TIMEOUT_MS"},
     };
     for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++)
-        if (!conf_set(conf, fixed[i][0], fixed[i][1], fixed[i][2], errstr, errsz)) {
+        if (fixed[i][1] != NULL &&
+            !conf_set(conf, fixed[i][0], fixed[i][1], fixed[i][2], errstr, errsz)) {
             rd_kafka_conf_destroy(conf);
             return NULL;
         }

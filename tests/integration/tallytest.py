@@ -148,8 +148,13 @@ class Proc:
             self.popen.kill()
         self.popen.wait()
 
+    def close(self):
+        if not self._log.closed:
+            self._log.close()
+
     def log(self):
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
@@ -214,6 +219,7 @@ class TallyCase(unittest.TestCase):
             if failed:
                 sys.stderr.write(f"\n----- log of {p.name} (pid {p.pid}) -----\n")
                 sys.stderr.write(p.log()[-20000:])
+            p.close()
         for c in self._consumers:
             c.close()
         if self._producer is not None:

@@ -49,7 +49,10 @@ tally_pg_t *tally_worker_pg(tally_worker_t *w);
 tally_metrics_t *tally_worker_metrics(tally_worker_t *w);
 /** The consumer, or NULL when ops->topics is NULL. */
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w);
-/** A producer (not idempotent-critical) for direct sends, created on first use. */
+/** A producer (not idempotent-critical) for direct sends, created on first use; NULL (logged)
+ * when it cannot be created. Owned by the worker, flushed and closed at exit. */
+rd_kafka_t *tally_worker_producer(tally_worker_t *w);
+/** "<hostname>:<pid>" unless TALLY_WORKER_ID says otherwise. */
 const char *tally_worker_id(const tally_worker_t *w);
 /** true once SIGTERM/SIGINT arrived. */
 bool tally_worker_stopping(const tally_worker_t *w);
