@@ -155,6 +155,8 @@ static bool parse_labels(const char *labels, char ***out, size_t *n_out)
     return true;
 }
 
+static series_t *series_get(tally_metric_t *mt, const char *const *values);
+
 static tally_metric_t *declare(tally_metrics_t *m, metric_type_t type, const char *name,
                                const char *help, const char *labels, const double *buckets,
                                size_t n_buckets)
@@ -187,6 +189,11 @@ static tally_metric_t *declare(tally_metrics_t *m, metric_type_t type, const cha
         }
         memcpy(mt->buckets, buckets, n_buckets * sizeof *mt->buckets);
         mt->n_buckets = n_buckets;
+    }
+    /* A family without labels has exactly one series: expose it (at 0) from the start, so
+     * rate() and increase() see the first event instead of a series that appears with it. */
+    if (mt->n_labels == 0 && series_get(mt, NULL) == NULL) {
+        goto fail;
     }
     if (m->tail == NULL) {
         m->head = mt;
@@ -297,7 +304,7 @@ typedef enum {
 static void update(tally_metric_t *mt, metric_op_t op, double v, va_list ap)
 {
     /* Label values are read before taking the lock; families have a handful of labels. */
-    const char *values_buf[16];
+    const char *values_buf[16] = {0};
     const char **values = values_buf;
     if (mt->n_labels > sizeof values_buf / sizeof values_buf[0]) {
         values = malloc(mt->n_labels * sizeof *values);

@@ -59,6 +59,22 @@ static void test_declared_family_without_series_has_only_header(void **st)
     tally_metrics_free(m);
 }
 
+/* rate() and increase() only see the first failure if the series existed before it. */
+static void test_label_less_families_start_at_zero(void **st)
+{
+    (void)st;
+    tally_metrics_t *m = tally_metrics_new();
+    assert_non_null(tally_metrics_counter(m, "tally_relay_failures_total", "Failures", NULL));
+    assert_non_null(tally_metrics_gauge(m, "tally_outbox_backlog", "Rows", NULL));
+    assert_render(m, "# HELP tally_relay_failures_total Failures\n"
+                     "# TYPE tally_relay_failures_total counter\n"
+                     "tally_relay_failures_total 0\n"
+                     "# HELP tally_outbox_backlog Rows\n"
+                     "# TYPE tally_outbox_backlog gauge\n"
+                     "tally_outbox_backlog 0\n");
+    tally_metrics_free(m);
+}
+
 static void test_redeclaring_returns_the_first(void **st)
 {
     (void)st;
@@ -234,6 +250,7 @@ int main(void)
         cmocka_unit_test(test_empty_registry_renders_nothing),
         cmocka_unit_test(test_counter_and_gauge_without_labels),
         cmocka_unit_test(test_declared_family_without_series_has_only_header),
+        cmocka_unit_test(test_label_less_families_start_at_zero),
         cmocka_unit_test(test_redeclaring_returns_the_first),
         cmocka_unit_test(test_series_sorted_and_families_in_declaration_order),
         cmocka_unit_test(test_label_values_and_help_are_escaped),
