@@ -1,0 +1,915 @@
+"""deploy/: what can be checked without a Docker engine or a Kubernetes cluster.
+
+- Prometheus: `promtool check rules`, `promtool test rules` (every rule, firing and quiet),
+  `promtool check config`; and a real Prometheus scraping the three workers on the embedded
+  stack, finding every metric of the documented metrics table on the workers it names and
+  loading the alert rules.
+- systemd: `systemd-analyze verify` of the units exactly as shipped, against a scratch root
+  holding the built binaries, and `systemd-analyze security --offline`; their structure.
+- Kubernetes: every manifest parses and is checked against the API models of Debian's
+  python3-kubernetes; images, probes, resources, security contexts, secrets by reference,
+  grace periods, PDB/Service/ScaledObject selectors, KEDA caps = partition counts.
+- Compose: `docker-compose config` (Debian's Compose 1.29) and the structure.
+- Dockerfile: stages, runtime packages = the Debian packages of the binaries' DT_NEEDED
+  libraries, build packages = the -dev packages of CMake's pkg_check_modules, non-root USER.
+
+Only RealPrometheusTest needs PostgreSQL and Kafka (the embedded stack); the rest read files
+and run Debian's tools.
+"""
+
+import fnmatch
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.parse
+import urllib.request
+
+import yaml
+
+import tallytest
+from tallytest import SOURCE_DIR, binary, free_port, wait_for
+
+DEPLOY = os.path.join(SOURCE_DIR, "deploy")
+PROM_DIR = os.path.join(DEPLOY, "prometheus")
+K8S_DIR = os.path.join(DEPLOY, "kubernetes")
+COMPOSE_FILE = os.path.join(DEPLOY, "compose", "compose.yaml")
+DOCKERFILE = os.path.join(DEPLOY, "Dockerfile")
+WORKERS = ("dispatcher", "reconciler", "compensator")
+PROGRAMS = ("tally", "tally-dispatcher", "tally-reconciler", "tally-compensator")
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, **kw)
+
+
+def load_yaml_docs(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def known_settings():
+    """Every TALLY_* variable of the configuration table in common/src/config.c."""
+    with open(os.path.join(SOURCE_DIR, "common", "src", "config.c")) as f:
+        src = f.read()
+    names = set(re.findall(r'\b(?:STR|INT|BOOL)\(\s*\w+\s*,\s*"(TALLY_[A-Z0-9_]+)"', src))
+    assert "TALLY_PG" in names and "TALLY_SHUTDOWN_GRACE_MS" in names, names
+    return names
+
+
+def registry_vars():
+    """Variables the demo registry's base_urls expand (${NAME} or ${NAME:-default})."""
+    with open(os.path.join(SOURCE_DIR, "examples", "tools", "demo.json")) as f:
+        return set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", f.read()))
+
+
+def assert_known_tally_vars(case, names, where):
+    settings = known_settings() | registry_vars()
+    for n in names:
+        if n.startswith("TALLY_") and n not in settings:
+            case.assertTrue(n.startswith("TALLY_KAFKA_"),
+                            f"{where}: {n} is not a tally setting (common/src/config.c), "
+                            "a variable of the registry, nor a TALLY_KAFKA_* passthrough")
+
+
+def registered_metrics():
+    """{name: (type, labels, workers)} of every tally_metrics_<type>() call in the C sources;
+    workers from where the call is: common/src serves all three, <worker>/ its own."""
+    pat = re.compile(r'tally_metrics_(counter|gauge|histogram)\s*\(\s*[^,]+,\s*"([a-z_:]+)"\s*,'
+                     r'\s*((?:"(?:[^"\\]|\\.)*"\s*)+),\s*(NULL|"[^"]*")', re.S)
+    out = {}
+    for d, workers in (("common/src", WORKERS), *((w, (w,)) for w in WORKERS)):
+        for f in glob.glob(os.path.join(SOURCE_DIR, d, "*.[ch]")):
+            with open(f) as fh:
+                for m in pat.finditer(fh.read()):
+                    labels = () if m.group(4) == "NULL" else tuple(
+                        x.strip() for x in m.group(4).strip('"').split(",") if x.strip())
+                    prev = out.get(m.group(2), (None, None, ()))[2]
+                    out[m.group(2)] = (m.group(1), labels,
+                                       tuple(w for w in WORKERS if w in prev or w in workers))
+    return out
+
+
+def documented_metrics():
+    """The metrics table: {name: {"type", "labels", "workers"}} and the file it came from.
+
+    docs/operations.md's table when it has rows (a table under a heading containing "Metrics"
+    whose first column is `tally_...`), else deploy/README.md's "## Metrics" table.
+    Columns by header: metric, type, labels, and optionally workers (comma-separated); without
+    a workers column, the workers are those whose sources register the metric.
+    """
+    for rel in ("docs/operations.md", "deploy/README.md"):
+        path = os.path.join(SOURCE_DIR, rel)
+        if not os.path.exists(path):
+            continue
+        table = _metrics_table(read(path))
+        if table:
+            code = registered_metrics()
+            for name, row in table.items():
+                if row["workers"] is None:
+                    row["workers"] = code[name][2] if name in code else WORKERS
+            return table, rel
+    raise AssertionError("no metrics table in docs/operations.md or deploy/README.md")
+
+
+def _metrics_table(text):
+    lines = text.splitlines()
+    in_section = False
+    header = None
+    rows = {}
+    for line in lines:
+        if line.startswith("#"):
+            if rows:
+                break
+            in_section = "metrics" in line.lower()
+            header = None
+            continue
+        if not in_section:
+            continue
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if set("".join(cells)) <= set("-: "):
+            continue
+        m = re.fullmatch(r"`(tally_[a-z0-9_]+)`", cells[0])
+        if not m:
+            continue
+        row = dict(zip(header, cells))
+        rows[m.group(1)] = {
+            "type": row.get("type", ""),
+            "labels": tuple(re.findall(r"`([a-z_]+)`", row.get("labels", ""))),
+            "workers": (tuple(w.strip() for w in row["workers"].split(",") if w.strip())
+                        if "workers" in row else None),
+        }
+    return rows
+
+
+# --- Prometheus ------------------------------------------------------------------------------
+
+
+class PrometheusFilesTest(unittest.TestCase):
+
+    def test_promtool_check_rules(self):
+        r = run(["promtool", "check", "rules", os.path.join(PROM_DIR, "alerts.yml")])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("SUCCESS", r.stdout)
+
+    def test_promtool_test_rules(self):
+        r = run(["promtool", "test", "rules", os.path.join(PROM_DIR, "alerts.test.yml")])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("SUCCESS", r.stdout)
+
+    def test_promtool_check_config(self):
+        r = run(["promtool", "check", "config", os.path.join(PROM_DIR, "prometheus.yml")])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+    def rules(self):
+        doc = load_yaml_docs(os.path.join(PROM_DIR, "alerts.yml"))[0]
+        return [r for g in doc["groups"] for r in g["rules"]]
+
+    def test_every_rule_is_documented_and_linked(self):
+        rules = self.rules()
+        names = [r["alert"] for r in rules]
+        self.assertEqual(len(names), len(set(names)), "duplicate alert names")
+        with open(os.path.join(DEPLOY, "README.md")) as f:
+            readme = f.read()
+        for r in rules:
+            name = r["alert"]
+            with self.subTest(alert=name):
+                self.assertIn(r["labels"]["severity"], ("critical", "warning"))
+                ann = r["annotations"]
+                self.assertTrue(ann.get("summary"), "summary")
+                self.assertTrue(ann.get("description"), "description")
+                self.assertEqual(
+                    ann.get("runbook_url"),
+                    "{{ $externalLabels.runbook_base }}docs/operations.md#" + name.lower())
+                self.assertRegex(readme, rf"\| `{name}` \| {r['labels']['severity']} \|")
+
+    def test_runbook_anchors_exist_in_operations_doc(self):
+        ops = os.path.join(SOURCE_DIR, "docs", "operations.md")
+        if not os.path.exists(ops):
+            self.skipTest("docs/operations.md is not written yet; its headings must include "
+                          "every alert name (anchors #<name in lower case>)")
+        slugs = set()
+        for line in read(ops).splitlines():
+            m = re.match(r"#+\s+(.*)", line)
+            if m:
+                slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+                slugs.add(slug)
+        for r in self.rules():
+            self.assertIn(r["alert"].lower(), slugs,
+                          f"docs/operations.md has no heading for {r['alert']}")
+
+    def test_every_rule_fires_and_stays_quiet_in_the_unit_tests(self):
+        tests = load_yaml_docs(os.path.join(PROM_DIR, "alerts.test.yml"))[0]["tests"]
+        fired, quiet = set(), set()
+        for t in tests:
+            for a in t.get("alert_rule_test", []):
+                (fired if a.get("exp_alerts") else quiet).add(a["alertname"])
+        for r in self.rules():
+            self.assertIn(r["alert"], fired, f"no test where {r['alert']} fires")
+            self.assertIn(r["alert"], quiet, f"no test where {r['alert']} stays quiet")
+
+    def test_rules_use_documented_registered_metrics(self):
+        doc, where = documented_metrics()
+        code = registered_metrics()
+        used = set()
+        for r in self.rules():
+            used |= set(re.findall(r"\btally_[a-z0-9_]+", r["expr"]))
+        self.assertTrue(used)
+        for name in sorted(used):
+            self.assertIn(name, doc, f"alert rules use {name}, which {where} does not document")
+            self.assertIn(name, code, f"alert rules use {name}, which no worker registers")
+
+    def test_documented_metrics_match_the_code(self):
+        doc, where = documented_metrics()
+        code = registered_metrics()
+        missing = sorted(set(doc) - set(code))
+        self.assertFalse(missing, f"documented in {where} but registered nowhere in the C "
+                                  f"sources: {missing}")
+        undocumented = sorted(set(code) - set(doc))
+        self.assertFalse(undocumented, f"registered but not documented in {where}: {undocumented}")
+        for name, d in doc.items():
+            with self.subTest(metric=name):
+                self.assertEqual(d["type"], code[name][0])
+                self.assertEqual(d["labels"], code[name][1])
+                self.assertEqual(d["workers"], code[name][2], "workers exporting it")
+                if d["type"] == "counter":
+                    self.assertTrue(name.endswith("_total"), "counters end in _total")
+
+    def test_scrape_config_matches_the_compose_services(self):
+        cfg = load_yaml_docs(os.path.join(PROM_DIR, "prometheus.yml"))[0]
+        compose = load_yaml_docs(COMPOSE_FILE)[0]
+        self.assertEqual(cfg["rule_files"], ["alerts.yml"])
+        jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+        for w in WORKERS:
+            job = jobs[f"tally-{w}"]
+            sd = job["dns_sd_configs"][0]
+            self.assertEqual(sd["names"], [f"tally-{w}"])
+            self.assertIn(f"tally-{w}", compose["services"])
+            self.assertEqual(sd["port"], 9464)
+
+
+# --- systemd ---------------------------------------------------------------------------------
+
+
+def parse_unit(path):
+    """[(section, key, value)] in file order; systemd allows a key more than once."""
+    out, section = [], None
+    for raw in read(path).splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        k, _, v = line.partition("=")
+        out.append((section, k.strip(), v.strip()))
+    return out
+
+
+def parse_env_file(path):
+    env = {}
+    for raw in read(path).splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            k, _, v = line.partition("=")
+            env[k] = v
+    return env
+
+
+class SystemdUnitsTest(unittest.TestCase):
+    units = [os.path.join(DEPLOY, "systemd", f"tally-{w}.service") for w in WORKERS]
+
+    def scratch_root(self):
+        """A root with the system's units and the built binaries where the units expect them."""
+        root = tempfile.mkdtemp(prefix="tally-systemd-root-")
+        self.addCleanup(shutil.rmtree, root, True)
+        for src in ("/lib/systemd/system", "/usr/lib/systemd/system"):
+            if os.path.isdir(src):
+                shutil.copytree(src, os.path.join(root, "usr/lib/systemd/system"),
+                                symlinks=True, dirs_exist_ok=True)
+                break
+        os.makedirs(os.path.join(root, "usr/local/bin"))
+        os.makedirs(os.path.join(root, "etc/systemd/system"))
+        for w in WORKERS:
+            shutil.copy(binary(f"tally-{w}"), os.path.join(root, "usr/local/bin"))
+        for u in self.units:
+            shutil.copy(u, os.path.join(root, "etc/systemd/system"))
+        return root
+
+    def test_systemd_analyze_verify(self):
+        if not shutil.which("systemd-analyze"):
+            self.fail("systemd-analyze is missing (Debian package systemd)")
+        root = self.scratch_root()
+        names = [os.path.basename(u) for u in self.units]
+        r = run(["systemd-analyze", "verify", f"--root={root}", *names])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        # Unknown keys and unparsable values are only warnings: none may be printed.
+        self.assertEqual(r.stderr.strip(), "", r.stderr)
+
+    def test_systemd_analyze_security_exposure(self):
+        root = self.scratch_root()
+        for u in self.units:
+            name = os.path.basename(u)
+            r = run(["systemd-analyze", "security", "--offline=yes", f"--root={root}",
+                     "--no-pager", name])
+            m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout)
+            self.assertTrue(m, r.stdout + r.stderr)
+            self.assertLessEqual(float(m.group(1)), 2.0, f"{name}:\n{r.stdout}")
+
+    def test_unit_structure(self):
+        env = parse_env_file(os.path.join(DEPLOY, "systemd", "tally.env.example"))
+        grace_ms = int(env["TALLY_SHUTDOWN_GRACE_MS"])
+        ports = set()
+        must = {
+            "Type": "exec", "Restart": "on-failure", "KillSignal": "SIGTERM",
+            "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+            "PrivateTmp": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
+            "ProtectKernelLogs": "yes", "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+            "MemoryDenyWriteExecute": "yes", "LockPersonality": "yes",
+            "CapabilityBoundingSet": "", "DynamicUser": "yes",
+        }
+        for u, w in zip(self.units, WORKERS):
+            with self.subTest(unit=os.path.basename(u)):
+                kv = parse_unit(u)
+                svc = {}
+                for section, k, v in kv:
+                    if section == "Service":
+                        svc.setdefault(k, []).append(v)
+                for k, v in must.items():
+                    self.assertIn(v, svc.get(k, []), f"{k}={v}")
+                self.assertIn("@system-service", svc["SystemCallFilter"])
+                self.assertEqual(svc["ExecStart"], [f"/usr/local/bin/tally-{w}"])
+                self.assertIn("/etc/tally/tally.env", svc["EnvironmentFile"])
+                self.assertIn("2", svc["RestartPreventExitStatus"][0].split())
+                stop = svc["TimeoutStopSec"][0]
+                self.assertRegex(stop, r"^\d+s$")
+                self.assertGreaterEqual(int(stop[:-1]) * 1000, grace_ms + 10000,
+                                        "TimeoutStopSec must exceed the drain grace")
+                addr = [v for v in svc["Environment"] if v.startswith("TALLY_METRICS_ADDR=")]
+                self.assertEqual(len(addr), 1)
+                ports.add(addr[0].rsplit(":", 1)[1])
+                self.assertNotIn("notify", svc["Type"])
+        self.assertEqual(len(ports), 3, "each worker on a host needs its own metrics port")
+        # cmake --install puts the programs where ExecStart looks (default prefix /usr/local).
+        with open(os.path.join(SOURCE_DIR, "CMakeLists.txt")) as f:
+            self.assertRegex(f.read(), r"install\(TARGETS[^)]*tally-dispatcher[^)]*DESTINATION bin")
+
+    def test_env_example_names_real_settings(self):
+        env = parse_env_file(os.path.join(DEPLOY, "systemd", "tally.env.example"))
+        assert_known_tally_vars(self, env, "tally.env.example")
+        self.assertNotIn("TALLY_METRICS_ADDR", env, "set per unit, not in the shared file")
+        for w in WORKERS:
+            for _, k, v in parse_unit(os.path.join(DEPLOY, "systemd", f"tally-{w}.service")):
+                if k == "Environment":
+                    assert_known_tally_vars(self, [v.split("=", 1)[0]], f"tally-{w}.service")
+
+
+# --- Kubernetes ------------------------------------------------------------------------------
+
+
+def k8s_docs():
+    docs = []
+    for path in sorted(glob.glob(os.path.join(K8S_DIR, "*.yaml"))):
+        if os.path.basename(path) == "kustomization.yaml":
+            continue
+        for d in load_yaml_docs(path):
+            docs.append((os.path.basename(path), d))
+    return docs
+
+
+def compose_partitions():
+    """{topic: partitions} from the compose stack's kafka-topics command."""
+    compose = load_yaml_docs(COMPOSE_FILE)[0]
+    script = "\n".join(compose["services"]["kafka-topics"]["command"])
+    return {t: int(n) for t, n in re.findall(r"\b(tally\.[a-z]+):(\d+)\b", script)}
+
+
+class KubernetesManifestsTest(unittest.TestCase):
+    MODELS = {
+        ("apps/v1", "Deployment"): "V1Deployment",
+        ("v1", "Service"): "V1Service",
+        ("v1", "ConfigMap"): "V1ConfigMap",
+        ("v1", "Namespace"): "V1Namespace",
+        ("batch/v1", "Job"): "V1Job",
+        ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        cls.docs = k8s_docs()
+        cls.by_kind = {}
+        for f, d in cls.docs:
+            cls.by_kind.setdefault(d["kind"], []).append(d)
+        cls.env_cm = next(d for d in cls.by_kind["ConfigMap"] if d["metadata"]["name"] == "tally-env")
+
+    def deployments(self):
+        return {d["metadata"]["name"]: d for d in self.by_kind["Deployment"]}
+
+    def test_every_document_has_kind_name_and_api_version(self):
+        self.assertTrue(self.docs)
+        for f, d in self.docs:
+            with self.subTest(file=f, kind=d.get("kind")):
+                self.assertTrue(d.get("apiVersion") and d.get("kind") and d["metadata"]["name"])
+                self.assertNotEqual(d["kind"], "Secret", "secrets are referenced, never shipped")
+
+    def test_core_kinds_match_the_kubernetes_api_models(self):
+        import kubernetes.client as kc
+        api = kc.ApiClient()
+        checked = 0
+        for f, d in self.docs:
+            model = self.MODELS.get((d["apiVersion"], d["kind"]))
+            if model is None:
+                self.assertEqual((d["apiVersion"], d["kind"]), ("keda.sh/v1alpha1", "ScaledObject"),
+                                 f"{f}: no model to check {d['kind']} against")
+                continue
+            with self.subTest(file=f, name=d["metadata"]["name"]):
+                self._check_fields(kc, d, model, d["kind"])
+                # Builds the objects, which raises on missing required fields.
+                api._ApiClient__deserialize(d, model)
+                checked += 1
+        self.assertGreaterEqual(checked, 10)
+
+    def _check_fields(self, kc, value, typ, path):
+        if typ.startswith("list["):
+            self.assertIsInstance(value, list, path)
+            for i, v in enumerate(value):
+                self._check_fields(kc, v, typ[5:-1], f"{path}[{i}]")
+            return
+        if typ.startswith("dict("):
+            self.assertIsInstance(value, dict, path)
+            inner = typ[5:-1].split(",", 1)[1].strip()
+            for k, v in value.items():
+                self._check_fields(kc, v, inner, f"{path}.{k}")
+            return
+        if typ in ("str", "int", "bool", "float", "object", "datetime", "date"):
+            allowed = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float),
+                       "object": (str, int, dict, list), "datetime": (str,), "date": (str,)}[typ]
+            self.assertIsInstance(value, allowed, f"{path}: expected {typ}, got {value!r}")
+            return
+        cls = getattr(kc, typ)
+        self.assertIsInstance(value, dict, f"{path}: expected {typ}")
+        by_json = {j: a for a, j in cls.attribute_map.items()}
+        for k, v in value.items():
+            self.assertIn(k, by_json, f"{path}: unknown field {k!r} in {typ}")
+            self._check_fields(kc, v, cls.openapi_types[by_json[k]], f"{path}.{k}")
+
+    def test_workers(self):
+        grace_ms = int(self.env_cm["data"]["TALLY_SHUTDOWN_GRACE_MS"])
+        metrics_port = int(self.env_cm["data"]["TALLY_METRICS_ADDR"].rsplit(":", 1)[1])
+        tools = json.loads(next(d for d in self.by_kind["ConfigMap"]
+                                if d["metadata"]["name"] == "tally-tools")["data"]["tools.json"])
+        secret_envs = {t["connector"]["secret_env"] for t in tools["tools"]
+                       if "secret_env" in t["connector"]}
+        deps = self.deployments()
+        for w in WORKERS:
+            with self.subTest(worker=w):
+                pod = deps[f"tally-{w}"]["spec"]["template"]["spec"]
+                self.assertGreaterEqual(pod["terminationGracePeriodSeconds"] * 1000,
+                                        grace_ms + 10000)
+                self.assertTrue(pod["securityContext"]["runAsNonRoot"])
+                self.assertNotEqual(pod["securityContext"].get("runAsUser"), 0)
+                c = pod["containers"][0]
+                self.assertEqual(c["command"], [f"tally-{w}"])
+                port = next(p for p in c["ports"] if p["name"] == "metrics")
+                self.assertEqual(port["containerPort"], metrics_port)
+                self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/healthz")
+                self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/readyz")
+                for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                    self.assertIn(c[probe]["httpGet"]["port"], ("metrics", metrics_port))
+                sc = c["securityContext"]
+                self.assertTrue(sc["readOnlyRootFilesystem"])
+                self.assertFalse(sc["allowPrivilegeEscalation"])
+                self.assertEqual(sc["capabilities"]["drop"], ["ALL"])
+                env = {e["name"]: e for e in c.get("env", [])}
+                self.assertIn("secretKeyRef", env["TALLY_PG"]["valueFrom"])
+                for s in secret_envs:
+                    self.assertIn("secretKeyRef", env[s]["valueFrom"], f"{s} from a Secret")
+                self.assertEqual([r["configMapRef"]["name"] for r in c["envFrom"]], ["tally-env"])
+                mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+                tools_dir = os.path.dirname(self.env_cm["data"]["TALLY_TOOLS"])
+                vol = next(v for v in pod["volumes"] if v["name"] == mounts[tools_dir])
+                self.assertEqual(vol["configMap"]["name"], "tally-tools")
+        assert_known_tally_vars(self, self.env_cm["data"], "kubernetes/config.yaml")
+
+    def test_every_container_names_image_and_resources(self):
+        pods = [(d["metadata"]["name"], d["spec"]["template"]["spec"])
+                for d in self.by_kind["Deployment"] + self.by_kind["Job"]]
+        for name, pod in pods:
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                with self.subTest(workload=name, container=c["name"]):
+                    self.assertRegex(c["image"], r"^[a-z0-9./-]+:[A-Za-z0-9._-]+$")
+                    for kind in ("requests", "limits"):
+                        self.assertIn("cpu", c["resources"][kind])
+                        self.assertIn("memory", c["resources"][kind])
+                    for e in c.get("env", []):
+                        if re.search(r"PG|SECRET|PASSWORD|KEY|TOKEN", e["name"]):
+                            self.assertNotIn("value", e, f"{e['name']} must come from a Secret")
+        for d in self.by_kind["Deployment"]:
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                with self.subTest(deployment=d["metadata"]["name"], container=c["name"]):
+                    self.assertIn("livenessProbe", c)
+                    self.assertIn("readinessProbe", c)
+
+    def test_selectors_point_at_deployments(self):
+        pod_labels = {n: d["spec"]["template"]["metadata"]["labels"]
+                      for n, d in self.deployments().items()}
+        for d in self.deployments().values():
+            sel = d["spec"]["selector"]["matchLabels"]
+            self.assertTrue(sel.items() <= d["spec"]["template"]["metadata"]["labels"].items())
+
+        def selects(sel):
+            return [n for n, labels in pod_labels.items() if sel.items() <= labels.items()]
+
+        for pdb in self.by_kind["PodDisruptionBudget"]:
+            self.assertEqual(len(selects(pdb["spec"]["selector"]["matchLabels"])), 1,
+                             pdb["metadata"]["name"])
+            self.assertEqual(pdb["spec"].get("maxUnavailable"), 1)
+        for svc in self.by_kind["Service"]:
+            targets = selects(svc["spec"]["selector"])
+            self.assertEqual(len(targets), 1, svc["metadata"]["name"])
+            ports = {p["name"] for c in self.deployments()[targets[0]]["spec"]["template"]["spec"]
+                     ["containers"] for p in c.get("ports", [])}
+            for p in svc["spec"]["ports"]:
+                self.assertIn(p["targetPort"], ports)
+        covered = {selects(p["spec"]["selector"]["matchLabels"])[0]
+                   for p in self.by_kind["PodDisruptionBudget"]}
+        self.assertTrue({f"tally-{w}" for w in WORKERS} <= covered, "a PDB per worker")
+
+    def test_keda_scaled_objects(self):
+        parts = compose_partitions()
+        prefix = self.env_cm["data"]["TALLY_TOPIC_PREFIX"]
+        brokers = self.env_cm["data"]["TALLY_KAFKA_BROKERS"]
+        expect = {"tally-dispatcher": "intents", "tally-compensator": "obligations"}
+        scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in self.by_kind["ScaledObject"]}
+        self.assertEqual(set(scaled), set(expect))
+        deps = self.deployments()
+        for target, logical in expect.items():
+            with self.subTest(target=target):
+                s = scaled[target]["spec"]
+                self.assertIn(target, deps)
+                self.assertNotIn("replicas", deps[target]["spec"], "KEDA owns the count")
+                trig = s["triggers"][0]
+                self.assertEqual(trig["type"], "kafka")
+                md = trig["metadata"]
+                self.assertEqual(md["topic"], prefix + logical)
+                # The worker's default group: TALLY_CONSUMER_GROUP = "tally-<worker>".
+                self.assertEqual(md["consumerGroup"], target)
+                self.assertEqual(md["bootstrapServers"], brokers)
+                self.assertEqual(s["maxReplicaCount"], parts[prefix + logical],
+                                 "maxReplicaCount = the topic's partition count")
+                self.assertGreaterEqual(s["minReplicaCount"], 1, "workers also sweep PostgreSQL")
+
+    def test_tools_configmap_is_the_demo_registry(self):
+        cm = next(d for d in self.by_kind["ConfigMap"] if d["metadata"]["name"] == "tally-tools")
+        with open(os.path.join(SOURCE_DIR, "examples", "tools", "demo.json")) as f:
+            self.assertEqual(json.loads(cm["data"]["tools.json"]), json.load(f))
+        self.assertEqual(os.path.basename(self.env_cm["data"]["TALLY_TOOLS"]), "tools.json")
+
+    def test_kustomization_lists_the_manifests(self):
+        k = load_yaml_docs(os.path.join(K8S_DIR, "kustomization.yaml"))[0]
+        files = {os.path.basename(p) for p in glob.glob(os.path.join(K8S_DIR, "*.yaml"))}
+        files -= {"kustomization.yaml", "demo-tool.yaml"}  # the demo tool is applied by hand
+        self.assertEqual(set(k["resources"]), files)
+        self.assertEqual([i["name"] for i in k["images"]], ["tally"])
+
+    def test_kubectl_kustomize_builds(self):
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            self.skipTest("kubectl is not installed (Debian 12's kubernetes-client is optional); "
+                          "the kustomization's file list is checked by the test above")
+        r = run([kubectl, "kustomize", K8S_DIR])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        built = [d for d in yaml.safe_load_all(r.stdout) if d]
+        listed = sum(len(load_yaml_docs(os.path.join(K8S_DIR, f))) for f in
+                     load_yaml_docs(os.path.join(K8S_DIR, "kustomization.yaml"))[0]["resources"])
+        self.assertEqual(len(built), listed)
+        for d in built:
+            if d["kind"] != "Namespace":
+                self.assertEqual(d["metadata"]["namespace"], "tally")
+
+
+# --- every YAML file, compose, Dockerfile ------------------------------------------------------
+
+
+class YamlComposeDockerfileTest(unittest.TestCase):
+
+    def test_every_yaml_file_under_deploy_parses(self):
+        paths = [p for ext in ("yaml", "yml")
+                 for p in glob.glob(os.path.join(DEPLOY, "**", f"*.{ext}"), recursive=True)]
+        self.assertGreaterEqual(len(paths), 10)
+        for p in paths:
+            with self.subTest(file=os.path.relpath(p, SOURCE_DIR)):
+                self.assertTrue(load_yaml_docs(p))
+
+    def dockerfile_stages(self):
+        """{stage: [(instruction, args)]} with line continuations joined."""
+        text = read(DOCKERFILE).replace("\\\n", " ")
+        args, stages, cur = {}, {}, None
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            instr, _, rest = line.partition(" ")
+            instr = instr.upper()
+            if instr == "ARG" and cur is None:
+                k, _, v = rest.partition("=")
+                args[k] = v
+            elif instr == "FROM":
+                m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", rest.strip(), re.I)
+                image = re.sub(r"\$\{(\w+)\}", lambda mm: args[mm.group(1)], m.group(1))
+                cur = m.group(2)
+                stages[cur] = [("FROM", image)]
+            else:
+                stages[cur].append((instr, rest.strip()))
+        return stages
+
+    @staticmethod
+    def apt_packages(stage):
+        pkgs = []
+        for instr, rest in stage:
+            if instr == "RUN" and "apt-get install" in rest:
+                seg = rest.split("apt-get install", 1)[1].split("&&", 1)[0]
+                pkgs += [w for w in shlex.split(seg) if not w.startswith("-")]
+        return pkgs
+
+    # The sanitizer runtimes of a -DTALLY_SANITIZE=ON build dir; the image never builds so.
+    SANITIZER_PACKAGES = re.compile(r"^lib(asan|ubsan|lsan|tsan)\d+$")
+
+    @classmethod
+    def needed_packages(cls, path):
+        """Debian packages holding the DT_NEEDED libraries of a binary (direct ones only:
+        apt installs what those depend on)."""
+        sonames = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]",
+                             run(["readelf", "-d", path]).stdout)
+        resolved = dict(re.findall(r"^\s*(\S+) => (/\S+)", run(["ldd", path]).stdout, re.M))
+        pkgs = set()
+        for soname in sonames:
+            lib = resolved.get(soname)
+            assert lib, f"{path}: ldd does not resolve {soname}"
+            cands = {lib, os.path.realpath(lib)}
+            cands |= {c[len("/usr"):] if c.startswith("/usr/") else "/usr" + c for c in set(cands)}
+            owners = set()
+            for c in sorted(cands):
+                q = run(["dpkg", "-S", c])
+                if q.returncode == 0:
+                    owners |= {o.strip().split(":")[0] for o in
+                               q.stdout.split(":", 1)[0].split(",")}
+            assert owners, f"no Debian package holds {lib} ({soname})"
+            pkgs |= {o for o in owners if not cls.SANITIZER_PACKAGES.match(o)}
+        return pkgs
+
+    def test_dockerfile_stages_and_users(self):
+        st = self.dockerfile_stages()
+        self.assertEqual(list(st), ["build", "tool", "runtime"], "runtime last: the default target")
+        self.assertEqual(st["build"][0][1], "debian:12")
+        for name in ("tool", "runtime"):
+            with self.subTest(stage=name):
+                self.assertEqual(st[name][0][1], "debian:12-slim")
+                users = [a for i, a in st[name] if i == "USER"]
+                self.assertTrue(users, "a USER")
+                uid = users[-1].split(":")[0]
+                self.assertRegex(uid, r"^\d+$", "numeric, for runAsNonRoot")
+                self.assertNotEqual(int(uid), 0)
+                for pkg in self.apt_packages(st[name]):
+                    self.assertFalse(pkg.endswith("-dev") or pkg in ("build-essential", "cmake"),
+                                     f"{pkg} is a build dependency")
+        copied = " ".join(a for i, a in st["runtime"] if i == "COPY")
+        for prog in PROGRAMS:
+            self.assertIn(f"/out/bin/{prog} ", copied + " ")
+        env = " ".join(a for i, a in st["runtime"] if i == "ENV")
+        self.assertIn("TALLY_METRICS_ADDR=0.0.0.0:9464", env)
+        assert_known_tally_vars(self, re.findall(r"(TALLY_[A-Z_]+)=", env), "Dockerfile")
+        self.assertIn("9464", [a for i, a in st["runtime"] if i == "EXPOSE"])
+
+    def test_runtime_packages_are_exactly_what_the_binaries_link(self):
+        st = self.dockerfile_stages()
+        base = {"libc6"}  # in debian:12-slim
+        for stage, progs in (("runtime", PROGRAMS), ("tool", ("tally-fake-tool",))):
+            with self.subTest(stage=stage):
+                installed = set(self.apt_packages(st[stage])) - {"ca-certificates"}
+                needed = set()
+                for p in progs:
+                    needed |= self.needed_packages(binary(p))
+                self.assertEqual(needed - base - installed, set(), "needed but not installed")
+                self.assertEqual(installed - needed, set(), "installed but needed by no binary")
+
+    def test_build_stage_has_every_pkg_config_module(self):
+        st = self.dockerfile_stages()
+        installed = set(self.apt_packages(st["build"]))
+        cmake = ""
+        for f in ("CMakeLists.txt", "tests/CMakeLists.txt"):
+            cmake += read(os.path.join(SOURCE_DIR, f))
+        modules = re.findall(r"pkg_check_modules\(\w+ REQUIRED IMPORTED_TARGET (\S+)\)", cmake)
+        self.assertGreaterEqual(len(modules), 8)
+        for mod in modules:
+            q = run(["dpkg", "-S", f"*/pkgconfig/{mod}.pc"])
+            self.assertEqual(q.returncode, 0, f"{mod}.pc: {q.stderr}")
+            pkg = q.stdout.split(":", 1)[0].strip()
+            self.assertIn(pkg, installed, f"pkg-config module {mod} needs {pkg}")
+
+    def test_dockerignore_keeps_the_sources(self):
+        path = os.path.join(SOURCE_DIR, ".dockerignore")
+        patterns = [l.strip() for l in read(path).splitlines()
+                    if l.strip() and not l.startswith("#")]
+        self.assertIn(".git", patterns)
+        self.assertTrue(any(fnmatch.fnmatch("build-h1", p) for p in patterns))
+        needed = ["CMakeLists.txt", "cmake/embed_sql.cmake", "common/src/worker.c",
+                  "cli/main.c", "dispatcher/main.c", "reconciler/main.c", "compensator/main.c",
+                  "schemas/sql/001_ledger.sql", "tests/CMakeLists.txt", "tests/fakes/fake_tool.c"]
+        for rel in needed:
+            for p in patterns:
+                parts = rel.split("/")
+                hit = any(fnmatch.fnmatch("/".join(parts[:i]), p.strip("/"))
+                          for i in range(1, len(parts) + 1))
+                self.assertFalse(hit, f".dockerignore pattern {p!r} drops {rel}")
+
+    def test_compose_structure(self):
+        compose = load_yaml_docs(COMPOSE_FILE)[0]
+        stages = self.dockerfile_stages()
+        svcs = compose["services"]
+        base = os.path.dirname(COMPOSE_FILE)
+        for name, s in svcs.items():
+            with self.subTest(service=name):
+                self.assertTrue(s.get("image") or s.get("build"))
+                if "build" in s:
+                    b = s["build"]
+                    self.assertEqual(os.path.realpath(os.path.join(base, b["context"],
+                                                                   b["dockerfile"])),
+                                     os.path.realpath(DOCKERFILE))
+                    self.assertIn(b["target"], stages)
+                for v in s.get("volumes", []):
+                    src = v.split(":")[0]
+                    if src.startswith("."):
+                        self.assertTrue(os.path.exists(os.path.join(base, src)), src)
+                assert_known_tally_vars(self, s.get("environment", {}), f"compose {name}")
+        self.assertEqual(svcs["kafka"]["image"].split(":")[0], "apache/kafka")
+        self.assertEqual(svcs["kafka"]["environment"]["KAFKA_PROCESS_ROLES"], "broker,controller")
+        self.assertEqual(svcs["postgres"]["image"], "postgres:15")
+        self.assertEqual(svcs["tally-migrate"]["command"][:2], ["tally", "migrate"])
+        self.assertEqual(svcs["tool"]["build"]["target"], "tool")
+        tool_port = 9000
+        for w in WORKERS:
+            s = svcs[f"tally-{w}"]
+            with self.subTest(worker=w):
+                self.assertEqual(s["command"], [f"tally-{w}"])
+                self.assertEqual(s["build"]["target"], "runtime")
+                self.assertNotIn("ports", s, "fixed host ports would stop --scale")
+                self.assertNotIn("container_name", s, "a fixed name would stop --scale")
+                env = s["environment"]
+                grace = int(s["stop_grace_period"].rstrip("s"))
+                self.assertGreaterEqual(grace * 1000, int(env["TALLY_SHUTDOWN_GRACE_MS"]) + 10000)
+                url = urllib.parse.urlparse(env["TALLY_FAKE_TOOL_URL"])
+                self.assertIn(url.hostname, svcs)
+                self.assertEqual(url.port, tool_port)
+                self.assertEqual(s["depends_on"]["tally-migrate"]["condition"],
+                                 "service_completed_successfully")
+                self.assertIn("/etc/tally/tools.json", " ".join(s["volumes"]))
+        self.assertEqual(set(compose_partitions()),
+                         {f"tally.{t}" for t in tallytest.TOPICS})
+        prom = svcs["prometheus"]
+        mounts = " ".join(prom["volumes"])
+        self.assertIn("../prometheus/prometheus.yml:", mounts)
+        self.assertIn("../prometheus/alerts.yml:", mounts)
+
+    def test_docker_compose_config_validates(self):
+        dc = shutil.which("docker-compose")
+        if dc is None:
+            self.skipTest("docker-compose (Debian package docker-compose) is not installed")
+        r = run([dc, "-f", COMPOSE_FILE, "config", "-q"], cwd=os.path.dirname(COMPOSE_FILE))
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+
+
+# --- a real Prometheus scraping the real workers -----------------------------------------------
+
+
+class RealPrometheusTest(tallytest.TallyCase):
+    """Debian's Prometheus scrapes the three workers on the embedded stack, finds every
+    documented metric on the workers the table names, and loads the alert rules."""
+
+    def http_json(self, url):
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.load(r)
+
+    def start_prometheus(self, targets):
+        port = free_port()
+        cfg = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [os.path.join(PROM_DIR, "alerts.yml")],
+            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
+                               for job, t in targets.items()],
+        }
+        path = os.path.join(self.tmp, "prometheus.yml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        log = open(os.path.join(self.tmp, "prometheus.log"), "w")
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={path}",
+             f"--storage.tsdb.path={os.path.join(self.tmp, 'tsdb')}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+
+        def stop():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.addCleanup(stop)
+        self.addCleanup(log.close)
+        return proc, f"http://127.0.0.1:{port}"
+
+    def test_prometheus_finds_every_documented_metric(self):
+        doc, where = documented_metrics()
+        workers = {w: self.start(f"tally-{w}", BILLING_HMAC_SECRET="deploy-test")
+                   for w in WORKERS}
+        proc, base = self.start_prometheus(
+            {f"tally-{w}": f"127.0.0.1:{p.metrics_port}" for w, p in workers.items()})
+
+        def targets_up():
+            if proc.poll() is not None:
+                raise AssertionError("prometheus exited:\n" +
+                                     read(os.path.join(self.tmp, "prometheus.log")))
+            try:
+                t = self.http_json(base + "/api/v1/targets")["data"]["activeTargets"]
+            except OSError:
+                return False
+            up = {x["labels"]["job"] for x in t if x["health"] == "up"}
+            return up >= {f"tally-{w}" for w in WORKERS} and up
+        wait_for(targets_up, timeout=60, interval=0.5, what="all three workers scraped")
+
+        # Metadata (# HELP / # TYPE) is known per target even for a labelled family that has
+        # no series yet, e.g. tally_dlq_total before the first dead letter.
+        def metadata(job):
+            sel = urllib.parse.quote(f'{{job="{job}"}}')
+            data = self.http_json(f"{base}/api/v1/targets/metadata?match_target={sel}")["data"]
+            return {m["metric"]: m["type"] for m in data}
+
+        def all_seen():
+            meta = {w: metadata(f"tally-{w}") for w in WORKERS}
+            return meta if all(d["type"] == meta[w].get(n)
+                               for n, d in doc.items() for w in d["workers"]) else None
+        try:
+            meta = wait_for(all_seen, timeout=15, interval=1, what="every documented metric")
+        except AssertionError:
+            meta = {w: metadata(f"tally-{w}") for w in WORKERS}
+        problems = []
+        for name, d in sorted(doc.items()):
+            for w in d["workers"]:
+                got = meta[w].get(name)
+                if got is None:
+                    problems.append(f"{name} ({d['type']}) not exposed by tally-{w}")
+                elif got != d["type"]:
+                    problems.append(f"{name}: tally-{w} says {got}, {where} says {d['type']}")
+        self.assertFalse(problems, "\n".join(problems))
+
+        # A family without labels has exactly one series, which must exist from the start:
+        # rate() and increase() miss the first event of a counter that appears at 1.
+        names = set(self.http_json(base + "/api/v1/label/__name__/values")["data"])
+        unlabelled = sorted(n for n, d in doc.items() if not d["labels"])
+        missing = [n for n in unlabelled
+                   if not ({n, n + "_count"} & names)]
+        self.assertFalse(missing, "label-less metrics with no sample (they should start at 0): "
+                                  f"{missing}")
+
+        # The alert rules load and evaluate against real data without errors.
+        def rules_evaluated():
+            groups = self.http_json(base + "/api/v1/rules")["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            return rules if rules and all(r.get("lastEvaluation", "").startswith("20")
+                                          for r in rules) else None
+        rules = wait_for(rules_evaluated, timeout=30, interval=0.5, what="rule evaluation")
+        expected = {r["alert"] for g in load_yaml_docs(os.path.join(PROM_DIR, "alerts.yml"))[0]
+                    ["groups"] for r in g["rules"]}
+        self.assertEqual({r["name"] for r in rules}, expected)
+        for r in rules:
+            self.assertEqual(r["health"], "ok", f"{r['name']}: {r.get('lastError')}")
+        # Healthy, freshly started workers: nothing fires.
+        alerts = self.http_json(base + "/api/v1/alerts")["data"]["alerts"]
+        self.assertEqual([a for a in alerts if a["state"] == "firing"], [])
+        for p in workers.values():
+            self.assertEqual(p.terminate(), 0)
+
+
+if __name__ == "__main__":
+    tallytest.main()
