@@ -1,0 +1,226 @@
+/* policy.c — the reconciler's decisions, without I/O: what an UNKNOWN effect becomes after a
+ * status check, how long to wait before the next one, and which upstream record is kept when
+ * there are several. DESIGN §3 is the contract; tests/unit/test_reconcile.c reads it back. */
+#include "reconciler.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <string.h>
+
+const char *tally_recon_action_name(tally_recon_action_t a)
+{
+    switch (a) {
+    case TALLY_RECON_CONFIRM:
+        return "confirmed";
+    case TALLY_RECON_DUPLICATE:
+        return "duplicate";
+    case TALLY_RECON_WAIT_SETTLE:
+        return "settling";
+    case TALLY_RECON_REDISPATCH:
+        return "redispatched";
+    case TALLY_RECON_RETRY_CHECK:
+        return "inconclusive";
+    case TALLY_RECON_STUCK:
+        return "stuck";
+    }
+    return "unknown";
+}
+
+long long tally_recon_backoff_ms(int n, int base_ms, int max_ms, uint32_t random)
+{
+    long long base = base_ms > 0 ? base_ms : 1;
+    long long cap = max_ms > 0 ? max_ms : base;
+    if (cap < base) {
+        cap = base;
+    }
+    long long d = base;
+    for (int i = 1; i < n && d < cap; i++) {
+        d *= 2;
+    }
+    if (d > cap) {
+        d = cap;
+    }
+    long long half = d / 2;
+    long long delay = (d - half) + (long long)(random % (uint32_t)(half + 1));
+    return delay > 0 ? delay : 1;
+}
+
+/* Not found, or no way to look: re-dispatching is allowed while attempts remain. */
+static tally_recon_decision_t redispatch_or_stuck(const tally_recon_input_t *in)
+{
+    tally_recon_decision_t d = {TALLY_RECON_REDISPATCH, NULL, 0};
+    if (in->attempts >= in->max_attempts) {
+        d.action = TALLY_RECON_STUCK;
+        d.stuck_reason = "attempts_exhausted";
+    }
+    return d;
+}
+
+tally_recon_decision_t tally_recon_decide(const tally_recon_input_t *in)
+{
+    tally_recon_decision_t d = {TALLY_RECON_STUCK, NULL, 0};
+    if (!in->has_status) {
+        if (in->effect_class == TALLY_CLASS_READ || in->effect_class == TALLY_CLASS_IDEMPOTENT) {
+            return redispatch_or_stuck(in);
+        }
+        d.stuck_reason = "no_status_check";
+        return d;
+    }
+    switch (in->verdict) {
+    case TALLY_VERDICT_FOUND:
+        d.action = TALLY_RECON_CONFIRM;
+        return d;
+    case TALLY_VERDICT_DUPLICATE:
+        d.action = TALLY_RECON_DUPLICATE;
+        return d;
+    case TALLY_VERDICT_NOT_FOUND:
+        if (!in->settled) {
+            d.action = TALLY_RECON_WAIT_SETTLE;
+            return d;
+        }
+        return redispatch_or_stuck(in);
+    default:
+        break;
+    }
+    /* Inconclusive (an error, or an answer that is not the protocol's). */
+    int n = in->inconclusive_checks + 1;
+    long long deadline = (long long)TALLY_RECON_DEADLINE_FACTOR * in->max_backoff_ms;
+    if (n >= in->max_attempts || in->unknown_ms >= deadline) {
+        d.stuck_reason = "status_inconclusive";
+        return d;
+    }
+    d.action = TALLY_RECON_RETRY_CHECK;
+    d.delay_ms = tally_recon_backoff_ms(n, in->backoff_ms, in->max_backoff_ms, in->random);
+    return d;
+}
+
+/* Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's days_from_civil). */
+static long long days_from_civil(long long y, unsigned m, unsigned d)
+{
+    y -= m <= 2;
+    long long era = (y >= 0 ? y : y - 399) / 400;
+    unsigned yoe = (unsigned)(y - era * 400);
+    unsigned doy = (153 * (m + (m > 2 ? -3 : 9)) + 2) / 5 + d - 1;
+    unsigned doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + (long long)doe - 719468;
+}
+
+/* Exactly @p n digits at *@p s; advances past them. */
+static bool digits(const char **s, int n, int *out)
+{
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        if (!isdigit((unsigned char)(*s)[i])) {
+            return false;
+        }
+        v = v * 10 + ((*s)[i] - '0');
+    }
+    *s += n;
+    *out = v;
+    return true;
+}
+
+static bool expect(const char **s, char c)
+{
+    if (**s != c) {
+        return false;
+    }
+    (*s)++;
+    return true;
+}
+
+bool tally_recon_parse_time(const char *s, long long *us_out)
+{
+    if (s == NULL) {
+        return false;
+    }
+    int y, mo, d, h, mi, sec;
+    if (!digits(&s, 4, &y) || !expect(&s, '-') || !digits(&s, 2, &mo) || !expect(&s, '-') ||
+        !digits(&s, 2, &d)) {
+        return false;
+    }
+    if (*s != 'T' && *s != 't' && *s != ' ') {
+        return false;
+    }
+    s++;
+    if (!digits(&s, 2, &h) || !expect(&s, ':') || !digits(&s, 2, &mi) || !expect(&s, ':') ||
+        !digits(&s, 2, &sec)) {
+        return false;
+    }
+    static const int mdays[] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    if (mo < 1 || mo > 12 || d < 1 || d > mdays[mo - 1] || h > 23 || mi > 59 || sec > 60) {
+        return false;
+    }
+    long long frac_us = 0;
+    if (*s == '.') {
+        s++;
+        if (!isdigit((unsigned char)*s)) {
+            return false;
+        }
+        long long scale = 100000;
+        while (isdigit((unsigned char)*s)) {
+            frac_us += (*s - '0') * scale;
+            scale /= 10;
+            s++;
+        }
+    }
+    long long offset_s = 0;
+    if (*s == 'Z' || *s == 'z') {
+        s++;
+    } else if (*s == '+' || *s == '-') {
+        int sign = *s == '-' ? -1 : 1;
+        s++;
+        int oh, om;
+        if (!digits(&s, 2, &oh) || !expect(&s, ':') || !digits(&s, 2, &om) || oh > 23 || om > 59) {
+            return false;
+        }
+        offset_s = sign * (oh * 3600LL + om * 60LL);
+    } else {
+        return false;
+    }
+    if (*s != '\0') {
+        return false;
+    }
+    long long days = days_from_civil(y, (unsigned)mo, (unsigned)d);
+    long long secs = days * 86400 + h * 3600LL + mi * 60LL + sec - offset_s;
+    *us_out = secs * 1000000 + frac_us;
+    return true;
+}
+
+size_t tally_recon_earliest(const json_t *records)
+{
+    size_t n = json_array_size(records);
+    size_t best = 0;
+    long long best_us = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *at =
+            json_string_value(json_object_get(json_array_get(records, i), "created_at"));
+        long long us;
+        if (!tally_recon_parse_time(at, &us)) {
+            return 0; /* not every record says when it was made: trust the tool's order */
+        }
+        if (i == 0 || us < best_us) {
+            best = i;
+            best_us = us;
+        }
+    }
+    return best;
+}
+
+bool tally_recon_records_usable(const json_t *records, char *why, size_t whysz)
+{
+    if (!json_is_array(records)) {
+        snprintf(why, whysz, "the status answer is not a JSON array");
+        return false;
+    }
+    for (size_t i = 0; i < json_array_size(records); i++) {
+        if (!json_is_object(json_array_get(records, i))) {
+            snprintf(why, whysz,
+                     "record %zu of the status answer is not a JSON object, so it cannot be a "
+                     "receipt",
+                     i);
+            return false;
+        }
+    }
+    return true;
+}

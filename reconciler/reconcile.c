@@ -1,0 +1,715 @@
+/* reconcile.c — the reconciler's loop (DESIGN §2): wake on tally.effect.unknown.v1 outcomes,
+ * on a NOTIFY from PostgreSQL or on the sweep interval; turn expired dispatch leases into
+ * UNKNOWN; lease the due UNKNOWN effects, ask each tool's status endpoint concurrently, and
+ * record every verdict with a compare-and-set (store.c), deciding with policy.c.
+ *
+ * One thread waits on everything at once: curl's sockets, the PostgreSQL socket (LISTEN
+ * tally_unknown) and a pipe librdkafka writes to when the consumer queue fills
+ * (rd_kafka_queue_io_event_enable). Kafka messages are only wake-ups: the offsets are stored
+ * after the claim round they triggered, and PostgreSQL decides what is due. */
+#include "reconciler.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <librdkafka/rdkafka.h>
+
+#include "tally/json.h"
+#include "tally/log.h"
+#include "tally/metrics.h"
+
+#define NOTIFY_CHANNEL    "tally_unknown"
+#define LEASE_MARGIN_MS   1000
+#define MAX_RECORD_TRIES  5
+#define RECORD_BACKOFF_MS 200
+#define DRAIN_POLL_MS     50
+#define MAX_MESSAGES_TICK 1000
+
+typedef struct reconciler {
+    tally_worker_t *w;
+    const tally_config_t *cfg;
+    const tally_registry_t *reg;
+    tally_recon_db_t db;
+    char source[320];
+    tally_connector_t *conn;
+    /* the consumer's queue signals this pipe when it becomes non-empty */
+    rd_kafka_t *rk;
+    rd_kafka_queue_t *rkq;
+    int pipefd[2];
+    /* offsets of messages read, stored once the claim round after them is done */
+    rd_kafka_topic_partition_list_t *offsets;
+    /* checks finished (or decided without a call), waiting to be recorded */
+    tally_recon_item_t **done;
+    size_t n_done;
+    size_t cap_done;
+    size_t inflight;
+    bool want_claim; /* a wake-up arrived, or due work was left over */
+    bool backlog;    /* the last claim filled its limit: more may be due */
+    long long next_sweep_ms;
+    long long next_due_ms;     /* the earliest reschedule recorded by this worker, 0 for none */
+    long long record_retry_ms; /* after a failed record: not before this */
+    unsigned int seed;
+    tally_metric_t *m_unknown;
+    tally_metric_t *m_oldest;
+    tally_metric_t *m_stuck;
+    tally_metric_t *m_resolutions;
+    tally_metric_t *m_check_seconds;
+    tally_metric_t *m_lease_expired;
+    tally_metric_t *m_lost;
+    tally_metric_t *m_inflight;
+} reconciler_t;
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- recording -------------------------------------------------------------------------- */
+
+static bool push_done(reconciler_t *rc, tally_recon_item_t *it)
+{
+    if (rc->n_done == rc->cap_done) {
+        size_t cap = rc->cap_done ? rc->cap_done * 2 : 64;
+        tally_recon_item_t **grown = realloc(rc->done, cap * sizeof *grown);
+        if (grown == NULL) {
+            return false;
+        }
+        rc->done = grown;
+        rc->cap_done = cap;
+    }
+    rc->done[rc->n_done++] = it;
+    return true;
+}
+
+static void decide(reconciler_t *rc, tally_recon_item_t *it)
+{
+    const tally_tool_t *tool = it->tool;
+    tally_recon_input_t in = {
+        .has_status = tool->status.path != NULL,
+        .verdict = it->verdict.verdict,
+        .effect_class = tool->effect_class,
+        .attempts = it->attempts,
+        .max_attempts = tool->max_attempts,
+        .settled = it->settled,
+        .inconclusive_checks = it->inconclusive_checks,
+        .unknown_ms = it->unknown_ms + (long long)(it->seconds * 1000.0),
+        .backoff_ms = tool->backoff_ms,
+        .max_backoff_ms = tool->max_backoff_ms,
+        .random = (uint32_t)rand_r(&rc->seed),
+    };
+    it->decision = tally_recon_decide(&in);
+}
+
+static void log_outcome(const tally_recon_item_t *it)
+{
+    tally_log_ctx_t ctx = {
+        .run_id = it->run_id, .effect_id = it->effect_id, .tool = it->tool->name};
+    switch (it->decision.action) {
+    case TALLY_RECON_CONFIRM:
+        TALLY_LOG(TALLY_LOG_INFO, &ctx, "UNKNOWN -> CONFIRMED: one upstream record carries key %s",
+                  it->operation_key);
+        break;
+    case TALLY_RECON_DUPLICATE:
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "UNKNOWN -> CONFIRMED with a DUPLICATE: %zu upstream records carry key %s; "
+                  "obligations opened for the extras",
+                  json_array_size(it->records), it->operation_key);
+        break;
+    case TALLY_RECON_WAIT_SETTLE:
+        TALLY_LOG(TALLY_LOG_DEBUG, &ctx,
+                  "no upstream record yet for key %s; checking again when the %d ms settle "
+                  "window has passed",
+                  it->operation_key, it->tool->settle_ms);
+        break;
+    case TALLY_RECON_REDISPATCH:
+        TALLY_LOG(TALLY_LOG_INFO, &ctx,
+                  "UNKNOWN -> PLANNED: nothing upstream carries key %s after the settle window; "
+                  "re-dispatching with the same key (attempt %d of %d done)",
+                  it->operation_key, it->attempts, it->tool->max_attempts);
+        break;
+    case TALLY_RECON_RETRY_CHECK:
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "status check inconclusive (%s: %s); checking again in %lld ms", it->verdict.code,
+                  it->verdict.message, it->decision.delay_ms);
+        break;
+    case TALLY_RECON_STUCK:
+        TALLY_LOG(TALLY_LOG_ERROR, &ctx, "UNKNOWN -> STUCK (%s): paging a human",
+                  it->decision.stuck_reason);
+        break;
+    }
+}
+
+/* Record every finished check in one transaction. On a failure the batch is kept for the next
+ * tick (the leases still hold); a batch that fails for a reason other than a lost connection
+ * is recorded one item at a time so one bad item cannot hold the others back. */
+static int record_round(reconciler_t *rc)
+{
+    if (rc->n_done == 0 || now_ms() < rc->record_retry_ms) {
+        return 0;
+    }
+    for (size_t i = 0; i < rc->n_done; i++) {
+        if (rc->done[i]->record_tries == 0) {
+            decide(rc, rc->done[i]);
+        }
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    bool ok = tally_recon_record(&rc->db, rc->done, rc->n_done, &err);
+    if (!ok && !err.retriable && rc->n_done > 1) {
+        TALLY_WARN("recording %zu verdicts failed (%s: %s); recording them one by one", rc->n_done,
+                   err.code, err.message);
+        for (size_t i = 0; i < rc->n_done; i++) {
+            tally_error_t one;
+            tally_error_clear(&one);
+            if (!tally_recon_record(&rc->db, &rc->done[i], 1, &one)) {
+                tally_log_ctx_t ctx = {.effect_id = rc->done[i]->effect_id,
+                                       .tool = rc->done[i]->tool->name};
+                TALLY_LOG(TALLY_LOG_ERROR, &ctx,
+                          "cannot record the status check verdict (%s: %s); the lease will "
+                          "expire and the effect will be checked again",
+                          one.code, one.message);
+                rc->done[i]->record_tries = MAX_RECORD_TRIES;
+            }
+        }
+        ok = true;
+    } else if (!ok) {
+        int tries = rc->done[0]->record_tries + 1;
+        rc->record_retry_ms = now_ms() + ((long long)RECORD_BACKOFF_MS << (tries - 1));
+        TALLY_ERROR("recording %zu verdicts failed (%s: %s); %s", rc->n_done, err.code, err.message,
+                    tries < MAX_RECORD_TRIES
+                        ? "retrying shortly"
+                        : "giving up: their leases expire and the effects are checked again");
+    }
+    size_t kept = 0;
+    int recorded = 0;
+    long long now = now_ms();
+    for (size_t i = 0; i < rc->n_done; i++) {
+        tally_recon_item_t *it = rc->done[i];
+        if (!ok) {
+            if (++it->record_tries < MAX_RECORD_TRIES) {
+                rc->done[kept++] = it;
+                continue;
+            }
+        } else if (it->won) {
+            recorded++;
+            log_outcome(it);
+            tally_metric_add(rc->m_resolutions, 1, tally_recon_action_name(it->decision.action));
+            bool again = it->decision.action == TALLY_RECON_WAIT_SETTLE ||
+                         it->decision.action == TALLY_RECON_RETRY_CHECK;
+            long long due = now + it->next_in_ms;
+            if (again && (rc->next_due_ms == 0 || due < rc->next_due_ms)) {
+                rc->next_due_ms = due;
+            }
+        } else if (it->record_tries < MAX_RECORD_TRIES) {
+            tally_log_ctx_t ctx = {
+                .run_id = it->run_id, .effect_id = it->effect_id, .tool = it->tool->name};
+            TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                      "lease lost before the verdict was recorded (epoch %lld is no longer "
+                      "current, or the effect left UNKNOWN); writing nothing",
+                      it->epoch);
+            tally_metric_add(rc->m_lost, 1);
+        }
+        tally_recon_item_free(it);
+    }
+    rc->n_done = kept;
+    return recorded;
+}
+
+/* ---- status checks ---------------------------------------------------------------------- */
+
+static void inconclusive(tally_recon_item_t *it, const char *code, const char *message)
+{
+    memset(&it->verdict, 0, sizeof it->verdict);
+    it->verdict.verdict = TALLY_VERDICT_INCONCLUSIVE;
+    it->verdict.retry_after_ms = -1;
+    snprintf(it->verdict.code, sizeof it->verdict.code, "%s", code);
+    snprintf(it->verdict.message, sizeof it->verdict.message, "%s", message);
+    json_decref(it->records);
+    it->records = NULL;
+}
+
+static void on_check_done(const tally_conn_result_t *res, void *opaque)
+{
+    reconciler_t *rc = opaque;
+    tally_recon_item_t *it = res->opaque;
+    rc->inflight--;
+    it->checked = true;
+    it->http_status = res->http_status;
+    it->seconds = res->seconds;
+    tally_metric_observe(rc->m_check_seconds, res->seconds, it->tool->name);
+    tally_conn_classify_status(res, &it->verdict);
+    if (it->verdict.verdict == TALLY_VERDICT_FOUND ||
+        it->verdict.verdict == TALLY_VERDICT_DUPLICATE) {
+        json_error_t jerr;
+        it->records = json_loadb(res->body, res->body_len, TALLY_JSON_LOAD_FLAGS, &jerr);
+        char why[200];
+        if (it->records == NULL) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "the status answer could not be parsed: %s", jerr.text);
+            inconclusive(it, "unparseable", msg);
+        } else if (!tally_recon_records_usable(it->records, why, sizeof why)) {
+            inconclusive(it, "bad_record", why);
+        }
+    }
+    if (!push_done(rc, it)) {
+        TALLY_ERROR("out of memory keeping a status check verdict; the lease on %s will expire",
+                    it->effect_id);
+        tally_recon_item_free(it);
+    }
+}
+
+/* Lease due UNKNOWN effects of the tools with room, and start their status checks. */
+static int claim_round(reconciler_t *rc, tally_error_t *err)
+{
+    long long room = (long long)rc->cfg->max_inflight - (long long)rc->inflight;
+    if (room > rc->cfg->batch_size) {
+        room = rc->cfg->batch_size;
+    }
+    if (room <= 0) {
+        return 0;
+    }
+    json_t *tools = json_array();
+    if (tools == NULL) {
+        tally_error_set(err, "oom", false, "out of memory listing the tools");
+        return -1;
+    }
+    for (size_t i = 0; i < tally_registry_count(rc->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(rc->reg, i);
+        if (t->status.path != NULL && tally_connector_capacity(rc->conn, t) <= 0) {
+            continue;
+        }
+        /* the lease outlives the call and the time to record it, so no other reconciler can
+         * ask about this effect while we are */
+        long long lease = (long long)t->timeout_ms * 2 + LEASE_MARGIN_MS;
+        if (lease < rc->cfg->lease_ms) {
+            lease = rc->cfg->lease_ms;
+        }
+        json_array_append_new(tools, json_pack("{s:s, s:I, s:i}", "tool", t->name, "lease_ms",
+                                               (json_int_t)lease, "settle_ms", t->settle_ms));
+    }
+    char *tools_json = json_dumps(tools, JSON_COMPACT);
+    json_decref(tools);
+    tally_recon_item_t **items = calloc((size_t)room, sizeof *items);
+    if (tools_json == NULL || items == NULL) {
+        free(tools_json);
+        free(items);
+        tally_error_set(err, "oom", false, "out of memory preparing a claim");
+        return -1;
+    }
+    int n = tally_recon_claim(&rc->db, tools_json, (int)room, items, err);
+    free(tools_json);
+    if (n < 0) {
+        free(items);
+        return -1;
+    }
+    rc->backlog = n == room;
+    tally_recon_item_t **release = calloc((size_t)n + 1, sizeof *release);
+    size_t n_release = 0;
+    for (int i = 0; i < n; i++) {
+        tally_recon_item_t *it = items[i];
+        if (it->tool->status.path == NULL) {
+            /* nothing to ask: the decision needs no call */
+            it->verdict.verdict = TALLY_VERDICT_INCONCLUSIVE;
+            snprintf(it->verdict.code, sizeof it->verdict.code, "no_status_endpoint");
+            if (!push_done(rc, it)) {
+                tally_recon_item_free(it);
+            }
+            continue;
+        }
+        tally_conn_request_t req = {
+            .tool = it->tool,
+            .op = TALLY_CONN_STATUS,
+            .idempotency_key = it->operation_key,
+            .run_id = it->run_id,
+            .effect_id = it->effect_id,
+            .traceparent = it->traceparent,
+            .opaque = it,
+        };
+        tally_error_t serr;
+        tally_error_clear(&serr);
+        if (tally_connector_submit(rc->conn, &req, &serr)) {
+            rc->inflight++;
+            continue;
+        }
+        if (strcmp(serr.code, "capacity") == 0 && release != NULL) {
+            release[n_release++] = it;
+            continue;
+        }
+        /* the call could not be made (a missing secret, a bad header value): that is an
+         * inconclusive check like any other, and pages once it has lasted too long */
+        it->checked = true;
+        inconclusive(it, serr.code, serr.message);
+        if (!push_done(rc, it)) {
+            tally_recon_item_free(it);
+        }
+    }
+    if (n_release > 0) {
+        tally_error_t rerr;
+        tally_error_clear(&rerr);
+        if (tally_recon_release(&rc->db, release, n_release, &rerr) < 0) {
+            TALLY_WARN("cannot release %zu leases taken beyond a tool's concurrency (%s); they "
+                       "expire on their own",
+                       n_release, rerr.message);
+        }
+        for (size_t i = 0; i < n_release; i++) {
+            tally_recon_item_free(release[i]);
+        }
+    }
+    free(release);
+    free(items);
+    tally_metric_set(rc->m_inflight, (double)rc->inflight);
+    return n - (int)n_release;
+}
+
+/* ---- sweeping --------------------------------------------------------------------------- */
+
+static void sweep(reconciler_t *rc)
+{
+    tally_error_t err;
+    tally_error_clear(&err);
+    int expired = tally_recon_expire_leases(&rc->db, rc->cfg->batch_size, &err);
+    if (expired < 0) {
+        TALLY_ERROR("expiring dispatch leases failed (%s: %s)", err.code, err.message);
+    } else if (expired > 0) {
+        tally_metric_add(rc->m_lease_expired, expired);
+        if (expired == rc->cfg->batch_size) {
+            rc->next_sweep_ms = 0; /* more may have expired: sweep again at once */
+        }
+    }
+    long long unknown = 0;
+    long long stuck = 0;
+    double oldest = 0;
+    tally_error_clear(&err);
+    if (tally_recon_gauges(&rc->db, &unknown, &oldest, &stuck, &err)) {
+        tally_metric_set(rc->m_unknown, (double)unknown);
+        tally_metric_set(rc->m_oldest, oldest);
+        tally_metric_set(rc->m_stuck, (double)stuck);
+    } else {
+        TALLY_WARN("reading the UNKNOWN and STUCK gauges failed (%s: %s)", err.code, err.message);
+    }
+}
+
+/* ---- waiting ---------------------------------------------------------------------------- */
+
+/* Read the notifications libpq has buffered (or that wait on the socket). */
+static void drain_notifies(reconciler_t *rc)
+{
+    PGconn *conn = tally_pg_conn(rc->db.pg);
+    if (conn == NULL || !PQconsumeInput(conn)) {
+        return;
+    }
+    PGnotify *nf;
+    while ((nf = PQnotifies(conn)) != NULL) {
+        if (strcmp(nf->relname, NOTIFY_CHANNEL) == 0) {
+            rc->want_claim = true;
+        }
+        PQfreemem(nf);
+    }
+}
+
+/* Take what the consumer has: tally.effect.unknown.v1 asks for a claim round; every offset is
+ * stored after that round. */
+static void consume(reconciler_t *rc)
+{
+    char buf[64];
+    while (read(rc->pipefd[0], buf, sizeof buf) > 0) {
+    }
+    for (int i = 0; i < MAX_MESSAGES_TICK; i++) {
+        rd_kafka_message_t *msg = rd_kafka_consumer_poll(rc->rk, 0);
+        if (msg == NULL) {
+            return;
+        }
+        if (msg->err != RD_KAFKA_RESP_ERR_NO_ERROR) {
+            if (msg->err != RD_KAFKA_RESP_ERR__PARTITION_EOF) {
+                TALLY_WARN("consumer: %s", rd_kafka_message_errstr(msg));
+            }
+            rd_kafka_message_destroy(msg);
+            continue;
+        }
+        json_t *ev = json_loadb(msg->payload, msg->len, 0, NULL);
+        const char *type = json_string_value(json_object_get(ev, "type"));
+        if (type != NULL && strcmp(type, "tally.effect.unknown.v1") == 0) {
+            rc->want_claim = true;
+        }
+        json_decref(ev);
+        const char *topic = rd_kafka_topic_name(msg->rkt);
+        rd_kafka_topic_partition_t *tp =
+            rd_kafka_topic_partition_list_find(rc->offsets, topic, msg->partition);
+        if (tp == NULL) {
+            tp = rd_kafka_topic_partition_list_add(rc->offsets, topic, msg->partition);
+        }
+        tp->offset = msg->offset + 1; /* the next offset to read, as Kafka commits it */
+        rd_kafka_message_destroy(msg);
+    }
+    rc->want_claim = true; /* more are queued: come back at once */
+}
+
+static void store_offsets(reconciler_t *rc)
+{
+    if (rc->offsets->cnt == 0) {
+        return;
+    }
+    rd_kafka_resp_err_t err = rd_kafka_offsets_store(rc->rk, rc->offsets);
+    if (err != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        /* a partition revoked since: its new owner reads those messages again, harmlessly */
+        TALLY_DEBUG("storing consumer offsets: %s", rd_kafka_err2str(err));
+    }
+    rd_kafka_topic_partition_list_destroy(rc->offsets);
+    rc->offsets = rd_kafka_topic_partition_list_new(8);
+}
+
+/* Wait up to @p timeout_ms for a status answer, a NOTIFY or a Kafka message, and collect
+ * every finished check. With @p intake false (draining) messages stay in the queue, unread
+ * and unacknowledged, for whoever owns the partition next. */
+static int wait_for_events(reconciler_t *rc, int timeout_ms, bool intake)
+{
+    struct curl_waitfd extra[2];
+    unsigned n_extra = 0;
+    PGconn *conn = tally_pg_conn(rc->db.pg);
+    if (conn != NULL && PQsocket(conn) >= 0) {
+        extra[n_extra++] = (struct curl_waitfd){PQsocket(conn), CURL_WAIT_POLLIN, 0};
+    }
+    extra[n_extra++] = (struct curl_waitfd){rc->pipefd[0], CURL_WAIT_POLLIN, 0};
+    tally_error_t err;
+    tally_error_clear(&err);
+    int n = tally_connector_poll(rc->conn, extra, n_extra, timeout_ms, on_check_done, rc, &err);
+    if (n < 0) {
+        TALLY_ERROR("waiting for status checks: %s", err.message);
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+        n = 0;
+    }
+    drain_notifies(rc);
+    if (intake) {
+        consume(rc);
+    } else {
+        char buf[64];
+        while (read(rc->pipefd[0], buf, sizeof buf) > 0) {
+        }
+    }
+    tally_metric_set(rc->m_inflight, (double)rc->inflight);
+    return n;
+}
+
+/* ---- the worker ops --------------------------------------------------------------------- */
+
+static void reconciler_free(reconciler_t *rc)
+{
+    if (rc == NULL) {
+        return;
+    }
+    if (rc->rkq != NULL) {
+        rd_kafka_queue_io_event_enable(rc->rkq, -1, NULL, 0);
+        rd_kafka_queue_destroy(rc->rkq);
+    }
+    for (int i = 0; i < 2; i++) {
+        if (rc->pipefd[i] >= 0) {
+            close(rc->pipefd[i]);
+        }
+    }
+    if (rc->offsets != NULL) {
+        rd_kafka_topic_partition_list_destroy(rc->offsets);
+    }
+    for (size_t i = 0; i < rc->n_done; i++) {
+        tally_recon_item_free(rc->done[i]);
+    }
+    free(rc->done);
+    free(rc);
+}
+
+static bool reconciler_init(tally_worker_t *w, void **state)
+{
+    reconciler_t *rc = calloc(1, sizeof *rc);
+    if (rc == NULL) {
+        TALLY_ERROR("out of memory");
+        return false;
+    }
+    rc->pipefd[0] = rc->pipefd[1] = -1;
+    rc->w = w;
+    rc->cfg = tally_worker_config(w);
+    rc->reg = tally_worker_registry(w);
+    rc->rk = tally_worker_consumer(w);
+    snprintf(rc->source, sizeof rc->source, "/tally/reconciler/%s", tally_worker_id(w));
+    rc->db = (tally_recon_db_t){
+        .pg = tally_worker_pg(w),
+        .reg = rc->reg,
+        .actor = tally_worker_id(w),
+        .source = rc->source,
+    };
+    rc->seed = (unsigned int)(getpid() ^ now_ms());
+    rc->want_claim = true;
+
+    tally_metrics_t *m = tally_worker_metrics(w);
+    rc->m_unknown = tally_metrics_gauge(m, "tally_unknown_effects",
+                                        "Effects in UNKNOWN, waiting for a status check", NULL);
+    rc->m_oldest = tally_metrics_gauge(m, "tally_unknown_oldest_age_seconds",
+                                       "How long the oldest UNKNOWN effect has been UNKNOWN", NULL);
+    rc->m_stuck =
+        tally_metrics_gauge(m, "tally_stuck_effects", "Effects STUCK, waiting for a human", NULL);
+    rc->m_resolutions = tally_metrics_counter(
+        m, "tally_reconciler_resolutions_total",
+        "Status check verdicts recorded, by what they did to the effect", "outcome");
+    rc->m_check_seconds =
+        tally_metrics_histogram(m, "tally_status_check_seconds", "Status check latency, by tool",
+                                "tool", tally_latency_buckets, tally_n_latency_buckets);
+    rc->m_lease_expired = tally_metrics_counter(
+        m, "tally_lease_expired_total",
+        "DISPATCHING effects whose dispatch lease expired and became UNKNOWN", NULL);
+    rc->m_lost = tally_metrics_counter(
+        m, "tally_reconciler_lost_leases_total",
+        "Verdicts not recorded because another worker took the lease over", NULL);
+    rc->m_inflight = tally_metrics_gauge(m, "tally_reconciler_inflight_checks",
+                                         "Status checks in flight in this worker", NULL);
+
+    char errstr[512];
+    rc->conn = tally_connector_new(rc->cfg->max_inflight, 0, errstr, sizeof errstr);
+    if (rc->conn == NULL) {
+        TALLY_ERROR("cannot create the connector engine: %s", errstr);
+        reconciler_free(rc);
+        return false;
+    }
+    rc->offsets = rd_kafka_topic_partition_list_new(8);
+    if (rc->offsets == NULL || pipe(rc->pipefd) != 0 ||
+        fcntl(rc->pipefd[0], F_SETFL, O_NONBLOCK) != 0 ||
+        fcntl(rc->pipefd[1], F_SETFL, O_NONBLOCK) != 0) {
+        TALLY_ERROR("cannot set up the consumer wake-up pipe: %s", strerror(errno));
+        tally_connector_free(rc->conn, NULL);
+        reconciler_free(rc);
+        return false;
+    }
+    rc->rkq = rd_kafka_queue_get_consumer(rc->rk);
+    if (rc->rkq == NULL) {
+        TALLY_ERROR("the Kafka consumer has no queue to wait on");
+        tally_connector_free(rc->conn, NULL);
+        reconciler_free(rc);
+        return false;
+    }
+    rd_kafka_queue_io_event_enable(rc->rkq, rc->pipefd[1], "1", 1);
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (!tally_pg_listen(rc->db.pg, NOTIFY_CHANNEL, &err)) {
+        /* the sweep still finds everything; LISTEN is re-issued on the next reconnect */
+        TALLY_WARN("LISTEN %s failed (%s); relying on the sweep and Kafka", NOTIFY_CHANNEL,
+                   err.message);
+    }
+    TALLY_INFO("reconciling: sweep every %d ms, up to %d status checks in flight, lease at "
+               "least %d ms",
+               rc->cfg->sweep_ms, rc->cfg->max_inflight, rc->cfg->lease_ms);
+    *state = rc;
+    return true;
+}
+
+static int reconciler_tick(tally_worker_t *w, void *state)
+{
+    reconciler_t *rc = state;
+    int work = 0;
+    long long now = now_ms();
+    if (now >= rc->next_sweep_ms) {
+        rc->next_sweep_ms = now + rc->cfg->sweep_ms;
+        sweep(rc);
+        rc->want_claim = true;
+    }
+    if (rc->next_due_ms != 0 && now >= rc->next_due_ms) {
+        rc->next_due_ms = 0;
+        rc->want_claim = true;
+    }
+    if ((rc->want_claim || rc->backlog) && !tally_worker_stopping(w)) {
+        rc->want_claim = false;
+        tally_error_t err;
+        tally_error_clear(&err);
+        int n = claim_round(rc, &err);
+        if (n < 0) {
+            rc->backlog = false; /* the next sweep tries again; no tight loop on a failure */
+            TALLY_ERROR("claiming due UNKNOWN effects failed (%s: %s)", err.code, err.message);
+            tally_worker_set_ready(w, tally_pg_ok(rc->db.pg), err.message);
+        } else {
+            work += n;
+            store_offsets(rc);
+            tally_worker_set_ready(w, true, NULL);
+        }
+    }
+    long long wait = rc->next_sweep_ms - now_ms();
+    if (rc->next_due_ms != 0 && rc->next_due_ms - now_ms() < wait) {
+        wait = rc->next_due_ms - now_ms();
+    }
+    if (wait > rc->cfg->poll_ms) {
+        wait = rc->cfg->poll_ms;
+    }
+    if (rc->n_done > 0 && rc->record_retry_ms - now_ms() < wait) {
+        wait = rc->record_retry_ms - now_ms();
+    }
+    if (wait < 0 || rc->want_claim || (rc->backlog && rc->inflight == 0)) {
+        wait = 0;
+    }
+    wait_for_events(rc, (int)wait, true);
+    work += record_round(rc);
+    return work;
+}
+
+/* SIGTERM: claim nothing more, let the checks in flight finish and record them. */
+static bool reconciler_drain(tally_worker_t *w, void *state)
+{
+    (void)w;
+    reconciler_t *rc = state;
+    if (rc->inflight > 0) {
+        wait_for_events(rc, DRAIN_POLL_MS, false);
+    }
+    record_round(rc);
+    return rc->inflight == 0 && rc->n_done == 0;
+}
+
+static reconciler_t *g_abandoning; /* the reconciler whose connector is being freed */
+
+static void on_abandoned(void *opaque)
+{
+    if (!push_done(g_abandoning, opaque)) {
+        tally_recon_item_free(opaque);
+    }
+}
+
+/* After the grace period: give back the leases of checks still in flight or unrecorded, so
+ * another reconciler need not wait for them to expire. */
+static void reconciler_fini(tally_worker_t *w, void *state)
+{
+    (void)w;
+    reconciler_t *rc = state;
+    for (size_t i = 0; i < rc->n_done; i++) {
+        rc->done[i]->record_tries = MAX_RECORD_TRIES; /* unrecorded: released below */
+    }
+    g_abandoning = rc;
+    tally_connector_free(rc->conn, on_abandoned);
+    g_abandoning = NULL;
+    rc->conn = NULL;
+    if (rc->n_done > 0) {
+        tally_error_t err;
+        tally_error_clear(&err);
+        int released = tally_recon_release(&rc->db, rc->done, rc->n_done, &err);
+        if (released < 0) {
+            TALLY_WARN("cannot release %zu leases at shutdown (%s); they expire on their own",
+                       rc->n_done, err.message);
+        } else {
+            TALLY_INFO("released %d leases of status checks cut short by shutdown", released);
+        }
+    }
+    reconciler_free(rc); /* offsets of messages read since the last claim stay unstored */
+}
+
+static const char *const reconciler_topics[] = {"outcomes", NULL};
+
+const tally_worker_ops_t tally_reconciler_ops = {
+    .name = "reconciler",
+    .summary = "Resolves UNKNOWN effects from upstream evidence, detects duplicates and turns "
+               "expired dispatch leases into UNKNOWN.",
+    .topics = reconciler_topics,
+    .init = reconciler_init,
+    .tick = reconciler_tick,
+    .drain = reconciler_drain,
+    .fini = reconciler_fini,
+};

@@ -1,0 +1,800 @@
+/* store.c — every statement the reconciler runs, beside the transitions they make (DESIGN §3):
+ * DISPATCHING → UNKNOWN when a dispatch lease expired, and UNKNOWN → CONFIRMED | PLANNED |
+ * STUCK (or UNKNOWN again, rescheduled) from a status check.
+ *
+ * Each statement handles a whole batch (json_to_recordset), never one row at a time, and each
+ * state change is a compare-and-set on status and lease_epoch whose audit events, outcome
+ * messages, obligations and alerts are written in the same transaction — for the rows the
+ * compare-and-set matched, and only for those. */
+#include "reconciler.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tally/cloudevent.h"
+#include "tally/id.h"
+#include "tally/json.h"
+#include "tally/ledger.h"
+#include "tally/log.h"
+
+/* The effect columns every event is built from; RETURNING lists them first, in this order. */
+#define EFFECT_COLS                                                                                \
+    "e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool, e.operation_key,"        \
+    " e.status, e.receipt::text, e.external_ref, e.error_code, e.error_message, e.attempts,"       \
+    " e.intent_id"
+
+enum {
+    C_EFFECT_ID = 0,
+    C_RUN_ID,
+    C_STEP,
+    C_STEP_IS_NUM,
+    C_TOOL,
+    C_OPERATION_KEY,
+    C_STATUS,
+    C_RECEIPT,
+    C_EXTERNAL_REF,
+    C_ERROR_CODE,
+    C_ERROR_MESSAGE,
+    C_ATTEMPTS,
+    C_INTENT_ID,
+    C__EFFECT, /* the first statement-specific column */
+};
+
+#define LEASE_EXPIRED_WHY "dispatch lease expired (the dispatcher died or stalled mid-call)"
+
+/* What an on-call engineer does about a STUCK effect, whatever the tool (the tool's own
+ * runbook is about compensating it, and travels in the alert's details). */
+#define RUNBOOK_STUCK_EFFECT                                                                       \
+    "docs/operations.md#effects-no_status_check-attempts_exhausted-status_inconclusive"
+
+/* Rows whose dispatch lease ran out, oldest first; rows another transaction holds (the
+ * dispatcher recording that very call) are skipped and seen by the next sweep. The CTE reads
+ * the lease as it was, for the audit trail. */
+static const char SQL_EXPIRE[] =
+    "WITH expired AS ("
+    "  SELECT effect_id, lease_owner, lease_until, lease_epoch FROM effects"
+    "  WHERE status = 'DISPATCHING' AND lease_until < now()"
+    "  ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED)"
+    " UPDATE effects e SET status = 'UNKNOWN', status_reason = 'lease_expired',"
+    " error_code = 'lease_expired', error_message = $2,"
+    " unknown_since = now(), next_attempt_at = now(), inconclusive_checks = 0,"
+    " lease_owner = NULL, lease_until = NULL, lease_epoch = e.lease_epoch + 1, updated_at = now()"
+    " FROM expired x"
+    " WHERE e.effect_id = x.effect_id AND e.status = 'DISPATCHING'"
+    " RETURNING " EFFECT_COLS ", x.lease_owner, x.lease_until::text, x.lease_epoch";
+
+/* The claim: due UNKNOWN effects of tools this worker can check, leased by the database
+ * clock. unknown_since is filled in when a writer left it empty, so the settle window always
+ * has a start. */
+static const char SQL_CLAIM[] =
+    "WITH tools AS ("
+    "  SELECT * FROM json_to_recordset($1::json) AS t(tool text, lease_ms bigint, settle_ms "
+    "bigint)),"
+    " due AS ("
+    "  SELECT e.effect_id FROM effects e"
+    "  WHERE e.status = 'UNKNOWN' AND e.next_attempt_at <= now()"
+    "  AND (e.lease_until IS NULL OR e.lease_until < now())"
+    "  AND e.tool IN (SELECT tool FROM tools)"
+    "  ORDER BY e.next_attempt_at LIMIT $3 FOR UPDATE OF e SKIP LOCKED)"
+    " UPDATE effects e SET lease_owner = $2,"
+    " lease_until = now() + t.lease_ms * interval '1 millisecond',"
+    " lease_epoch = e.lease_epoch + 1, unknown_since = coalesce(e.unknown_since, now()),"
+    " updated_at = now()"
+    " FROM due, tools t"
+    " WHERE e.effect_id = due.effect_id AND t.tool = e.tool AND e.status = 'UNKNOWN'"
+    " RETURNING e.effect_id::text, e.lease_epoch, e.run_id, e.tool, e.operation_key,"
+    " e.traceparent, e.attempts, e.inconclusive_checks,"
+    " now() >= e.unknown_since + t.settle_ms * interval '1 millisecond',"
+    " (extract(epoch FROM now() - e.unknown_since) * 1000)::bigint";
+
+/* The verdicts: one compare-and-set for the batch. A reschedule (to_status UNKNOWN) waits for
+ * the later of the backoff and the end of the settle window. The lease is released and the
+ * epoch moves on, so a replay of this very batch matches nothing. */
+static const char SQL_RECORD[] =
+    "UPDATE effects e SET status = r.to_status,"
+    " status_reason = coalesce(r.reason, e.status_reason),"
+    " receipt = CASE WHEN r.to_status = 'CONFIRMED' THEN r.receipt ELSE e.receipt END,"
+    " external_ref = CASE WHEN r.to_status = 'CONFIRMED' THEN r.external_ref"
+    "   ELSE e.external_ref END,"
+    " error_code = CASE WHEN r.set_error THEN r.error_code ELSE e.error_code END,"
+    " error_message = CASE WHEN r.set_error THEN r.error_message ELSE e.error_message END,"
+    " next_attempt_at = CASE r.to_status"
+    "   WHEN 'UNKNOWN' THEN greatest(now() + r.delay_ms * interval '1 millisecond',"
+    "                                e.unknown_since + r.settle_ms * interval '1 millisecond')"
+    "   WHEN 'PLANNED' THEN now() ELSE e.next_attempt_at END,"
+    " unknown_since = CASE WHEN r.to_status = 'PLANNED' THEN NULL ELSE e.unknown_since END,"
+    " inconclusive_checks = CASE WHEN r.inconclusive THEN e.inconclusive_checks + 1"
+    "   WHEN r.to_status IN ('UNKNOWN', 'STUCK') THEN e.inconclusive_checks ELSE 0 END,"
+    " status_checks = e.status_checks + CASE WHEN r.checked THEN 1 ELSE 0 END,"
+    " last_status_check_at = CASE WHEN r.checked THEN now() ELSE e.last_status_check_at END,"
+    " lease_owner = NULL, lease_until = NULL, lease_epoch = e.lease_epoch + 1, updated_at = now()"
+    " FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint, to_status text,"
+    " reason text, receipt jsonb, external_ref text, set_error boolean, error_code text,"
+    " error_message text, delay_ms bigint, settle_ms bigint, inconclusive boolean,"
+    " checked boolean)"
+    " WHERE e.effect_id = r.effect_id AND e.status = 'UNKNOWN' AND e.lease_epoch = r.epoch"
+    " RETURNING " EFFECT_COLS ", e.inconclusive_checks,"
+    " to_char(e.next_attempt_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"
+    " greatest(0, ceil(extract(epoch FROM e.next_attempt_at - now()) * 1000))::bigint";
+
+/* Re-dispatch with the same key: a dispatch outbox row due now (the effect is PLANNED again;
+ * the dispatcher counts the attempt when it claims it). */
+static const char SQL_REDISPATCH[] =
+    "INSERT INTO outbox (effect_id, tool, due_at)"
+    " SELECT e.effect_id, e.tool, now() FROM effects e"
+    " WHERE e.effect_id IN (SELECT json_array_elements_text($1::json)::uuid)"
+    " ON CONFLICT (effect_id) DO UPDATE SET due_at = EXCLUDED.due_at";
+
+/* One obligation per extra upstream record; UNIQUE (effect_id, external_ref) makes a second
+ * detection of the same extra a no-op, and RETURNING names only the new ones. */
+static const char SQL_OBLIGATIONS[] =
+    "INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
+    " SELECT r.obligation_id, e.run_id, e.effect_id, 'duplicate', r.external_ref, r.receipt"
+    " FROM json_to_recordset($1::json) AS r(n int, obligation_id uuid, effect_id uuid,"
+    " external_ref text, receipt jsonb)"
+    " JOIN effects e ON e.effect_id = r.effect_id"
+    " ORDER BY r.n"
+    " ON CONFLICT DO NOTHING"
+    " RETURNING obligation_id::text, run_id, effect_id::text, external_ref";
+
+static const char SQL_RELEASE[] =
+    "UPDATE effects e SET lease_owner = NULL, lease_until = NULL,"
+    " lease_epoch = e.lease_epoch + 1, updated_at = now()"
+    " FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint)"
+    " WHERE e.effect_id = r.effect_id AND e.status = 'UNKNOWN' AND e.lease_epoch = r.epoch";
+
+static const char SQL_GAUGES[] =
+    "SELECT count(*) FILTER (WHERE status = 'UNKNOWN'),"
+    " coalesce(extract(epoch FROM now() - min(unknown_since) FILTER (WHERE status = 'UNKNOWN')),"
+    " 0)::float8,"
+    " count(*) FILTER (WHERE status = 'STUCK')"
+    " FROM effects WHERE status IN ('UNKNOWN', 'STUCK')";
+
+void tally_recon_item_free(tally_recon_item_t *it)
+{
+    if (it == NULL) {
+        return;
+    }
+    free(it->run_id);
+    free(it->operation_key);
+    free(it->traceparent);
+    json_decref(it->records);
+    free(it);
+}
+
+/* ---- building events ------------------------------------------------------------------- */
+
+static const char *col(const PGresult *res, int row, int c)
+{
+    return PQgetisnull(res, row, c) ? NULL : PQgetvalue(res, row, c);
+}
+
+/* The step as the agent sent it: a number when the ledger holds a canonical non-negative
+ * integer in step_num, else the text. */
+static json_t *step_value(const PGresult *res, int row)
+{
+    const char *step = col(res, row, C_STEP);
+    bool is_num = strcmp(PQgetvalue(res, row, C_STEP_IS_NUM), "t") == 0;
+    size_t len = step ? strlen(step) : 0;
+    bool canonical = is_num && len > 0 && len <= 18 && strspn(step, "0123456789") == len &&
+                     (step[0] != '0' || len == 1);
+    if (canonical) {
+        return json_integer((json_int_t)strtoll(step, NULL, 10));
+    }
+    return step ? json_string(step) : json_null();
+}
+
+static json_t *text_or_null(const char *s)
+{
+    json_t *v = s ? json_string(s) : json_null();
+    return v ? v : json_null();
+}
+
+/* DESIGN §5 effect event data from a RETURNING row. @returns a new reference or NULL. */
+static json_t *effect_data(const PGresult *res, int row)
+{
+    const char *receipt_text = col(res, row, C_RECEIPT);
+    json_t *receipt = receipt_text ? json_loads(receipt_text, 0, NULL) : NULL;
+    const char *code = col(res, row, C_ERROR_CODE);
+    json_t *error = NULL;
+    if (code != NULL) {
+        const char *msg = col(res, row, C_ERROR_MESSAGE);
+        error = json_pack("{s:s, s:s}", "code", code, "message", msg ? msg : "");
+    }
+    return json_pack(
+        "{s:s, s:s, s:o, s:s, s:s, s:s, s:o, s:o, s:o, s:i, s:s}", "effect_id",
+        col(res, row, C_EFFECT_ID), "run_id", col(res, row, C_RUN_ID), "step", step_value(res, row),
+        "tool", col(res, row, C_TOOL), "operation_key", col(res, row, C_OPERATION_KEY), "status",
+        col(res, row, C_STATUS), "receipt", receipt ? receipt : json_null(), "external_ref",
+        text_or_null(col(res, row, C_EXTERNAL_REF)), "error", error ? error : json_null(),
+        "attempts", atoi(PQgetvalue(res, row, C_ATTEMPTS)), "intent_id",
+        col(res, row, C_INTENT_ID));
+}
+
+/* Queue a CloudEvent of @p type with @p data (stolen) on @p topic, keyed by the run. */
+static bool queue_message(tally_recon_db_t *db, const char *topic, const char *type,
+                          const char *run_id, json_t *data, tally_error_t *err)
+{
+    json_t *ev = data ? tally_ce_new(type, db->source, run_id, data, NULL) : NULL;
+    if (ev == NULL) {
+        tally_error_set(err, "oom", false, "could not build a %s event", type);
+        return false;
+    }
+    tally_outbox_batch_add(db->outbox, topic, run_id, ev);
+    json_decref(ev);
+    return true;
+}
+
+/* The outcome event for an effect row, with @p extra merged in (stolen; may be NULL). */
+static bool queue_outcome(tally_recon_db_t *db, const PGresult *res, int row, const char *type,
+                          json_t *extra, tally_error_t *err)
+{
+    json_t *data = effect_data(res, row);
+    if (data != NULL && extra != NULL && json_object_update(data, extra) != 0) {
+        json_decref(data);
+        data = NULL;
+    }
+    json_decref(extra);
+    return queue_message(db, "outcomes", type, col(res, row, C_RUN_ID), data, err);
+}
+
+static void audit(tally_recon_db_t *db, const PGresult *res, int row, const char *kind,
+                  const char *from, const char *to, const char *reason, json_t *data)
+{
+    tally_audit_event_t ev = {
+        .run_id = col(res, row, C_RUN_ID),
+        .effect_id = col(res, row, C_EFFECT_ID),
+        .kind = kind,
+        .from_status = from,
+        .to_status = to,
+        .actor = db->actor,
+        .reason = reason,
+        .data = data,
+    };
+    tally_audit_batch_add(db->audit, &ev);
+    json_decref(data);
+}
+
+/* ---- transactions ---------------------------------------------------------------------- */
+
+/* Fresh batches for one transaction, so a failed one leaves nothing queued for the next. */
+static bool tx_begin(tally_recon_db_t *tx, tally_error_t *err)
+{
+    tx->audit = tally_audit_batch_new();
+    tx->outbox = tally_outbox_batch_new();
+    tx->alerts = tally_alert_batch_new();
+    if (tx->audit == NULL || tx->outbox == NULL || tx->alerts == NULL) {
+        tally_error_set(err, "oom", false, "out of memory starting a transaction");
+        return false;
+    }
+    return tally_pg_begin(tx->pg, err);
+}
+
+/* Raise the alerts, write the audit events and the messages, COMMIT; or roll back. */
+static bool tx_end(tally_recon_db_t *tx, bool ok, tally_error_t *err)
+{
+    ok = ok &&
+         tally_alert_batch_flush(tx->alerts, tx->pg, tx->actor, tx->source, tx->outbox, tx->audit,
+                                 NULL, err) &&
+         tally_audit_batch_flush(tx->audit, tx->pg, err) &&
+         tally_outbox_batch_flush(tx->outbox, tx->pg, err) && tally_pg_commit(tx->pg, err);
+    if (!ok) {
+        tally_pg_rollback(tx->pg);
+    }
+    tally_audit_batch_free(tx->audit);
+    tally_outbox_batch_free(tx->outbox);
+    tally_alert_batch_free(tx->alerts);
+    tx->audit = NULL;
+    tx->outbox = NULL;
+    tx->alerts = NULL;
+    return ok;
+}
+
+/* ---- lease expiry ---------------------------------------------------------------------- */
+
+int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *err)
+{
+    char limit_text[24];
+    snprintf(limit_text, sizeof limit_text, "%d", limit);
+    const char *params[2] = {limit_text, LEASE_EXPIRED_WHY};
+    tally_recon_db_t tx = *db;
+    if (!tx_begin(&tx, err)) {
+        tx_end(&tx, false, err);
+        return -1;
+    }
+    PGresult *res = tally_pg_exec(tx.pg, SQL_EXPIRE, 2, params, err);
+    int n = res != NULL ? PQntuples(res) : -1;
+    bool ok = res != NULL;
+    for (int i = 0; ok && i < n; i++) {
+        json_t *lease = json_pack("{s:s?, s:s?, s:I}", "lease_owner", col(res, i, C__EFFECT),
+                                  "lease_until", col(res, i, C__EFFECT + 1), "lease_epoch",
+                                  (json_int_t)strtoll(PQgetvalue(res, i, C__EFFECT + 2), NULL, 10));
+        audit(&tx, res, i, "transition", "DISPATCHING", "UNKNOWN", LEASE_EXPIRED_WHY,
+              lease ? json_deep_copy(lease) : NULL);
+        ok = queue_outcome(&tx, res, i, "tally.effect.unknown.v1", lease, err);
+    }
+    ok = tx_end(&tx, ok, err);
+    for (int i = 0; ok && i < n; i++) {
+        tally_log_ctx_t ctx = {.run_id = col(res, i, C_RUN_ID),
+                               .effect_id = col(res, i, C_EFFECT_ID),
+                               .tool = col(res, i, C_TOOL)};
+        TALLY_LOG(TALLY_LOG_WARN, &ctx, "%s: the lease of %s ended at %s; the effect is UNKNOWN",
+                  LEASE_EXPIRED_WHY, col(res, i, C__EFFECT) ? col(res, i, C__EFFECT) : "?",
+                  col(res, i, C__EFFECT + 1) ? col(res, i, C__EFFECT + 1) : "?");
+    }
+    PQclear(res);
+    return ok ? n : -1;
+}
+
+/* ---- the claim ------------------------------------------------------------------------- */
+
+static char *dup_or_null(const char *s)
+{
+    return s ? strdup(s) : NULL;
+}
+
+int tally_recon_claim(tally_recon_db_t *db, const char *tools_json, int limit,
+                      tally_recon_item_t **out, tally_error_t *err)
+{
+    char limit_text[24];
+    snprintf(limit_text, sizeof limit_text, "%d", limit);
+    const char *params[3] = {tools_json, db->actor, limit_text};
+    PGresult *res = tally_pg_exec(db->pg, SQL_CLAIM, 3, params, err);
+    if (res == NULL) {
+        return -1;
+    }
+    int n = 0;
+    for (int i = 0; i < PQntuples(res) && n < limit; i++) {
+        tally_recon_item_t *it = calloc(1, sizeof *it);
+        if (it == NULL) {
+            break; /* the lease runs out and another round takes it */
+        }
+        snprintf(it->effect_id, sizeof it->effect_id, "%s", PQgetvalue(res, i, 0));
+        it->epoch = strtoll(PQgetvalue(res, i, 1), NULL, 10);
+        it->run_id = dup_or_null(col(res, i, 2));
+        it->tool = tally_registry_find(db->reg, PQgetvalue(res, i, 3));
+        it->operation_key = dup_or_null(col(res, i, 4));
+        it->traceparent = dup_or_null(col(res, i, 5));
+        it->attempts = atoi(PQgetvalue(res, i, 6));
+        it->inconclusive_checks = atoi(PQgetvalue(res, i, 7));
+        it->settled = strcmp(PQgetvalue(res, i, 8), "t") == 0;
+        it->unknown_ms = strtoll(PQgetvalue(res, i, 9), NULL, 10);
+        if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
+            (col(res, i, 5) != NULL && it->traceparent == NULL)) {
+            tally_recon_item_free(it);
+            continue;
+        }
+        out[n++] = it;
+    }
+    PQclear(res);
+    return n;
+}
+
+/* ---- recording verdicts ---------------------------------------------------------------- */
+
+static const char *to_status(const tally_recon_item_t *it)
+{
+    switch (it->decision.action) {
+    case TALLY_RECON_CONFIRM:
+    case TALLY_RECON_DUPLICATE:
+        return "CONFIRMED";
+    case TALLY_RECON_REDISPATCH:
+        return "PLANNED";
+    case TALLY_RECON_STUCK:
+        return "STUCK";
+    case TALLY_RECON_WAIT_SETTLE:
+    case TALLY_RECON_RETRY_CHECK:
+        break;
+    }
+    return "UNKNOWN";
+}
+
+/* One sentence on why the effect is STUCK, for error_message, the event and the page. */
+static void stuck_message(const tally_recon_item_t *it, char *buf, size_t bufsz)
+{
+    const char *reason = it->decision.stuck_reason ? it->decision.stuck_reason : "";
+    if (strcmp(reason, "no_status_check") == 0) {
+        snprintf(buf, bufsz,
+                 "tool '%s' declares no status endpoint, so whether this %s call took effect "
+                 "cannot be read upstream; a human must find out",
+                 it->tool->name, tally_effect_class_name(it->tool->effect_class));
+    } else if (strcmp(reason, "attempts_exhausted") == 0) {
+        snprintf(buf, bufsz,
+                 "no upstream record carries the key after %d dispatch attempt%s (the tool's "
+                 "max_attempts is %d); tally will not send it again",
+                 it->attempts, it->attempts == 1 ? "" : "s", it->tool->max_attempts);
+    } else {
+        snprintf(buf, bufsz,
+                 "the status check stayed inconclusive for %d check%s over %lld s (last: %s)",
+                 it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
+                 it->unknown_ms / 1000, it->verdict.message);
+    }
+}
+
+static const char *transition_reason(const tally_recon_item_t *it, char *buf, size_t bufsz)
+{
+    switch (it->decision.action) {
+    case TALLY_RECON_CONFIRM:
+        return "status check: one upstream record carries the key; it is the receipt";
+    case TALLY_RECON_DUPLICATE:
+        snprintf(buf, bufsz,
+                 "status check: %zu upstream records carry the key; the earliest is the receipt, "
+                 "each other one gets a compensation obligation",
+                 json_array_size(it->records));
+        return buf;
+    case TALLY_RECON_REDISPATCH:
+        return it->tool->status.path != NULL
+                   ? "status check: no upstream record after the settle window; re-dispatching "
+                     "with the same key"
+                   : "no status endpoint and the tool is safe to retry; re-dispatching with the "
+                     "same key";
+    case TALLY_RECON_STUCK:
+        stuck_message(it, buf, bufsz);
+        return buf;
+    case TALLY_RECON_WAIT_SETTLE:
+    case TALLY_RECON_RETRY_CHECK:
+        break;
+    }
+    return NULL;
+}
+
+/* The kept record and its external ref (malloc'd, may be NULL) for CONFIRM and DUPLICATE. */
+static json_t *kept_record(const tally_recon_item_t *it, size_t *idx)
+{
+    *idx = tally_recon_earliest(it->records);
+    return json_array_get(it->records, *idx);
+}
+
+/* The row of the record statement for one item. @returns a new reference or NULL. */
+static json_t *record_row(const tally_recon_item_t *it)
+{
+    const tally_recon_decision_t *d = &it->decision;
+    json_t *row = json_pack("{s:s, s:I, s:s, s:b, s:b, s:I}", "effect_id", it->effect_id, "epoch",
+                            (json_int_t)it->epoch, "to_status", to_status(it), "checked",
+                            it->checked, "inconclusive", d->action == TALLY_RECON_RETRY_CHECK,
+                            "delay_ms", (json_int_t)d->delay_ms);
+    if (row == NULL) {
+        return NULL;
+    }
+    bool ok = true;
+    char buf[512];
+    switch (d->action) {
+    case TALLY_RECON_CONFIRM:
+    case TALLY_RECON_DUPLICATE: {
+        size_t idx;
+        json_t *rec = kept_record(it, &idx);
+        char *ref = tally_conn_external_ref(it->tool, rec);
+        ok = json_object_set(row, "receipt", rec) == 0 &&
+             json_object_set_new(row, "external_ref", text_or_null(ref)) == 0 &&
+             json_object_set_new(row, "set_error", json_true()) == 0 &&
+             json_object_set_new(row, "reason",
+                                 json_string(d->action == TALLY_RECON_CONFIRM
+                                                 ? "status_found"
+                                                 : "status_duplicate")) == 0;
+        free(ref);
+        break;
+    }
+    case TALLY_RECON_WAIT_SETTLE:
+        ok = json_object_set_new(row, "settle_ms", json_integer(it->tool->settle_ms)) == 0;
+        break;
+    case TALLY_RECON_REDISPATCH:
+        ok = json_object_set_new(row, "reason", json_string("status_not_found")) == 0;
+        break;
+    case TALLY_RECON_RETRY_CHECK:
+        ok = json_object_set_new(row, "set_error", json_true()) == 0 &&
+             json_object_set_new(row, "error_code", json_string(it->verdict.code)) == 0 &&
+             json_object_set_new(row, "error_message", json_string(it->verdict.message)) == 0;
+        break;
+    case TALLY_RECON_STUCK:
+        stuck_message(it, buf, sizeof buf);
+        ok = json_object_set_new(row, "reason", json_string(d->stuck_reason)) == 0 &&
+             json_object_set_new(row, "set_error", json_true()) == 0 &&
+             json_object_set_new(row, "error_code", json_string(d->stuck_reason)) == 0 &&
+             json_object_set_new(row, "error_message", json_string(buf)) == 0;
+        break;
+    }
+    if (!ok) {
+        json_decref(row);
+        return NULL;
+    }
+    return row;
+}
+
+/* The "connector_call" audit data of a status check. */
+static json_t *check_data(const tally_recon_item_t *it, const char *next_at)
+{
+    return json_pack("{s:s, s:s, s:s, s:s, s:i, s:f, s:I, s:s?, s:s}", "op", "status", "verdict",
+                     tally_verdict_name(it->verdict.verdict), "code", it->verdict.code, "message",
+                     it->verdict.message, "http_status", (int)it->http_status, "seconds",
+                     it->seconds, "records", (json_int_t)json_array_size(it->records),
+                     "next_check_at", next_at, "decision",
+                     tally_recon_action_name(it->decision.action));
+}
+
+/* The extras of a DUPLICATE as obligation rows (one per distinct external ref other than the
+ * kept record's), appended to @p rows; @p refs receives every record's ref for the events. */
+static bool duplicate_rows(const tally_recon_item_t *it, json_t *rows, json_t *refs)
+{
+    size_t kept;
+    json_t *kept_rec = kept_record(it, &kept);
+    char *kept_ref = tally_conn_external_ref(it->tool, kept_rec);
+    bool ok = true;
+    for (size_t i = 0; ok && i < json_array_size(it->records); i++) {
+        json_t *rec = json_array_get(it->records, i);
+        char *ref = tally_conn_external_ref(it->tool, rec);
+        bool same_as_kept =
+            i != kept && ref != NULL && kept_ref != NULL && strcmp(ref, kept_ref) == 0;
+        ok = json_array_append_new(refs,
+                                   json_pack("{s:o, s:b, s:b}", "external_ref", text_or_null(ref),
+                                             "kept", i == kept, "same_as_kept", same_as_kept)) == 0;
+        if (ok && i != kept && !same_as_kept) {
+            char obligation_id[37];
+            tally_uuid(obligation_id);
+            ok = json_array_append_new(
+                     rows, json_pack("{s:i, s:s, s:s, s:o, s:O}", "n", (int)json_array_size(rows),
+                                     "obligation_id", obligation_id, "effect_id", it->effect_id,
+                                     "external_ref", text_or_null(ref), "receipt", rec)) == 0;
+        }
+        free(ref);
+    }
+    free(kept_ref);
+    return ok;
+}
+
+/* Run @p sql with one JSON parameter. */
+static PGresult *exec_json(tally_pg_t *pg, const char *sql, const json_t *param, tally_error_t *err)
+{
+    char *text = json_dumps(param, JSON_COMPACT);
+    if (text == NULL) {
+        tally_error_set(err, "oom", false, "out of memory serialising a batch");
+        return NULL;
+    }
+    const char *params[1] = {text};
+    PGresult *res = tally_pg_exec(pg, sql, 1, params, err);
+    free(text);
+    return res;
+}
+
+/* The events of one DUPLICATE whose obligations were just written. */
+static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
+                            const tally_recon_item_t *it, const PGresult *obl, tally_error_t *err)
+{
+    json_t *refs = json_array();
+    json_t *unused = json_array();
+    json_t *new_obligations = json_array();
+    bool ok = refs && unused && new_obligations && duplicate_rows(it, unused, refs);
+    json_decref(unused);
+    for (int j = 0; ok && obl != NULL && j < PQntuples(obl); j++) {
+        if (strcmp(PQgetvalue(obl, j, 2), it->effect_id) != 0) {
+            continue;
+        }
+        const char *obligation_id = PQgetvalue(obl, j, 0);
+        const char *ref = col(obl, j, 3);
+        ok = json_array_append_new(new_obligations,
+                                   json_pack("{s:s, s:o}", "obligation_id", obligation_id,
+                                             "external_ref", text_or_null(ref))) == 0;
+        tally_audit_event_t ev = {
+            .run_id = col(res, row, C_RUN_ID),
+            .effect_id = it->effect_id,
+            .obligation_id = obligation_id,
+            .kind = "obligation",
+            .to_status = "PENDING",
+            .actor = db->actor,
+            .reason = "duplicate: an extra upstream record carries the effect's key",
+        };
+        tally_audit_batch_add(db->audit, &ev);
+        ok = ok && queue_message(db, "obligations", "tally.obligation.v1", col(obl, j, 1),
+                                 json_pack("{s:s, s:s, s:s, s:s, s:o, s:s}", "obligation_id",
+                                           obligation_id, "run_id", col(obl, j, 1), "effect_id",
+                                           it->effect_id, "reason", "duplicate", "external_ref",
+                                           text_or_null(ref), "status", "PENDING"),
+                                 err);
+    }
+    if (ok) {
+        audit(db, res, row, "duplicate", NULL, NULL,
+              "more than one upstream record carries the key",
+              json_pack("{s:O, s:O, s:O}", "records", it->records, "external_refs", refs,
+                        "new_obligations", new_obligations));
+        ok = queue_outcome(db, res, row, "tally.effect.duplicate.v1",
+                           json_pack("{s:I, s:O, s:O}", "records",
+                                     (json_int_t)json_array_size(it->records), "external_refs",
+                                     refs, "obligations", new_obligations),
+                           err);
+    } else {
+        tally_error_set(err, "oom", false, "out of memory building the duplicate events");
+    }
+    json_decref(refs);
+    json_decref(new_obligations);
+    return ok;
+}
+
+/* The page for a STUCK effect. */
+static void queue_alert(tally_recon_db_t *db, const PGresult *res, int row,
+                        const tally_recon_item_t *it)
+{
+    char why[512];
+    stuck_message(it, why, sizeof why);
+    char summary[1024];
+    snprintf(summary, sizeof summary, "tally: effect %s (tool %s, run %s, step %s) is STUCK: %s",
+             it->effect_id, it->tool->name, col(res, row, C_RUN_ID), col(res, row, C_STEP), why);
+    char *key = tally_alert_effect_key(it->effect_id);
+    char *command = tally_alert_effect_command(it->effect_id);
+    json_t *details = json_pack("{s:s, s:s?, s:s?, s:s, s:s, s:i}", "tool", it->tool->name, "owner",
+                                it->tool->owner, "tool_runbook", it->tool->runbook, "operation_key",
+                                it->operation_key, "message", why, "attempts", it->attempts);
+    tally_alert_t alert = {
+        .dedup_key = key,
+        .severity = "critical",
+        .summary = summary,
+        .run_id = col(res, row, C_RUN_ID),
+        .effect_id = it->effect_id,
+        .reason = it->decision.stuck_reason,
+        .runbook = RUNBOOK_STUCK_EFFECT,
+        .resolve_command = command,
+        .details = details,
+    };
+    tally_alert_batch_add(db->alerts, &alert); /* a NULL key or command fails the batch */
+    json_decref(details);
+    free(key);
+    free(command);
+}
+
+/* Audit events, messages and alerts for the item of RETURNING row @p row. */
+static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row,
+                              const tally_recon_item_t *it, const PGresult *obl, tally_error_t *err)
+{
+    const char *next_at = col(res, row, C__EFFECT + 1);
+    const char *to = to_status(it);
+    if (it->checked) {
+        audit(db, res, row, "connector_call", NULL, NULL, it->verdict.message,
+              check_data(it, strcmp(to, "UNKNOWN") == 0 ? next_at : NULL));
+    }
+    char buf[600];
+    const char *why = transition_reason(it, buf, sizeof buf);
+    if (why != NULL) {
+        json_t *data = NULL;
+        if (strcmp(to, "CONFIRMED") == 0) {
+            data = json_pack("{s:o}", "external_ref", text_or_null(col(res, row, C_EXTERNAL_REF)));
+        }
+        audit(db, res, row, "transition", "UNKNOWN", to, why, data);
+    }
+    switch (it->decision.action) {
+    case TALLY_RECON_CONFIRM:
+        return queue_outcome(db, res, row, "tally.effect.confirmed.v1", NULL, err);
+    case TALLY_RECON_DUPLICATE:
+        return queue_outcome(db, res, row, "tally.effect.confirmed.v1", NULL, err) &&
+               queue_duplicate(db, res, row, it, obl, err);
+    case TALLY_RECON_STUCK:
+        queue_alert(db, res, row, it);
+        return queue_outcome(db, res, row, "tally.effect.stuck.v1",
+                             json_pack("{s:s}", "reason", it->decision.stuck_reason), err);
+    case TALLY_RECON_WAIT_SETTLE:
+    case TALLY_RECON_RETRY_CHECK:
+    case TALLY_RECON_REDISPATCH:
+        break;
+    }
+    return true;
+}
+
+/* The item of @p effect_id among @p items (a batch holds each effect once). */
+static tally_recon_item_t *find_item(tally_recon_item_t **items, size_t n, const json_t *index,
+                                     const char *effect_id)
+{
+    json_t *pos = json_object_get(index, effect_id);
+    if (!json_is_integer(pos)) {
+        return NULL;
+    }
+    size_t i = (size_t)json_integer_value(pos);
+    return i < n ? items[i] : NULL;
+}
+
+bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
+                        tally_error_t *err)
+{
+    json_t *rows = json_array();
+    json_t *index = json_object();
+    json_t *redispatch = json_array();
+    json_t *obligations = json_array();
+    bool ok = rows != NULL && index != NULL && redispatch != NULL && obligations != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+        items[i]->won = false;
+        ok = json_array_append_new(rows, record_row(items[i])) == 0 &&
+             json_object_set_new(index, items[i]->effect_id, json_integer((json_int_t)i)) == 0;
+    }
+    if (!ok) {
+        tally_error_set(err, "oom", false, "out of memory building the verdict batch");
+    }
+    tally_recon_db_t tx = *db;
+    PGresult *res = NULL;
+    PGresult *obl = NULL;
+    ok = ok && tx_begin(&tx, err);
+    if (ok) {
+        res = exec_json(tx.pg, SQL_RECORD, rows, err);
+        ok = res != NULL;
+    }
+    for (int r = 0; ok && r < PQntuples(res); r++) {
+        tally_recon_item_t *it = find_item(items, n, index, PQgetvalue(res, r, C_EFFECT_ID));
+        if (it == NULL) {
+            continue;
+        }
+        it->won = true;
+        it->next_in_ms = strtoll(PQgetvalue(res, r, C__EFFECT + 2), NULL, 10);
+        if (it->decision.action == TALLY_RECON_REDISPATCH) {
+            ok = json_array_append_new(redispatch, json_string(it->effect_id)) == 0;
+        } else if (it->decision.action == TALLY_RECON_DUPLICATE) {
+            json_t *refs = json_array();
+            ok = refs != NULL && duplicate_rows(it, obligations, refs);
+            json_decref(refs);
+        }
+    }
+    if (ok && json_array_size(redispatch) > 0) {
+        PGresult *r2 = exec_json(tx.pg, SQL_REDISPATCH, redispatch, err);
+        ok = r2 != NULL;
+        PQclear(r2);
+    }
+    if (ok && json_array_size(obligations) > 0) {
+        obl = exec_json(tx.pg, SQL_OBLIGATIONS, obligations, err);
+        ok = obl != NULL;
+    }
+    for (int r = 0; ok && r < PQntuples(res); r++) {
+        tally_recon_item_t *it = find_item(items, n, index, PQgetvalue(res, r, C_EFFECT_ID));
+        if (it != NULL) {
+            ok = queue_item_events(&tx, res, r, it, obl, err);
+        }
+    }
+    ok = tx_end(&tx, ok, err);
+    if (!ok) {
+        for (size_t i = 0; i < n; i++) {
+            items[i]->won = false;
+        }
+    }
+    PQclear(res);
+    PQclear(obl);
+    json_decref(redispatch);
+    json_decref(obligations);
+    json_decref(rows);
+    json_decref(index);
+    return ok;
+}
+
+int tally_recon_release(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
+                        tally_error_t *err)
+{
+    if (n == 0) {
+        return 0;
+    }
+    json_t *rows = json_array();
+    bool ok = rows != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+        ok = json_array_append_new(rows, json_pack("{s:s, s:I}", "effect_id", items[i]->effect_id,
+                                                   "epoch", (json_int_t)items[i]->epoch)) == 0;
+    }
+    if (!ok) {
+        json_decref(rows);
+        tally_error_set(err, "oom", false, "out of memory building the release batch");
+        return -1;
+    }
+    PGresult *res = exec_json(db->pg, SQL_RELEASE, rows, err);
+    json_decref(rows);
+    if (res == NULL) {
+        return -1;
+    }
+    int released = atoi(PQcmdTuples(res));
+    PQclear(res);
+    return released;
+}
+
+bool tally_recon_gauges(tally_recon_db_t *db, long long *unknown, double *oldest_s,
+                        long long *stuck, tally_error_t *err)
+{
+    PGresult *res = tally_pg_exec(db->pg, SQL_GAUGES, 0, NULL, err);
+    if (res == NULL) {
+        return false;
+    }
+    *unknown = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    *oldest_s = strtod(PQgetvalue(res, 0, 1), NULL);
+    *stuck = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
+    PQclear(res);
+    return true;
+}

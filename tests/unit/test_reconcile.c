@@ -1,0 +1,321 @@
+/* test_reconcile.c — the reconciler's decisions against DESIGN §3, its backoff, the choice of
+ * the kept record among duplicates, and the alert helpers every STUCK page carries. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "reconciler.h"
+#include "tally/alert.h"
+#include "tally/ledger.h"
+
+/* A reversible tool with a status endpoint, checked once, inside nothing in particular. */
+static tally_recon_input_t base(tally_verdict_t v)
+{
+    tally_recon_input_t in = {
+        .has_status = true,
+        .verdict = v,
+        .effect_class = TALLY_CLASS_REVERSIBLE,
+        .attempts = 1,
+        .max_attempts = 5,
+        .settled = true,
+        .inconclusive_checks = 0,
+        .unknown_ms = 1000,
+        .backoff_ms = 200,
+        .max_backoff_ms = 60000,
+        .random = 12345,
+    };
+    return in;
+}
+
+static void test_found_confirms_and_several_is_a_duplicate(void **state)
+{
+    (void)state;
+    tally_recon_input_t in = base(TALLY_VERDICT_FOUND);
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_CONFIRM);
+    in.settled = false; /* evidence of the effect needs no settle window */
+    in.attempts = 99;   /* nor attempts left */
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_CONFIRM);
+    in = base(TALLY_VERDICT_DUPLICATE);
+    tally_recon_decision_t d = tally_recon_decide(&in);
+    assert_int_equal(d.action, TALLY_RECON_DUPLICATE);
+    assert_null(d.stuck_reason);
+}
+
+static void test_not_found_waits_for_the_settle_window(void **state)
+{
+    (void)state;
+    tally_recon_input_t in = base(TALLY_VERDICT_NOT_FOUND);
+    in.settled = false;
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_WAIT_SETTLE);
+    in.attempts = 5; /* even with no attempts left: the record may still appear */
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_WAIT_SETTLE);
+
+    in = base(TALLY_VERDICT_NOT_FOUND);
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_REDISPATCH);
+    in.attempts = 4;
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_REDISPATCH);
+    in.attempts = 5;
+    tally_recon_decision_t d = tally_recon_decide(&in);
+    assert_int_equal(d.action, TALLY_RECON_STUCK);
+    assert_string_equal(d.stuck_reason, "attempts_exhausted");
+}
+
+static void test_inconclusive_backs_off_then_pages(void **state)
+{
+    (void)state;
+    tally_recon_input_t in = base(TALLY_VERDICT_INCONCLUSIVE);
+    for (int before = 0; before < 4; before++) {
+        in.inconclusive_checks = before;
+        tally_recon_decision_t d = tally_recon_decide(&in);
+        assert_int_equal(d.action, TALLY_RECON_RETRY_CHECK);
+        long long full = 200LL << before;
+        assert_true(d.delay_ms >= full / 2 && d.delay_ms <= full);
+    }
+    in.inconclusive_checks = 4; /* this is the 5th inconclusive check of max_attempts 5 */
+    tally_recon_decision_t d = tally_recon_decide(&in);
+    assert_int_equal(d.action, TALLY_RECON_STUCK);
+    assert_string_equal(d.stuck_reason, "status_inconclusive");
+
+    /* past the deadline (10 × max_backoff_ms) it pages however few checks were made */
+    in = base(TALLY_VERDICT_INCONCLUSIVE);
+    in.unknown_ms = (long long)TALLY_RECON_DEADLINE_FACTOR * in.max_backoff_ms;
+    d = tally_recon_decide(&in);
+    assert_int_equal(d.action, TALLY_RECON_STUCK);
+    assert_string_equal(d.stuck_reason, "status_inconclusive");
+    in.unknown_ms -= 1;
+    assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_RETRY_CHECK);
+}
+
+static void test_no_status_endpoint(void **state)
+{
+    (void)state;
+    tally_recon_input_t in = base(TALLY_VERDICT_INCONCLUSIVE);
+    in.has_status = false;
+    static const tally_effect_class_t unsafe[] = {TALLY_CLASS_REVERSIBLE, TALLY_CLASS_APPEND_ONLY,
+                                                  TALLY_CLASS_DESTRUCTIVE};
+    for (size_t i = 0; i < sizeof unsafe / sizeof unsafe[0]; i++) {
+        in.effect_class = unsafe[i];
+        tally_recon_decision_t d = tally_recon_decide(&in);
+        assert_int_equal(d.action, TALLY_RECON_STUCK);
+        assert_string_equal(d.stuck_reason, "no_status_check");
+    }
+    /* read and idempotent: retry is safe by definition, within the attempt cap */
+    static const tally_effect_class_t safe[] = {TALLY_CLASS_READ, TALLY_CLASS_IDEMPOTENT};
+    for (size_t i = 0; i < 2; i++) {
+        in.effect_class = safe[i];
+        in.attempts = 1;
+        assert_int_equal(tally_recon_decide(&in).action, TALLY_RECON_REDISPATCH);
+        in.attempts = 5;
+        tally_recon_decision_t d = tally_recon_decide(&in);
+        assert_int_equal(d.action, TALLY_RECON_STUCK);
+        assert_string_equal(d.stuck_reason, "attempts_exhausted");
+    }
+}
+
+/* Every move a decision makes is in the DESIGN §3 table, made by the reconciler. */
+static void test_decisions_are_allowed_transitions(void **state)
+{
+    (void)state;
+    static const struct {
+        tally_recon_action_t action;
+        tally_effect_state_t to;
+    } moves[] = {
+        {TALLY_RECON_CONFIRM, TALLY_EFFECT_CONFIRMED},
+        {TALLY_RECON_DUPLICATE, TALLY_EFFECT_CONFIRMED},
+        {TALLY_RECON_REDISPATCH, TALLY_EFFECT_PLANNED},
+        {TALLY_RECON_STUCK, TALLY_EFFECT_STUCK},
+    };
+    for (size_t i = 0; i < sizeof moves / sizeof moves[0]; i++) {
+        bool by_reconciler = false;
+        for (const tally_transition_t *t = tally_effect_transitions; t->by != NULL; t++) {
+            if (t->from == TALLY_EFFECT_UNKNOWN && t->to == (int)moves[i].to &&
+                strcmp(t->by, "reconciler") == 0) {
+                by_reconciler = true;
+            }
+        }
+        assert_true(by_reconciler);
+        assert_true(tally_effect_transition_allowed(TALLY_EFFECT_UNKNOWN, moves[i].to));
+    }
+    bool lease_expiry = false;
+    for (const tally_transition_t *t = tally_effect_transitions; t->by != NULL; t++) {
+        if (t->from == TALLY_EFFECT_DISPATCHING && t->to == TALLY_EFFECT_UNKNOWN &&
+            strcmp(t->by, "reconciler") == 0) {
+            lease_expiry = true;
+        }
+    }
+    assert_true(lease_expiry);
+}
+
+static void test_backoff_doubles_to_the_cap_with_bounded_jitter(void **state)
+{
+    (void)state;
+    for (int n = 1; n <= 12; n++) {
+        long long full = 100LL << (n - 1);
+        if (full > 2000) {
+            full = 2000;
+        }
+        long long lo = tally_recon_backoff_ms(n, 100, 2000, 0);
+        long long hi = tally_recon_backoff_ms(n, 100, 2000, UINT32_MAX);
+        assert_int_equal(lo, full - full / 2);
+        assert_true(hi <= full && hi >= lo);
+        for (uint32_t r = 0; r < 1000; r += 7) {
+            long long d = tally_recon_backoff_ms(n, 100, 2000, r * 2654435761u);
+            assert_true(d >= full - full / 2 && d <= full);
+        }
+    }
+    /* no overflow for a huge n, and a nonsense configuration still waits a little */
+    assert_int_equal(tally_recon_backoff_ms(1000, 100, 2000, 0), 1000);
+    assert_true(tally_recon_backoff_ms(1, 0, 0, 0) >= 1);
+    assert_true(tally_recon_backoff_ms(3, 500, 100, 0) >= 250); /* cap below base: base wins */
+}
+
+static void test_parse_time(void **state)
+{
+    (void)state;
+    long long us = 0;
+    assert_true(tally_recon_parse_time("1970-01-01T00:00:00Z", &us));
+    assert_int_equal(us, 0);
+    assert_true(tally_recon_parse_time("2024-05-01T12:34:56.789Z", &us));
+    assert_int_equal(us, 1714566896789000LL);
+    assert_true(tally_recon_parse_time("2024-05-01T14:34:56.789+02:00", &us));
+    assert_int_equal(us, 1714566896789000LL);
+    assert_true(tally_recon_parse_time("2024-05-01t12:34:56.7891234z", &us));
+    assert_int_equal(us, 1714566896789123LL);
+    assert_true(tally_recon_parse_time("2000-02-29T00:00:00-00:30", &us));
+    assert_int_equal(us, (951782400LL + 1800) * 1000000LL);
+
+    static const char *const bad[] = {
+        "",
+        "2024-05-01",
+        "2024-05-01T12:34:56",
+        "2024-13-01T00:00:00Z",
+        "2024-05-01T24:00:00Z",
+        "2024-05-01T12:34:56.Z",
+        "2024-05-01T12:34:56Zjunk",
+        "24-05-01T12:34:56Z",
+        "2024-05-01T12:34:56+0200",
+        "2024-02-30T00:00:00Z",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_false(tally_recon_parse_time(bad[i], &us));
+    }
+    assert_false(tally_recon_parse_time(NULL, &us));
+}
+
+static void test_earliest_record(void **state)
+{
+    (void)state;
+    json_t *recs = json_loads("[{\"id\":\"b\",\"created_at\":\"2024-05-01T12:00:00.500Z\"},"
+                              "{\"id\":\"a\",\"created_at\":\"2024-05-01T14:00:00.100+02:00\"},"
+                              "{\"id\":\"c\",\"created_at\":\"2024-05-01T12:00:00.100Z\"}]",
+                              0, NULL);
+    assert_non_null(recs);
+    /* a and c are the same instant: the earlier position wins the tie */
+    assert_int_equal(tally_recon_earliest(recs), 1);
+    json_decref(recs);
+
+    /* one record without a parseable created_at: the tool's order decides */
+    recs = json_loads("[{\"id\":\"x\",\"created_at\":\"2024-05-01T12:00:00Z\"},"
+                      "{\"id\":\"y\",\"created_at\":\"yesterday\"},"
+                      "{\"id\":\"z\",\"created_at\":\"2000-01-01T00:00:00Z\"}]",
+                      0, NULL);
+    assert_int_equal(tally_recon_earliest(recs), 0);
+    json_decref(recs);
+
+    recs = json_loads("[{\"id\":\"x\"},{\"id\":\"y\"}]", 0, NULL);
+    assert_int_equal(tally_recon_earliest(recs), 0);
+    json_decref(recs);
+    recs = json_array();
+    assert_int_equal(tally_recon_earliest(recs), 0);
+    json_decref(recs);
+}
+
+static void test_records_usable(void **state)
+{
+    (void)state;
+    char why[200];
+    json_t *ok = json_loads("[{\"id\":1},{\"id\":2}]", 0, NULL);
+    assert_true(tally_recon_records_usable(ok, why, sizeof why));
+    json_decref(ok);
+    json_t *bad = json_loads("[{\"id\":1},\"charges_2\"]", 0, NULL);
+    assert_false(tally_recon_records_usable(bad, why, sizeof why));
+    assert_non_null(strstr(why, "record 1"));
+    json_decref(bad);
+    json_t *obj = json_object();
+    assert_false(tally_recon_records_usable(obj, why, sizeof why));
+    json_decref(obj);
+    /* U+0000 never reaches the ledger: jansson refuses it without JSON_ALLOW_NUL */
+    assert_null(json_loads("[{\"id\":\"a\\u0000b\"}]", 0, NULL));
+}
+
+static void test_alert_helpers(void **state)
+{
+    (void)state;
+    const char *id = "0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10";
+    char *key = tally_alert_effect_key(id);
+    assert_string_equal(key, "effect:0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10");
+    free(key);
+    key = tally_alert_obligation_key(id);
+    assert_string_equal(key, "obligation:0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10");
+    free(key);
+
+    char *cmd = tally_alert_effect_command(id);
+    assert_non_null(strstr(cmd, "tally resolve --effect 0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10 "
+                                "--as confirmed --ref <REF> --reason \""));
+    assert_non_null(strstr(cmd, "\ntally resolve --effect 0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10 "
+                                "--as failed --reason \""));
+    free(cmd);
+    cmd = tally_alert_obligation_command(id);
+    assert_non_null(strstr(cmd, "tally resolve --obligation " /* */
+                                "0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10 --as resolved"));
+    assert_non_null(strstr(cmd, "--as skipped"));
+    free(cmd);
+}
+
+static void test_alert_batch_refuses_incomplete_alerts(void **state)
+{
+    (void)state;
+    tally_alert_batch_t *b = tally_alert_batch_new();
+    assert_non_null(b);
+    tally_alert_t a = {.dedup_key = "effect:x",
+                       .summary = "s",
+                       .reason = "r",
+                       .resolve_command = "tally resolve",
+                       .effect_id = NULL};
+    tally_alert_batch_add(b, &a); /* names neither an effect nor an obligation */
+    assert_int_equal(tally_alert_batch_len(b), 0);
+    tally_error_t err;
+    tally_error_clear(&err);
+    assert_false(tally_alert_batch_flush(b, NULL, "test", "/test", NULL, NULL, NULL, &err));
+    assert_string_equal(err.code, "alert");
+    assert_non_null(strstr(err.message, "dedup key"));
+    /* the failure is reported once; the batch is usable again */
+    a.effect_id = "0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10";
+    tally_alert_batch_add(b, &a);
+    assert_int_equal(tally_alert_batch_len(b), 1);
+    tally_alert_batch_free(b);
+    tally_alert_batch_free(NULL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_found_confirms_and_several_is_a_duplicate),
+        cmocka_unit_test(test_not_found_waits_for_the_settle_window),
+        cmocka_unit_test(test_inconclusive_backs_off_then_pages),
+        cmocka_unit_test(test_no_status_endpoint),
+        cmocka_unit_test(test_decisions_are_allowed_transitions),
+        cmocka_unit_test(test_backoff_doubles_to_the_cap_with_bounded_jitter),
+        cmocka_unit_test(test_parse_time),
+        cmocka_unit_test(test_earliest_record),
+        cmocka_unit_test(test_records_usable),
+        cmocka_unit_test(test_alert_helpers),
+        cmocka_unit_test(test_alert_batch_refuses_incomplete_alerts),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
