@@ -1,0 +1,236 @@
+/* connector.h — the HTTP connector of DESIGN §6: many concurrent calls in one thread (libcurl
+ * multi), request building (idempotency key, run/effect ids, traceparent, HMAC signature) and
+ * the classification of every answer into what the ledger does next. */
+#ifndef TALLY_CONNECTOR_H
+#define TALLY_CONNECTOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <time.h>
+#include <curl/curl.h>
+#include <jansson.h>
+
+#include "tally/error.h"
+#include "tally/registry.h"
+
+/** Default cap on a response body kept in memory; the rest is read and dropped. */
+#define TALLY_CONN_MAX_BODY (1024 * 1024)
+
+typedef enum {
+    TALLY_CONN_EXECUTE = 0, /**< POST base_url+execute.path, body = canonical args */
+    TALLY_CONN_STATUS,      /**< GET base_url+status.path?idempotency_key=<key>, no body */
+    TALLY_CONN_COMPENSATE,  /**< POST base_url+compensate.path, the reverse body */
+    TALLY_CONN_CONTAIN,     /**< append_only containment action (connector.contain) */
+} tally_conn_op_t;
+
+const char *tally_conn_op_name(tally_conn_op_t op);
+
+/** @brief One call to make. Every string is copied by tally_connector_submit. */
+typedef struct tally_conn_request {
+    const tally_tool_t *tool; /**< borrowed; must outlive the call (the registry does) */
+    tally_conn_op_t op;
+    const char *idempotency_key; /**< operation key, or "reverse:<obligation id>" */
+    const char *run_id;          /**< Tally-Run-Id; may be NULL */
+    const char *effect_id;       /**< Tally-Effect-Id; may be NULL */
+    const char *traceparent;     /**< W3C traceparent; may be NULL */
+    const char *if_match;        /**< If-Match (compensate stale-state guard); may be NULL */
+    const char *body;            /**< JSON body; NULL for status */
+    size_t body_len;
+    void *opaque; /**< handed back in the result */
+} tally_conn_request_t;
+
+/**
+ * @brief What happened to one call, as the transport saw it. Handed to the completion
+ * callback; every pointer is valid only during the callback.
+ *
+ * @remark How `sent` is decided. A request counts as "not sent" only when curl failed before
+ * any request byte could have left: name resolution failed (CURLE_COULDNT_RESOLVE_*), the
+ * connection was refused or could not be made (CURLE_COULDNT_CONNECT), the TLS handshake
+ * failed, or the transfer timed out while still connecting — CURLINFO_PRETRANSFER_TIME_T is 0
+ * (curl never reached the point of writing the request) and CURLINFO_REQUEST_SIZE is 0 (no
+ * request byte was written). Everything else — a timeout after the request went out, a reset,
+ * an empty reply, any answer — is "sent". The bias is deliberate: calling a sent request "not
+ * sent" would retry it blindly, calling an unsent one "sent" only costs a status check.
+ * @remark curl itself re-sends a request, without telling, when a *reused* keep-alive
+ * connection dies before a single response byte arrives (it cannot be turned off). For a call
+ * with side effects that would turn "reset after sending" (UNKNOWN) into a blind retry, so
+ * such calls never use a reused connection (tally_conn_fresh_connection); read and idempotent
+ * tools, status checks and reverse calls (retried with the same key anyway) reuse connections.
+ */
+typedef struct tally_conn_result {
+    void *opaque;
+    const tally_tool_t *tool;
+    tally_conn_op_t op;
+    const char *method;
+    const char *url;
+    int curl_code;          /**< CURLcode; 0 (CURLE_OK) when an answer arrived whole */
+    const char *curl_error; /**< curl's message, "" when none */
+    bool sent;              /**< see the remark above */
+    long http_status;       /**< 0 when no status line arrived */
+    long retry_after_ms;    /**< Retry-After (seconds or HTTP date) in ms; -1 when absent */
+    double seconds;         /**< submit to completion */
+    const char *body;       /**< response body, NUL-terminated, at most the body cap */
+    size_t body_len;        /**< bytes in @p body */
+    size_t body_total;      /**< bytes the tool sent (larger than body_len when truncated) */
+    bool body_truncated;
+} tally_conn_result_t;
+
+/** @brief What the ledger does next with a call's answer. */
+typedef enum {
+    TALLY_VERDICT_CONFIRMED = 0, /**< execute 2xx: the effect happened */
+    TALLY_VERDICT_FAILED,        /**< execute definite failure: it did not and will not happen */
+    TALLY_VERDICT_RETRY,         /**< not applied / in progress / transient: same key, later */
+    TALLY_VERDICT_UNKNOWN,       /**< execute: it may or may not have happened */
+    TALLY_VERDICT_NOT_FOUND,     /**< status: 200 [] */
+    TALLY_VERDICT_FOUND,         /**< status: 200 [one record] */
+    TALLY_VERDICT_DUPLICATE,     /**< status: 200 [two or more records] */
+    TALLY_VERDICT_INCONCLUSIVE,  /**< status: anything else */
+    TALLY_VERDICT_RESOLVED,      /**< compensate 2xx, or 404 (already reversed) */
+    TALLY_VERDICT_STUCK,         /**< compensate 412 (stale_state) or another 4xx */
+} tally_verdict_t;
+
+const char *tally_verdict_name(tally_verdict_t v);
+
+typedef struct tally_conn_verdict {
+    tally_verdict_t verdict;
+    bool alert_owner;    /**< 401/403: the tool refused tally's credentials; page its owner */
+    bool in_progress;    /**< 409: the same key is still being processed upstream */
+    long retry_after_ms; /**< the tool's Retry-After, -1 when it gave none */
+    size_t n_records;    /**< status: the number of upstream records */
+    char code[32];       /**< "http_404", "not_sent", "timeout", "no_response", "stale_state" */
+    char message[256];   /**< one sentence for error_message and the audit trail */
+} tally_conn_verdict_t;
+
+/**
+ * @brief DESIGN §6 execute. 2xx CONFIRMED (a 2xx whose body did not arrive whole is UNKNOWN:
+ * the effect happened but the receipt is missing, so the reconciler fetches it); 408, 425,
+ * 429, 503 RETRY honouring Retry-After; 409 RETRY (in progress); 401/403 FAILED with
+ * alert_owner; other 4xx FAILED; not sent RETRY; sent without an answer, 3xx and other 5xx
+ * UNKNOWN.
+ */
+void tally_conn_classify_execute(const tally_conn_result_t *res, tally_conn_verdict_t *out);
+
+/**
+ * @brief DESIGN §6 status. 200 with a JSON array: NOT_FOUND, FOUND or DUPLICATE by its
+ * length (n_records); anything else INCONCLUSIVE.
+ */
+void tally_conn_classify_status(const tally_conn_result_t *res, tally_conn_verdict_t *out);
+
+/**
+ * @brief DESIGN §6 compensate (also used for containment actions). 2xx and 404 RESOLVED;
+ * 412 STUCK (code "stale_state"); 409 RETRY (in progress); 408, 425, 429 RETRY (the tool
+ * refused the request unprocessed, Retry-After honoured); other 4xx STUCK; not sent, no
+ * answer, 3xx and 5xx RETRY (same reverse key; the caller goes STUCK when attempts run out).
+ */
+void tally_conn_classify_compensate(const tally_conn_result_t *res, tally_conn_verdict_t *out);
+
+/**
+ * @brief The receipt of a call: the response body when it is a JSON object; otherwise an
+ * object describing what came back ({"http_status", "body" (JSON value or text) or
+ * "body_base64", "truncated", "bytes"}). Never contains U+0000, so it fits jsonb.
+ * @returns a new reference, or NULL when out of memory.
+ */
+json_t *tally_conn_receipt(const tally_conn_result_t *res) TALLY_WUR;
+
+/**
+ * @brief The external ref: tool->receipt_ref resolved in @p receipt, as text.
+ * @returns malloc'd text, or NULL when the pointer does not resolve to a scalar.
+ */
+char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt) TALLY_WUR;
+
+/**
+ * @brief At most @p max bytes of the body for logs and the audit trail: {"text": ...} when it
+ * is valid UTF-8 without U+0000 (cut at a character boundary), else {"base64": ...}; plus
+ * "truncated" when shortened. @returns a new reference, or NULL when out of memory.
+ */
+json_t *tally_conn_excerpt(const char *body, size_t len, size_t max) TALLY_WUR;
+
+/**
+ * @brief Tally-Signature value "t=<t>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>" in @p out.
+ * @returns false when @p outsz is too small or OpenSSL fails.
+ */
+bool tally_conn_signature(const char *secret, long long t, const char *body, size_t body_len,
+                          char *out, size_t outsz) TALLY_WUR;
+
+/**
+ * @brief The URL of @p op for @p tool: base_url + path, and for status
+ * "?idempotency_key=<percent-encoded key>" (or "&..." when the path has a query).
+ * @returns malloc'd URL, or NULL with the reason in @p err (the tool has no such endpoint).
+ */
+char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *idempotency_key,
+                     tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief The request headers: Idempotency-Key, Connection: close (see
+ * tally_conn_fresh_connection), Tally-Run-Id, Tally-Effect-Id, traceparent,
+ * If-Match (each when given), Content-Type: application/json and an empty Expect (when there
+ * is a body), Accept: application/json, and Tally-Signature at time @p now when @p secret is
+ * not NULL. Header values are refused (NULL, code "invalid_header") when they hold a control
+ * character, so an argument can never inject a header.
+ * @returns a list the caller frees with curl_slist_free_all, or NULL with @p err set.
+ */
+struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const char *secret,
+                                      long long now, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief true when a call must go over a new connection that is closed after it ("Connection:
+ * close", CURLOPT_FRESH_CONNECT): execute and contain calls of tools that are neither read
+ * nor idempotent, so curl can never replay them on its own.
+ */
+bool tally_conn_fresh_connection(const tally_tool_t *tool, tally_conn_op_t op);
+
+/** @brief The HTTP method of @p op for @p tool ("GET" for status when undeclared). */
+const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op);
+
+typedef struct tally_connector tally_connector_t;
+
+/** @brief Receives each finished call. Runs inside tally_connector_poll. */
+typedef void (*tally_conn_done_fn)(const tally_conn_result_t *res, void *opaque);
+
+/**
+ * @brief An engine for at most @p max_inflight concurrent calls (and, per tool, at most
+ * tool->max_concurrency), keeping at most @p max_body bytes of each response (0: the default
+ * TALLY_CONN_MAX_BODY). @returns NULL with the reason in @p errstr.
+ */
+tally_connector_t *tally_connector_new(int max_inflight, size_t max_body, char *errstr,
+                                       size_t errsz) TALLY_WUR;
+
+/**
+ * @brief Start one call (timeout = tool->timeout_ms). The signing secret is read from the
+ * environment variable tool->secret_env at submit time.
+ * @returns false with @p err when the call could not be started, and nothing was sent:
+ * code "capacity" (global or per-tool cap reached; retriable), "secret_missing" (the tool's
+ * secret_env is unset or empty; retriable once an operator sets it), "invalid_header",
+ * "no_endpoint", "curl" or "oom".
+ */
+bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *req,
+                            tally_error_t *err) TALLY_WUR;
+
+/** @brief How many more calls to @p tool may start now: min(per-tool room, global room). */
+int tally_connector_capacity(const tally_connector_t *c, const tally_tool_t *tool);
+
+/** @brief Calls in flight, in total and for one tool. */
+int tally_connector_inflight(const tally_connector_t *c);
+int tally_connector_tool_inflight(const tally_connector_t *c, const tally_tool_t *tool);
+
+/**
+ * @brief Drive the calls: perform, wait up to @p timeout_ms (curl_multi_poll) for curl's
+ * sockets or any of @p extra (their revents are filled in; @p extra may be NULL), perform
+ * again, and hand every finished call to @p done. Returns at once when a call finishes or an
+ * extra fd is ready. @returns the number of calls finished, or -1 with @p err on a curl error.
+ */
+int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsigned n_extra,
+                         int timeout_ms, tally_conn_done_fn done, void *opaque, tally_error_t *err);
+
+/** @brief Make a poll in progress return early (safe from any thread). */
+void tally_connector_wakeup(tally_connector_t *c);
+
+/**
+ * @brief Free the engine. Calls still in flight are abandoned without a result (their
+ * connections are closed; the ledger's leases say what happens to them). NULL is allowed.
+ * @param abandoned when not NULL, receives the opaque pointer of each abandoned call so the
+ * caller can free its context.
+ */
+void tally_connector_free(tally_connector_t *c, void (*abandoned)(void *opaque));
+
+#endif

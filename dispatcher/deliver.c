@@ -1,0 +1,674 @@
+/* deliver.c — the dispatch path of DESIGN §3: claim due outbox rows with a lease (committed
+ * before any call), call the tools through the connector engine, and record each outcome
+ * with a compare-and-set on status and lease epoch. A dispatcher whose lease was taken over
+ * writes nothing. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dispatcher.h"
+#include "tally/audit.h"
+#include "tally/log.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* SQL                                                                                      */
+
+/* One statement, its own transaction: lock due outbox rows per tool up to that tool's room
+ * (SKIP LOCKED, so dispatchers never wait on each other), delete them, move their effects
+ * PLANNED → DISPATCHING under a new lease (times from the database clock) and write the
+ * transition events. When it returns, the claim is committed and the calls may start. */
+static const char SQL_CLAIM[] =
+    "WITH l AS (SELECT * FROM json_to_recordset($1::json) AS l(tool text, lim int,"
+    "   lease_ms int)),"
+    /* The claimed ids as one array: the planner then looks each one up by primary key
+     * instead of hash-joining all PLANNED effects against a guessed 100-rows-per-tool set. */
+    " c AS (SELECT ARRAY(SELECT o.effect_id FROM l CROSS JOIN LATERAL ("
+    "   SELECT ob.effect_id FROM outbox ob"
+    "   WHERE ob.tool = l.tool AND ob.due_at <= now()"
+    "   ORDER BY ob.due_at LIMIT l.lim FOR UPDATE SKIP LOCKED) o) AS ids),"
+    " d AS (DELETE FROM outbox ob WHERE ob.effect_id = ANY ((SELECT ids FROM c)::uuid[])),"
+    " u AS (UPDATE effects e SET status = 'DISPATCHING', lease_owner = $2::text,"
+    "   lease_until = now() + (SELECT l.lease_ms FROM l WHERE l.tool = e.tool)"
+    "     * interval '1 millisecond',"
+    "   lease_epoch = e.lease_epoch + 1, attempts = e.attempts + 1, updated_at = now()"
+    "   WHERE e.effect_id = ANY ((SELECT ids FROM c)::uuid[]) AND e.status = 'PLANNED'"
+    "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.tool, e.operation_key,"
+    "     e.args_canonical, e.traceparent, e.intent_id, e.lease_epoch, e.attempts,"
+    "     e.lease_until),"
+    " ev AS (INSERT INTO events (event_id, run_id, effect_id, kind, from_status, to_status,"
+    "   actor, data)"
+    "   SELECT gen_random_uuid(), u.run_id, u.effect_id, 'transition', 'PLANNED', 'DISPATCHING',"
+    "     $2::text, jsonb_build_object('lease_owner', $2::text, 'lease_epoch', u.lease_epoch,"
+    "       'lease_until', u.lease_until, 'attempt', u.attempts)"
+    "   FROM u)"
+    " SELECT effect_id::text, run_id, step, step_num IS NOT NULL, tool, operation_key,"
+    "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
+
+/* The compare-and-set for a batch of finished calls (rule 3): only rows still DISPATCHING
+ * under the epoch this worker claimed are written; the caller writes events for exactly the
+ * rows that come back. A retry goes back to PLANNED with a new outbox row due later. */
+static const char SQL_RECORD[] =
+    "WITH r AS (SELECT * FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint,"
+    "   status text, receipt jsonb, external_ref text, error_code text, error_message text,"
+    "   delay_ms bigint)),"
+    " upd AS (UPDATE effects e SET status = r.status,"
+    "   receipt = CASE WHEN r.status = 'CONFIRMED' THEN r.receipt ELSE e.receipt END,"
+    "   external_ref = CASE WHEN r.status = 'CONFIRMED' THEN r.external_ref"
+    "     ELSE e.external_ref END,"
+    "   error_code = r.error_code, error_message = r.error_message,"
+    "   unknown_since = CASE WHEN r.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
+    "   next_attempt_at = CASE WHEN r.status = 'PLANNED'"
+    "     THEN now() + r.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,"
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
+    "   FROM r WHERE e.effect_id = r.effect_id AND e.status = 'DISPATCHING'"
+    "     AND e.lease_epoch = r.epoch"
+    "   RETURNING e.effect_id, e.tool, e.status, e.next_attempt_at),"
+    " ob AS (INSERT INTO outbox (effect_id, tool, due_at)"
+    "   SELECT effect_id, tool, next_attempt_at FROM upd WHERE status = 'PLANNED')"
+    " SELECT effect_id::text FROM upd";
+
+/* A page for the tool's owner; one open alert per tool (re-opened when it was resolved). */
+static const char SQL_ALERTS[] =
+    "INSERT INTO alerts (dedup_key, severity, summary, run_id, effect_id, reason, runbook,"
+    "   resolve_command)"
+    " SELECT a.dedup_key, a.severity, a.summary, a.run_id, a.effect_id, a.reason, a.runbook,"
+    "   a.resolve_command"
+    " FROM json_to_recordset($1::json) AS a(dedup_key text, severity text, summary text,"
+    "   run_id text, effect_id uuid, reason text, runbook text, resolve_command text)"
+    " ON CONFLICT (dedup_key) DO UPDATE SET status = 'TRIGGERED', severity = EXCLUDED.severity,"
+    "   summary = EXCLUDED.summary, run_id = EXCLUDED.run_id, effect_id = EXCLUDED.effect_id,"
+    "   reason = EXCLUDED.reason, runbook = EXCLUDED.runbook,"
+    "   resolve_command = EXCLUDED.resolve_command, pager_state = 'pending',"
+    "   created_at = now(), resolved_at = NULL"
+    "   WHERE alerts.status = 'RESOLVED'"
+    " RETURNING dedup_key";
+
+/* ---------------------------------------------------------------------------------------- */
+/* Calls                                                                                    */
+
+void dispatch_call_free(void *p)
+{
+    dispatch_call_t *call = p;
+    if (!call)
+        return;
+    free(call->run_id);
+    free(call->step);
+    free(call->operation_key);
+    free(call->intent_id);
+    free(call);
+}
+
+static dispatch_done_t *done_push(dispatcher_t *d)
+{
+    if (d->n_done == d->cap_done) {
+        size_t cap = d->cap_done ? 2 * d->cap_done : 256;
+        dispatch_done_t *n = realloc(d->done, cap * sizeof *n);
+        if (!n)
+            return NULL;
+        d->done = n;
+        d->cap_done = cap;
+    }
+    dispatch_done_t *x = &d->done[d->n_done++];
+    memset(x, 0, sizeof *x);
+    return x;
+}
+
+static void done_clear(dispatch_done_t *x)
+{
+    dispatch_call_free(x->call);
+    json_decref(x->receipt);
+    free(x->external_ref);
+    json_decref(x->call_record);
+    memset(x, 0, sizeof *x);
+}
+
+/* Full jitter (AWS): a uniform delay in [0, min(max, base * 2^(attempt-1))], never shorter
+ * than the tool's Retry-After. */
+static long long backoff_ms(dispatcher_t *d, const tally_tool_t *tool, int attempts,
+                            long retry_after_ms)
+{
+    long long cap = tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
+    long long base = tool->backoff_ms > 0 ? tool->backoff_ms : 200;
+    for (int i = 1; i < attempts && base < cap; i++)
+        base *= 2;
+    if (base > cap)
+        base = cap;
+    long long delay = (long long)(rand_r(&d->rand_state) % (unsigned long long)(base + 1));
+    if (retry_after_ms > delay)
+        delay = retry_after_ms;
+    return delay;
+}
+
+static void set_error(dispatch_done_t *x, const char *code, const char *fmt, const char *msg)
+{
+    snprintf(x->error_code, sizeof x->error_code, "%s", code);
+    snprintf(x->error_message, sizeof x->error_message, fmt, msg);
+}
+
+/* Not applied (or, for read/idempotent tools, a timeout): try again with the same key, or
+ * stop at the attempt cap. */
+static void retry_or_stop(dispatcher_t *d, dispatch_done_t *x, bool was_unknown)
+{
+    const dispatch_call_t *call = x->call;
+    const tally_tool_t *tool = call->tool;
+    int cap = tool->max_attempts > 0 ? tool->max_attempts : 5;
+    if (call->attempts < cap) {
+        x->to_status = "PLANNED";
+        x->delay_ms = backoff_ms(d, tool, call->attempts, x->v.retry_after_ms);
+        set_error(x, x->v.code, "%s", x->v.message);
+        return;
+    }
+    if (was_unknown && tool->effect_class == TALLY_CLASS_IDEMPOTENT) {
+        /* The last try may have applied: only upstream evidence can say (the reconciler). */
+        x->to_status = "UNKNOWN";
+        snprintf(x->error_code, sizeof x->error_code, "%s", x->v.code);
+        snprintf(x->error_message, sizeof x->error_message, "attempt cap %d reached; last: %s", cap,
+                 x->v.message);
+        return;
+    }
+    x->to_status = "FAILED";
+    snprintf(x->error_code, sizeof x->error_code, "attempts_exhausted");
+    snprintf(x->error_message, sizeof x->error_message, "gave up after %d attempts; last: %s",
+             call->attempts, x->v.message);
+}
+
+/* DESIGN §3: what the effect becomes after this verdict. */
+static void decide(dispatcher_t *d, dispatch_done_t *x)
+{
+    const tally_tool_t *tool = x->call->tool;
+    switch (x->v.verdict) {
+    case TALLY_VERDICT_CONFIRMED:
+        x->to_status = "CONFIRMED";
+        return;
+    case TALLY_VERDICT_FAILED:
+        x->to_status = "FAILED";
+        set_error(x, x->v.code, "%s", x->v.message);
+        return;
+    case TALLY_VERDICT_RETRY:
+        retry_or_stop(d, x, false);
+        return;
+    case TALLY_VERDICT_UNKNOWN:
+        /* Rule 2: a timeout of a read or idempotent tool is transient by definition. */
+        if (tool->effect_class == TALLY_CLASS_READ ||
+            tool->effect_class == TALLY_CLASS_IDEMPOTENT) {
+            retry_or_stop(d, x, true);
+            return;
+        }
+        x->to_status = "UNKNOWN";
+        set_error(x, x->v.code, "%s", x->v.message);
+        return;
+    default:
+        x->to_status = "UNKNOWN";
+        set_error(x, "unexpected_verdict", "%s", tally_verdict_name(x->v.verdict));
+        return;
+    }
+}
+
+void deliver_on_done(const tally_conn_result_t *res, void *opaque)
+{
+    dispatcher_t *d = opaque;
+    dispatch_call_t *call = res->opaque;
+    dispatch_done_t *x = done_push(d);
+    if (!x) {
+        /* Nothing recorded: the lease expires and the reconciler resolves the effect. */
+        TALLY_ERROR("out of memory recording the result of effect %s; its lease will expire",
+                    call->effect_id);
+        dispatch_call_free(call);
+        return;
+    }
+    x->call = call;
+    x->seconds = res->seconds;
+    tally_conn_classify_execute(res, &x->v);
+    if (x->v.verdict == TALLY_VERDICT_CONFIRMED) {
+        x->receipt = tally_conn_receipt(res);
+        if (!x->receipt) {
+            x->v.verdict = TALLY_VERDICT_UNKNOWN;
+            snprintf(x->v.code, sizeof x->v.code, "receipt_lost");
+            snprintf(x->v.message, sizeof x->v.message,
+                     "HTTP %ld but the receipt could not be kept (out of memory)",
+                     res->http_status);
+        } else {
+            x->external_ref = tally_conn_external_ref(call->tool, x->receipt);
+        }
+    }
+    decide(d, x);
+    json_t *rec = json_pack("{s:s, s:s, s:s, s:b, s:f, s:i, s:s, s:s}", "method", res->method,
+                            "url", res->url, "op", tally_conn_op_name(res->op), "sent", res->sent,
+                            "latency_ms", res->seconds * 1000.0, "attempt", call->attempts,
+                            "verdict", tally_verdict_name(x->v.verdict), "code", x->v.code);
+    if (rec) {
+        json_object_set_new(rec, "status_code",
+                            res->http_status ? json_integer(res->http_status) : json_null());
+        if (res->curl_code)
+            json_object_set_new(rec, "transport_error", json_string(x->v.message));
+        if (res->retry_after_ms >= 0)
+            json_object_set_new(rec, "retry_after_ms", json_integer(res->retry_after_ms));
+        json_t *ex = tally_conn_excerpt(res->body, res->body_len, 2048);
+        if (ex)
+            json_object_set_new(rec, "response", ex);
+    }
+    x->call_record = rec;
+    tally_metric_observe(d->m_connector_seconds, res->seconds, call->tool->name);
+    tally_metric_add(d->m_calls, 1, call->tool->name, tally_verdict_name(x->v.verdict));
+}
+
+/* A call that could not start (nothing was sent): recorded like a refused request, or as
+ * FAILED when it can never be sent (a header that would inject, a missing endpoint). */
+static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_error_t *err)
+{
+    dispatch_done_t *x = done_push(d);
+    if (!x) {
+        dispatch_call_free(call);
+        return;
+    }
+    x->call = call;
+    bool never = strcmp(err->code, "invalid_header") == 0 || strcmp(err->code, "no_endpoint") == 0;
+    x->v.verdict = never ? TALLY_VERDICT_FAILED : TALLY_VERDICT_RETRY;
+    x->v.retry_after_ms = -1;
+    snprintf(x->v.code, sizeof x->v.code, "%s", err->code);
+    snprintf(x->v.message, sizeof x->v.message, "the call was not started: %.200s", err->message);
+    decide(d, x);
+    x->call_record = json_pack("{s:s, s:b, s:i, s:s, s:s}", "op", "execute", "sent", 0, "attempt",
+                               call->attempts, "code", err->code, "transport_error", err->message);
+    tally_metric_add(d->m_calls, 1, call->tool->name, "not_started");
+    tally_log_ctx_t ctx = {
+        .run_id = call->run_id, .effect_id = call->effect_id, .tool = call->tool->name};
+    TALLY_LOG(TALLY_LOG_ERROR, &ctx, "call not started: %s", err->message);
+}
+
+int deliver_claim(dispatcher_t *d)
+{
+    if (d->draining)
+        return 0;
+    double now = dispatch_now();
+    if (!d->claim_wanted && now < d->next_sweep)
+        return 0;
+    int batch = d->cfg->batch_size > 0 ? d->cfg->batch_size : 1;
+    size_t n_tools = tally_registry_count(d->reg);
+    json_t *limits = json_array();
+    int *lims = calloc(n_tools ? n_tools : 1, sizeof *lims);
+    int *got = calloc(n_tools ? n_tools : 1, sizeof *got);
+    if (!limits || !lims || !got) {
+        json_decref(limits);
+        free(lims);
+        free(got);
+        return -1;
+    }
+    bool some_full = false;
+    for (size_t i = 0; i < n_tools; i++) {
+        const tally_tool_t *tool = tally_registry_at(d->reg, i);
+        int room = tally_connector_capacity(d->conn, tool);
+        lims[i] = room < batch ? room : batch;
+        if (room <= 0) {
+            some_full = true;
+            continue;
+        }
+        int lease = tool->timeout_ms + DISPATCH_LEASE_MARGIN_MS;
+        if (lease < d->cfg->lease_ms)
+            lease = d->cfg->lease_ms;
+        json_array_append_new(limits, json_pack("{s:s, s:i, s:i}", "tool", tool->name, "lim",
+                                                lims[i], "lease_ms", lease));
+    }
+    d->claim_capped = some_full;
+    d->claim_wanted = false;
+    d->next_sweep = now + (d->cfg->sweep_ms > 0 ? d->cfg->sweep_ms : 1000) / 1000.0;
+    if (json_array_size(limits) == 0) {
+        json_decref(limits);
+        free(lims);
+        free(got);
+        return 0;
+    }
+    char *text = json_dumps(limits, JSON_COMPACT);
+    json_decref(limits);
+    tally_error_t err;
+    tally_error_clear(&err);
+    const char *params[2] = {text, d->worker_id};
+    PGresult *res = text ? tally_pg_exec(d->pg, SQL_CLAIM, 2, params, &err) : NULL;
+    free(text);
+    if (!res) {
+        TALLY_WARN("claiming due effects failed (%s: %s); retrying in a second", err.code,
+                   err.message);
+        tally_metric_add(d->m_db_errors, 1, "claim");
+        tally_worker_set_ready(d->w, false, err.message);
+        free(lims);
+        free(got);
+        return -1;
+    }
+    int n = PQntuples(res);
+    for (int row = 0; row < n; row++) {
+        const char *tool_name = PQgetvalue(res, row, 4);
+        const tally_tool_t *tool = tally_registry_find(d->reg, tool_name);
+        dispatch_call_t *call = calloc(1, sizeof *call);
+        if (!call || !tool) {
+            /* Claimed but not callable here: leave it to lease expiry (the reconciler). */
+            TALLY_ERROR("effect %s (tool '%s') claimed but %s; its lease will expire",
+                        PQgetvalue(res, row, 0), tool_name,
+                        tool ? "out of memory" : "the tool is not in this worker's registry");
+            free(call);
+            continue;
+        }
+        for (size_t i = 0; i < n_tools; i++)
+            if (tally_registry_at(d->reg, i) == tool)
+                got[i]++;
+        snprintf(call->effect_id, sizeof call->effect_id, "%s", PQgetvalue(res, row, 0));
+        call->run_id = strdup(PQgetvalue(res, row, 1));
+        call->step = strdup(PQgetvalue(res, row, 2));
+        call->step_is_number = PQgetvalue(res, row, 3)[0] == 't';
+        call->tool = tool;
+        call->operation_key = strdup(PQgetvalue(res, row, 5));
+        call->intent_id = strdup(PQgetvalue(res, row, 8));
+        call->epoch = atoll(PQgetvalue(res, row, 9));
+        call->attempts = atoi(PQgetvalue(res, row, 10));
+        call->claimed_at = dispatch_now();
+        const char *body = PQgetvalue(res, row, 6);
+        tally_conn_request_t req = {
+            .tool = tool,
+            .op = TALLY_CONN_EXECUTE,
+            .idempotency_key = call->operation_key,
+            .run_id = call->run_id,
+            .effect_id = call->effect_id,
+            .traceparent = PQgetisnull(res, row, 7) ? NULL : PQgetvalue(res, row, 7),
+            .body = body,
+            .body_len = (size_t)PQgetlength(res, row, 6),
+            .opaque = call,
+        };
+        tally_error_t serr;
+        tally_error_clear(&serr);
+        if (!call->run_id || !call->step || !call->operation_key || !call->intent_id)
+            tally_error_set(&serr, "oom", true, "out of memory");
+        else if (tally_connector_submit(d->conn, &req, &serr))
+            continue;
+        submit_failed(d, call, &serr);
+    }
+    PQclear(res);
+    for (size_t i = 0; i < n_tools; i++)
+        if (lims[i] > 0 && got[i] >= lims[i])
+            some_full = true;
+    /* A tool that filled its room may have more due: claim again as soon as room frees. */
+    d->claim_capped = some_full;
+    if (some_full && n > 0)
+        d->claim_wanted = tally_connector_inflight(d->conn) < d->cfg->max_inflight;
+    free(lims);
+    free(got);
+    tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    if (n > 0)
+        TALLY_DEBUG("claimed %d effects; %d calls in flight", n, tally_connector_inflight(d->conn));
+    return n;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Recording                                                                                */
+
+static int cmp_done(const void *a, const void *b)
+{
+    const dispatch_done_t *x = a, *y = b;
+    return strcmp(x->call->effect_id, y->call->effect_id);
+}
+
+static const char *auth_runbook(const tally_tool_t *tool)
+{
+    return tool->runbook ? tool->runbook : "";
+}
+
+static bool record_alerts(dispatcher_t *d, json_t *alerts, tally_audit_batch_t *ab,
+                          tally_outbox_batch_t *ob, tally_error_t *err)
+{
+    char *text = json_dumps(alerts, JSON_COMPACT);
+    if (!text) {
+        tally_error_set(err, "oom", true, "out of memory");
+        return false;
+    }
+    const char *params[1] = {text};
+    PGresult *res = tally_pg_exec(d->pg, SQL_ALERTS, 1, params, err);
+    free(text);
+    if (!res)
+        return false;
+    for (int row = 0; row < PQntuples(res); row++) {
+        const char *key = PQgetvalue(res, row, 0);
+        json_t *a = NULL;
+        for (size_t i = 0; i < json_array_size(alerts); i++) {
+            json_t *c = json_array_get(alerts, i);
+            if (strcmp(json_string_value(json_object_get(c, "dedup_key")), key) == 0)
+                a = c;
+        }
+        if (!a)
+            continue;
+        json_t *data = json_deep_copy(a);
+        if (!data || json_object_set_new(data, "obligation_id", json_null()) != 0) {
+            json_decref(data);
+            PQclear(res);
+            tally_error_set(err, "oom", true, "out of memory");
+            return false;
+        }
+        tally_audit_event_t ev = {
+            .run_id = json_string_value(json_object_get(a, "run_id")),
+            .effect_id = json_string_value(json_object_get(a, "effect_id")),
+            .kind = "alert",
+            .actor = d->worker_id,
+            .reason = json_string_value(json_object_get(a, "reason")),
+            .data = data,
+        };
+        tally_audit_batch_add(ab, &ev);
+        json_t *ce = tally_ce_new("tally.alert.trigger.v1", d->source, key, data, NULL);
+        if (!ce) {
+            PQclear(res);
+            tally_error_set(err, "oom", true, "out of memory");
+            return false;
+        }
+        tally_outbox_batch_add(ob, "alerts", ev.run_id, ce);
+        json_decref(ce);
+        TALLY_WARN("alert %s triggered: %s", key, json_string_value(json_object_get(a, "summary")));
+    }
+    PQclear(res);
+    return true;
+}
+
+/* Events for the rows the compare-and-set returned (flag `won`), then the alerts. */
+static bool record_events(dispatcher_t *d, const bool *won, tally_audit_batch_t *ab,
+                          tally_outbox_batch_t *ob, tally_error_t *err)
+{
+    json_t *alerts = json_array();
+    if (!alerts) {
+        tally_error_set(err, "oom", true, "out of memory");
+        return false;
+    }
+    for (size_t i = 0; i < d->n_done; i++) {
+        if (!won[i])
+            continue;
+        dispatch_done_t *x = &d->done[i];
+        dispatch_call_t *call = x->call;
+        json_t *tdata = json_pack("{s:I, s:i}", "lease_epoch", (json_int_t)call->epoch, "attempt",
+                                  call->attempts);
+        if (tdata && x->error_code[0])
+            json_object_set_new(
+                tdata, "error",
+                json_pack("{s:s, s:s}", "code", x->error_code, "message", x->error_message));
+        if (tdata && strcmp(x->to_status, "PLANNED") == 0)
+            json_object_set_new(tdata, "retry_in_ms", json_integer(x->delay_ms));
+        if (tdata && x->external_ref)
+            json_object_set_new(tdata, "external_ref", json_string(x->external_ref));
+        tally_audit_event_t ev = {.run_id = call->run_id,
+                                  .effect_id = call->effect_id,
+                                  .kind = "connector_call",
+                                  .actor = d->worker_id,
+                                  .reason = x->v.code,
+                                  .data = x->call_record};
+        tally_audit_batch_add(ab, &ev);
+        ev.kind = "transition";
+        ev.from_status = "DISPATCHING";
+        ev.to_status = x->to_status;
+        ev.reason = x->error_code[0] ? x->error_message : NULL;
+        ev.data = tdata;
+        tally_audit_batch_add(ab, &ev);
+        json_decref(tdata);
+        if (strcmp(x->to_status, "PLANNED") != 0) {
+            effect_view_t v = {.effect_id = call->effect_id,
+                               .run_id = call->run_id,
+                               .step = call->step,
+                               .step_is_number = call->step_is_number,
+                               .tool = call->tool->name,
+                               .operation_key = call->operation_key,
+                               .status = x->to_status,
+                               .receipt = x->receipt,
+                               .external_ref = x->external_ref,
+                               .error_code = x->error_code[0] ? x->error_code : NULL,
+                               .error_message = x->error_code[0] ? x->error_message : NULL,
+                               .attempts = call->attempts,
+                               .intent_id = call->intent_id};
+            if (!dispatch_publish_effect(d, ob, &v, NULL)) {
+                json_decref(alerts);
+                tally_error_set(err, "oom", true, "out of memory");
+                return false;
+            }
+        }
+        if (x->v.alert_owner && strcmp(x->to_status, "FAILED") == 0) {
+            char key[200];
+            snprintf(key, sizeof key, "auth:%s", call->tool->name);
+            bool seen = false;
+            for (size_t k = 0; k < json_array_size(alerts); k++)
+                if (strcmp(
+                        json_string_value(json_object_get(json_array_get(alerts, k), "dedup_key")),
+                        key) == 0)
+                    seen = true;
+            if (seen)
+                continue;
+            char summary[400], resolve[300];
+            snprintf(summary, sizeof summary,
+                     "tool '%s' (owner %s) refused tally's credentials with HTTP %s; its calls "
+                     "fail until they are fixed",
+                     call->tool->name, call->tool->owner ? call->tool->owner : "unknown",
+                     x->v.code + 5);
+            snprintf(resolve, sizeof resolve,
+                     "tally resolve --effect %s --as failed --reason 'credentials of %s fixed'",
+                     call->effect_id, call->tool->name);
+            json_array_append_new(
+                alerts, json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:s}", "dedup_key", key,
+                                  "severity", "error", "summary", summary, "run_id", call->run_id,
+                                  "effect_id", call->effect_id, "reason", "auth_failed", "runbook",
+                                  auth_runbook(call->tool), "resolve_command", resolve, "owner",
+                                  call->tool->owner ? call->tool->owner : ""));
+        }
+    }
+    bool ok = json_array_size(alerts) == 0 || record_alerts(d, alerts, ab, ob, err);
+    json_decref(alerts);
+    return ok;
+}
+
+int deliver_record(dispatcher_t *d)
+{
+    if (d->n_done == 0)
+        return 0;
+    double now = dispatch_now();
+    if (now < d->record_retry_at)
+        return 0;
+    qsort(d->done, d->n_done, sizeof *d->done, cmp_done);
+    json_t *rows = json_array();
+    bool *won = calloc(d->n_done, sizeof *won);
+    tally_audit_batch_t *ab = tally_audit_batch_new();
+    tally_outbox_batch_t *ob = tally_outbox_batch_new();
+    tally_error_t err;
+    tally_error_clear(&err);
+    PGresult *res = NULL;
+    bool ok = false;
+    if (!rows || !won || !ab || !ob) {
+        tally_error_set(&err, "oom", true, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < d->n_done; i++) {
+        dispatch_done_t *x = &d->done[i];
+        json_t *row = json_pack(
+            "{s:s, s:I, s:s, s:O?, s:s?, s:s?, s:s?, s:I}", "effect_id", x->call->effect_id,
+            "epoch", (json_int_t)x->call->epoch, "status", x->to_status, "receipt", x->receipt,
+            "external_ref", x->external_ref, "error_code", x->error_code[0] ? x->error_code : NULL,
+            "error_message", x->error_code[0] ? x->error_message : NULL, "delay_ms",
+            (json_int_t)x->delay_ms);
+        if (!row || json_array_append_new(rows, row) != 0) {
+            tally_error_set(&err, "oom", true, "out of memory");
+            goto out;
+        }
+    }
+    char *text = json_dumps(rows, JSON_COMPACT);
+    if (!text) {
+        tally_error_set(&err, "oom", true, "out of memory");
+        goto out;
+    }
+    const char *params[1] = {text};
+    if (!tally_pg_begin(d->pg, &err)) {
+        free(text);
+        goto out;
+    }
+    res = tally_pg_exec(d->pg, SQL_RECORD, 1, params, &err);
+    free(text);
+    if (!res)
+        goto out;
+    for (int row = 0; row < PQntuples(res); row++) {
+        dispatch_call_t key_call;
+        snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 0));
+        dispatch_done_t key = {.call = &key_call};
+        dispatch_done_t *hit = bsearch(&key, d->done, d->n_done, sizeof *d->done, cmp_done);
+        if (hit)
+            won[hit - d->done] = true;
+    }
+    ok = record_events(d, won, ab, ob, &err) && tally_audit_batch_flush(ab, d->pg, &err) &&
+         tally_outbox_batch_flush(ob, d->pg, &err) && tally_pg_commit(d->pg, &err);
+out:
+    PQclear(res);
+    json_decref(rows);
+    tally_audit_batch_free(ab);
+    tally_outbox_batch_free(ob);
+    if (!ok) {
+        tally_pg_rollback(d->pg);
+        free(won);
+        d->record_backoff_ms = d->record_backoff_ms ? d->record_backoff_ms * 2 : 100;
+        if (d->record_backoff_ms > 2000)
+            d->record_backoff_ms = 2000;
+        d->record_retry_at = now + d->record_backoff_ms / 1000.0;
+        TALLY_ERROR("recording %zu call results failed (%s: %s); retrying in %d ms (their "
+                    "leases keep them safe meanwhile)",
+                    d->n_done, err.code, err.message, d->record_backoff_ms);
+        tally_metric_add(d->m_db_errors, 1, "record");
+        tally_worker_set_ready(d->w, false, err.message);
+        return -1;
+    }
+    if (d->record_backoff_ms)
+        tally_worker_set_ready(d->w, true, NULL);
+    d->record_backoff_ms = 0;
+    int n = (int)d->n_done;
+    double due = 0;
+    for (size_t i = 0; i < d->n_done; i++) {
+        dispatch_done_t *x = &d->done[i];
+        dispatch_call_t *call = x->call;
+        tally_log_ctx_t ctx = {
+            .run_id = call->run_id, .effect_id = call->effect_id, .tool = call->tool->name};
+        if (!won[i]) {
+            /* Rule 3: the lease was taken over (or the effect moved on); write nothing. */
+            tally_metric_add(d->m_lease_lost, 1);
+            TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                      "lease epoch %lld was taken over before the result (%s) could be "
+                      "recorded; the result is dropped",
+                      call->epoch, x->to_status);
+            done_clear(x);
+            continue;
+        }
+        tally_metric_observe(d->m_dispatch_seconds, now - call->claimed_at);
+        if (strcmp(x->to_status, "PLANNED") == 0) {
+            double at = now + x->delay_ms / 1000.0;
+            if (due == 0 || at < due)
+                due = at;
+            TALLY_LOG(TALLY_LOG_INFO, &ctx, "attempt %d not applied (%s); retrying in %lld ms",
+                      call->attempts, x->v.code, x->delay_ms);
+        } else {
+            TALLY_LOG(strcmp(x->to_status, "CONFIRMED") == 0 ? TALLY_LOG_DEBUG : TALLY_LOG_INFO,
+                      &ctx, "%s after attempt %d (%s)", x->to_status, call->attempts, x->v.code);
+        }
+        done_clear(x);
+    }
+    free(won);
+    d->n_done = 0;
+    if (due > 0 && due < d->next_sweep)
+        d->next_sweep = due;
+    if (d->claim_capped)
+        d->claim_wanted = true;
+    tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    return n;
+}

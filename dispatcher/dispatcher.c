@@ -1,0 +1,433 @@
+/* dispatcher.c — the dispatcher's loop (DESIGN §2): take intents in, claim and call, record,
+ * and wait on curl, PostgreSQL (LISTEN tally_outbox) and the Kafka queue at once. Also
+ * backpressure (pause intake when the outbox backlog or the calls in flight are too many),
+ * the worker's metrics, and the SIGTERM drain. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "dispatcher.h"
+#include "tally/ledger.h"
+#include "tally/log.h"
+
+static const char SQL_BACKLOG[] = "SELECT count(*) FROM outbox";
+/* Live states only: they are few and indexed (effects_status_idx), while counting the
+ * terminal ones would scan a table that only grows, from every dispatcher, every few seconds.
+ * Terminal outcomes are counted by tally_connector_calls_total and the relay's counters. */
+static const char SQL_EFFECTS_BY_STATE[] =
+    "SELECT tool, status, count(*) FROM effects"
+    " WHERE status IN ('PLANNED', 'AWAITING_APPROVAL', 'DISPATCHING', 'UNKNOWN', 'STUCK')"
+    " GROUP BY tool, status";
+
+#define EFFECTS_REFRESH_S 5.0
+#define LAG_REFRESH_S     10.0
+#define BACKLOG_REFRESH_S 1.0
+
+double dispatch_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Backpressure                                                                             */
+
+static void set_paused(dispatcher_t *d, bool pause, const char *why)
+{
+    if (!d->rk)
+        return;
+    rd_kafka_topic_partition_list_t *parts = NULL;
+    if (rd_kafka_assignment(d->rk, &parts) != RD_KAFKA_RESP_ERR_NO_ERROR || !parts)
+        return;
+    if (parts->cnt > 0) {
+        rd_kafka_resp_err_t err = pause ? rd_kafka_pause_partitions(d->rk, parts)
+                                        : rd_kafka_resume_partitions(d->rk, parts);
+        if (err)
+            TALLY_WARN("%s %d partitions: %s", pause ? "pausing" : "resuming", parts->cnt,
+                       rd_kafka_err2str(err));
+    }
+    rd_kafka_topic_partition_list_destroy(parts);
+    if (pause != d->paused)
+        TALLY_INFO("intake %s: %s", pause ? "paused" : "resumed", why);
+    d->paused = pause;
+    d->paused_at = dispatch_now();
+    tally_metric_set(d->m_paused, pause ? 1 : 0);
+}
+
+static void refresh_backlog(dispatcher_t *d, double now)
+{
+    if (now - d->backlog_at < BACKLOG_REFRESH_S)
+        return;
+    d->backlog_at = now;
+    tally_error_t err;
+    tally_error_clear(&err);
+    PGresult *res = tally_pg_exec(d->pg, SQL_BACKLOG, 0, NULL, &err);
+    if (!res) {
+        TALLY_DEBUG("outbox backlog not refreshed: %s", err.message);
+        return;
+    }
+    d->backlog = atoll(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    tally_metric_set(d->m_backlog, (double)d->backlog);
+}
+
+/* Stop fetching intents while the outbox holds more than backlog_limit rows, or while every
+ * call slot is busy and work is already queued; resume below three quarters of the limit.
+ * A held (failed) intake batch also pauses intake until it is written. Paused partitions are
+ * re-paused once a second so partitions assigned meanwhile are held too. */
+static void backpressure(dispatcher_t *d, double now)
+{
+    long long limit = d->cfg->backlog_limit;
+    bool saturated = tally_connector_inflight(d->conn) >= d->cfg->max_inflight &&
+                     d->backlog >= d->cfg->batch_size;
+    bool over = d->backlog > limit || saturated || d->intake_failed;
+    bool under = d->backlog <= limit * 3 / 4 && !saturated && !d->intake_failed;
+    if (!d->paused && over) {
+        char why[160];
+        if (d->intake_failed)
+            snprintf(why, sizeof why, "holding a batch the database refused");
+        else
+            snprintf(why, sizeof why, "outbox backlog %lld (limit %lld), %d calls in flight",
+                     d->backlog, limit, tally_connector_inflight(d->conn));
+        set_paused(d, true, why);
+    } else if (d->paused && under) {
+        set_paused(d, false, "backlog drained");
+    } else if (d->paused && now - d->paused_at >= 1.0) {
+        set_paused(d, true, "still over the limit");
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Metrics                                                                                  */
+
+static void refresh_effects(dispatcher_t *d, double now)
+{
+    if (now - d->effects_at < EFFECTS_REFRESH_S)
+        return;
+    d->effects_at = now;
+    tally_error_t err;
+    tally_error_clear(&err);
+    PGresult *res = tally_pg_exec(d->pg, SQL_EFFECTS_BY_STATE, 0, NULL, &err);
+    if (!res)
+        return;
+    tally_metric_reset(d->m_effects);
+    for (int row = 0; row < PQntuples(res); row++)
+        tally_metric_set(d->m_effects, atof(PQgetvalue(res, row, 2)), PQgetvalue(res, row, 0),
+                         PQgetvalue(res, row, 1));
+    PQclear(res);
+}
+
+/* Consumer lag per assigned partition: the high watermark (cached from fetches, no broker
+ * round trip) minus the consumer's position. */
+static void refresh_lag(dispatcher_t *d, double now)
+{
+    if (!d->rk || now - d->lag_at < LAG_REFRESH_S)
+        return;
+    d->lag_at = now;
+    rd_kafka_topic_partition_list_t *parts = NULL;
+    if (rd_kafka_assignment(d->rk, &parts) != RD_KAFKA_RESP_ERR_NO_ERROR || !parts)
+        return;
+    if (parts->cnt > 0 && rd_kafka_position(d->rk, parts) == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        tally_metric_reset(d->m_lag);
+        for (int i = 0; i < parts->cnt; i++) {
+            int64_t lo = 0, hi = 0;
+            rd_kafka_topic_partition_t *tp = &parts->elems[i];
+            if (rd_kafka_get_watermark_offsets(d->rk, tp->topic, tp->partition, &lo, &hi) !=
+                    RD_KAFKA_RESP_ERR_NO_ERROR ||
+                hi < 0)
+                continue;
+            int64_t pos = tp->offset >= 0 ? tp->offset : lo;
+            char label[32];
+            snprintf(label, sizeof label, "%d", (int)tp->partition);
+            tally_metric_set(d->m_lag, (double)(hi > pos ? hi - pos : 0), label);
+        }
+    }
+    rd_kafka_topic_partition_list_destroy(parts);
+}
+
+static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
+{
+    d->m_effects =
+        tally_metrics_gauge(m, "tally_effects", "Effects by tool and state", "tool,state");
+    d->m_intents = tally_metrics_counter(m, "tally_intents_total",
+                                         "Intents-topic messages by what became of them", "result");
+    d->m_dlq = tally_metrics_counter(m, "tally_dlq_total", "Messages sent to the DLQ", "reason");
+    d->m_dispatch_seconds = tally_metrics_histogram(
+        m, "tally_dispatch_seconds", "Claim to recorded outcome of one dispatch", NULL,
+        tally_latency_buckets, tally_n_latency_buckets);
+    d->m_connector_seconds =
+        tally_metrics_histogram(m, "tally_connector_seconds", "Connector call latency", "tool",
+                                tally_latency_buckets, tally_n_latency_buckets);
+    d->m_calls = tally_metrics_counter(m, "tally_connector_calls_total",
+                                       "Connector calls by tool and verdict", "tool,outcome");
+    d->m_inflight =
+        tally_metrics_gauge(m, "tally_inflight_calls", "Connector calls in flight", NULL);
+    d->m_backlog = tally_metrics_gauge(m, "tally_dispatch_backlog",
+                                       "Effects waiting in the dispatch outbox (due or not)", NULL);
+    d->m_lease_lost = tally_metrics_counter(
+        m, "tally_lease_lost_total", "Results dropped because the lease was taken over", NULL);
+    d->m_lag = tally_metrics_gauge(m, "tally_kafka_consumer_lag",
+                                   "Intents not yet read, per assigned partition", "partition");
+    d->m_paused = tally_metrics_gauge(m, "tally_intake_paused",
+                                      "1 while intake is paused by backpressure", NULL);
+    d->m_db_errors = tally_metrics_counter(m, "tally_dispatcher_db_errors_total",
+                                           "Failed dispatcher transactions by stage", "stage");
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Lifecycle                                                                                */
+
+/* 5,000 calls in flight need 5,000 sockets: lift the soft descriptor limit to the hard one. */
+static void raise_fd_limit(int want)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0)
+        return;
+    rlim_t need = (rlim_t)want + 256;
+    if (rl.rlim_cur >= need)
+        return;
+    rlim_t target = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > need ? need : rl.rlim_max;
+    rl.rlim_cur = target;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0 || target < need)
+        TALLY_WARN("open-file limit %llu is below the %d calls TALLY_MAX_INFLIGHT allows",
+                   (unsigned long long)target, want);
+}
+
+static bool dispatcher_init(tally_worker_t *w, void **state)
+{
+    dispatcher_t *d = calloc(1, sizeof *d);
+    if (!d) {
+        TALLY_ERROR("out of memory");
+        return false;
+    }
+    d->kafka_pipe[0] = d->kafka_pipe[1] = -1;
+    d->w = w;
+    d->cfg = tally_worker_config(w);
+    d->reg = tally_worker_registry(w);
+    d->pg = tally_worker_pg(w);
+    d->rk = tally_worker_consumer(w);
+    d->worker_id = tally_worker_id(w);
+    d->rand_state = (unsigned int)time(NULL) ^ (unsigned int)getpid();
+    snprintf(d->source, sizeof d->source, "/tally/dispatcher/%s", d->worker_id);
+    *state = d;
+    declare_metrics(d, tally_worker_metrics(w));
+
+    for (size_t i = 0; i < tally_registry_count(d->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(d->reg, i);
+        if (t->secret_env && t->secret_env[0] && !getenv(t->secret_env))
+            TALLY_WARN("tool '%s' signs its requests with %s, which is not set: its calls "
+                       "will not be sent until it is",
+                       t->name, t->secret_env);
+    }
+
+    raise_fd_limit(d->cfg->max_inflight);
+    char errstr[256];
+    d->conn = tally_connector_new(d->cfg->max_inflight, 0, errstr, sizeof errstr);
+    if (!d->conn) {
+        TALLY_ERROR("connector engine: %s", errstr);
+        return false;
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (!tally_pg_listen(d->pg, "tally_outbox", &err)) {
+        TALLY_ERROR("LISTEN tally_outbox: %s", err.message);
+        return false;
+    }
+    if (d->rk) {
+        /* One wait covers Kafka too: librdkafka writes a byte when the queue becomes
+         * non-empty (the main queue is forwarded to the consumer queue). */
+        d->queue = rd_kafka_queue_get_consumer(d->rk);
+        if (!d->queue || pipe2(d->kafka_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
+            TALLY_ERROR("consumer queue wake-up pipe: %s",
+                        d->queue ? strerror(errno) : "no consumer queue");
+            return false;
+        }
+        rd_kafka_queue_io_event_enable(d->queue, d->kafka_pipe[1], "k", 1);
+    }
+    d->claim_wanted = true;
+    TALLY_INFO("dispatcher ready: %zu tools, %d calls in flight at most, batches of %d",
+               tally_registry_count(d->reg), d->cfg->max_inflight, d->cfg->batch_size);
+    return true;
+}
+
+static void drain_pipe(int fd)
+{
+    char buf[256];
+    while (read(fd, buf, sizeof buf) > 0)
+        ;
+}
+
+/* Wait for curl, a NOTIFY on tally_outbox or the Kafka queue, up to timeout_ms, and collect
+ * finished calls. */
+static int wait_and_collect(dispatcher_t *d, int timeout_ms)
+{
+    struct curl_waitfd fds[2];
+    unsigned n = 0;
+    PGconn *conn = tally_pg_conn(d->pg);
+    int pgfd = conn ? PQsocket(conn) : -1;
+    if (pgfd >= 0)
+        fds[n++] = (struct curl_waitfd){.fd = pgfd, .events = CURL_WAIT_POLLIN};
+    if (d->kafka_pipe[0] >= 0)
+        fds[n++] = (struct curl_waitfd){.fd = d->kafka_pipe[0], .events = CURL_WAIT_POLLIN};
+    tally_error_t err;
+    tally_error_clear(&err);
+    int done = tally_connector_poll(d->conn, fds, n, timeout_ms, deliver_on_done, d, &err);
+    if (done < 0)
+        TALLY_ERROR("connector: %s", err.message);
+    if (d->kafka_pipe[0] >= 0)
+        drain_pipe(d->kafka_pipe[0]);
+    /* Notifications may also have arrived with an earlier statement's results. */
+    if (tally_pg_wait_notify(d->pg, 0) > 0)
+        d->claim_wanted = true;
+    tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    return done > 0 ? done : 0;
+}
+
+/* Let curl make progress (connect, send, read answers) between two database steps without
+ * waiting: a tick's transactions take milliseconds, and calls must not stall behind them. */
+static int pump(dispatcher_t *d)
+{
+    tally_error_t err;
+    tally_error_clear(&err);
+    int n = tally_connector_poll(d->conn, NULL, 0, 0, deliver_on_done, d, &err);
+    if (n < 0)
+        TALLY_ERROR("connector: %s", err.message);
+    return n > 0 ? n : 0;
+}
+
+static int next_timeout_ms(dispatcher_t *d, double now, int work)
+{
+    if (work > 0 || d->intake_more)
+        return 0;
+    if (d->queue && !d->paused && !d->intake_failed && rd_kafka_queue_length(d->queue) > 0)
+        return 0;
+    if (d->claim_wanted && tally_connector_inflight(d->conn) < d->cfg->max_inflight)
+        return 0;
+    double until = now + d->cfg->poll_ms / 1000.0;
+    if (d->next_sweep < until)
+        until = d->next_sweep;
+    if (d->intake_failed && d->intake_retry_at < until)
+        until = d->intake_retry_at;
+    if (d->n_done > 0 && d->record_retry_at < until)
+        until = d->record_retry_at;
+    double ms = (until - now) * 1000.0;
+    if (ms < 0)
+        return 0;
+    return (int)ms + 1;
+}
+
+static int dispatcher_tick(tally_worker_t *w, void *state)
+{
+    dispatcher_t *d = state;
+    double now = dispatch_now();
+    refresh_backlog(d, now);
+    backpressure(d, now);
+    refresh_effects(d, now);
+    refresh_lag(d, now);
+
+    int work = 0;
+    int n = intake_step(d);
+    if (n > 0)
+        work += n;
+    work += pump(d);
+    n = deliver_record(d);
+    if (n > 0)
+        work += n;
+    work += pump(d);
+    n = deliver_claim(d);
+    if (n > 0)
+        work += n;
+    work += pump(d);
+
+    n = wait_and_collect(d, next_timeout_ms(d, dispatch_now(), work));
+    work += n;
+    /* Write results right away: the claim that follows may depend on the freed room. */
+    if (d->n_done > 0) {
+        n = deliver_record(d);
+        if (n > 0)
+            work += n;
+    }
+    tally_worker_heartbeat(w);
+    return work;
+}
+
+/* SIGTERM: stop intake (the held batch is dropped uncommitted; Kafka delivers it again),
+ * let the calls in flight finish and record them. Calls still running when the grace period
+ * ends are left to lease expiry. */
+static bool dispatcher_drain(tally_worker_t *w, void *state)
+{
+    dispatcher_t *d = state;
+    if (!d->draining) {
+        d->draining = true;
+        intake_discard(d);
+        set_paused(d, true, "shutting down");
+        TALLY_INFO("draining: %d calls in flight, %zu results to record",
+                   tally_connector_inflight(d->conn), d->n_done);
+    }
+    if (d->rk) {
+        /* Serve rebalances and errors (rd_kafka_poll is not allowed on a consumer whose main
+         * queue is forwarded). Partitions are paused; anything still queued is dropped
+         * unstored and read again by the partition's next owner. */
+        rd_kafka_message_t *rkm = rd_kafka_consumer_poll(d->rk, 0);
+        if (rkm)
+            rd_kafka_message_destroy(rkm);
+    }
+    wait_and_collect(d, d->n_done > 0 ? 0 : 100);
+    if (d->n_done > 0)
+        (void)deliver_record(d);
+    tally_worker_heartbeat(w);
+    bool done = tally_connector_inflight(d->conn) == 0 && d->n_done == 0;
+    if (done)
+        TALLY_INFO("drained: every call finished and was recorded");
+    return done;
+}
+
+static void dispatcher_fini(tally_worker_t *w, void *state)
+{
+    (void)w;
+    dispatcher_t *d = state;
+    if (!d)
+        return;
+    int left = d->conn ? tally_connector_inflight(d->conn) : 0;
+    if (left > 0 || d->n_done > 0)
+        TALLY_WARN("exiting with %d calls in flight and %zu unrecorded results: their leases "
+                   "will expire and the reconciler will resolve them",
+                   left, d->n_done);
+    tally_connector_free(d->conn, dispatch_call_free);
+    for (size_t i = 0; i < d->n_done; i++) {
+        dispatch_call_free(d->done[i].call);
+        json_decref(d->done[i].receipt);
+        free(d->done[i].external_ref);
+        json_decref(d->done[i].call_record);
+    }
+    free(d->done);
+    intake_discard(d);
+    free(d->batch);
+    if (d->queue) {
+        rd_kafka_queue_io_event_enable(d->queue, -1, NULL, 0);
+        rd_kafka_queue_destroy(d->queue);
+    }
+    if (d->kafka_pipe[0] >= 0)
+        close(d->kafka_pipe[0]);
+    if (d->kafka_pipe[1] >= 0)
+        close(d->kafka_pipe[1]);
+    free(d);
+}
+
+static const char *const dispatcher_topics[] = {"intents", NULL};
+
+const tally_worker_ops_t tally_dispatcher_ops = {
+    .name = "dispatcher",
+    .summary = "Records agents' intents in the ledger and delivers them to the tools.",
+    .topics = dispatcher_topics,
+    .init = dispatcher_init,
+    .tick = dispatcher_tick,
+    .drain = dispatcher_drain,
+    .fini = dispatcher_fini,
+};

@@ -1,0 +1,186 @@
+/* dispatcher.h — the dispatcher's state and its three parts: intake (intents → ledger, one
+ * transaction per Kafka poll batch), delivery (claim → connector call → compare-and-set
+ * record) and the loop that waits on curl, PostgreSQL and Kafka at once (dispatcher.c). */
+#ifndef TALLY_DISPATCHER_H
+#define TALLY_DISPATCHER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <jansson.h>
+#include <librdkafka/rdkafka.h>
+
+#include "tally/cloudevent.h"
+#include "tally/config.h"
+#include "tally/connector.h"
+#include "tally/metrics.h"
+#include "tally/outbox.h"
+#include "tally/pg.h"
+#include "tally/registry.h"
+#include "tally/worker.h"
+
+/** The worker ops of tally-dispatcher; main.c hands them to tally_worker_main. */
+extern const tally_worker_ops_t tally_dispatcher_ops;
+
+/* Lease = the tool's timeout plus this margin (and never less than TALLY_LEASE_MS), so a
+ * call that is still legitimately running is not taken over. */
+#define DISPATCH_LEASE_MARGIN_MS 5000
+
+/** One message of the current intake batch. */
+typedef struct intake_msg {
+    rd_kafka_message_t *rkm; /**< owned until the batch is committed */
+    bool parsed;
+    tally_dlq_reason_t reason; /**< TALLY_DLQ_NONE when the message is valid */
+    char detail[256];
+    tally_intent_t in; /**< valid when parsed and reason == NONE */
+    const tally_tool_t *tool;
+    char *op_key;    /**< operation key (intents) */
+    char *canonical; /**< canonical args (intents) */
+    char input_hash[65];
+    char effect_id[37]; /**< the id the effect gets if this intent creates it */
+} intake_msg_t;
+
+/** A claimed effect while its connector call is in flight. */
+typedef struct dispatch_call {
+    char effect_id[37];
+    char *run_id;
+    char *step;
+    bool step_is_number;
+    char *operation_key;
+    char *intent_id;
+    const tally_tool_t *tool;
+    long long epoch;
+    int attempts;
+    double claimed_at; /**< monotonic seconds */
+} dispatch_call_t;
+
+/** A finished call waiting to be recorded. */
+typedef struct dispatch_done {
+    dispatch_call_t *call;
+    tally_conn_verdict_t v;
+    const char *to_status; /**< "CONFIRMED", "FAILED", "PLANNED", "UNKNOWN" */
+    long long delay_ms;    /**< PLANNED: backoff before the next attempt */
+    char error_code[32];
+    char error_message[512];
+    json_t *receipt;     /**< CONFIRMED (owned) */
+    char *external_ref;  /**< CONFIRMED, may be NULL */
+    json_t *call_record; /**< the "connector_call" audit data (owned) */
+    double seconds;      /**< connector latency */
+} dispatch_done_t;
+
+typedef struct dispatcher {
+    tally_worker_t *w;
+    const tally_config_t *cfg;
+    const tally_registry_t *reg;
+    tally_pg_t *pg;
+    rd_kafka_t *rk;
+    rd_kafka_queue_t *queue; /**< the consumer queue, for its io-event fd */
+    int kafka_pipe[2];       /**< librdkafka writes to [1] when the queue becomes non-empty */
+    tally_connector_t *conn;
+    const char *worker_id;
+    char source[160]; /**< CloudEvents source of everything this worker publishes */
+
+    /* intake */
+    intake_msg_t *batch;
+    size_t n_batch, cap_batch;
+    bool intake_more;       /**< the last poll filled the batch: more is waiting */
+    double intake_retry_at; /**< after a database error: not before this (monotonic s) */
+    int intake_backoff_ms;
+    bool intake_failed; /**< holding a batch whose transaction failed */
+
+    /* delivery */
+    bool claim_wanted; /**< a NOTIFY, new intents, freed capacity or the timer */
+    bool claim_capped; /**< the last claim was limited by capacity, not by due rows */
+    double next_sweep; /**< look for due rows (backoffs that came due) at this time */
+    dispatch_done_t *done;
+    size_t n_done, cap_done;
+    double record_retry_at; /**< after a database error: not before this (monotonic s) */
+    int record_backoff_ms;
+    unsigned int rand_state; /**< for backoff jitter (rand_r) */
+
+    /* backpressure and housekeeping */
+    long long backlog; /**< rows in the dispatch outbox, refreshed at most once a second */
+    double backlog_at;
+    bool paused;
+    double paused_at;
+    double effects_at; /**< last refresh of tally_effects */
+    double lag_at;
+    bool draining;
+
+    /* metrics */
+    tally_metric_t *m_effects;
+    tally_metric_t *m_intents;
+    tally_metric_t *m_dlq;
+    tally_metric_t *m_dispatch_seconds;
+    tally_metric_t *m_connector_seconds;
+    tally_metric_t *m_calls;
+    tally_metric_t *m_inflight;
+    tally_metric_t *m_backlog;
+    tally_metric_t *m_lease_lost;
+    tally_metric_t *m_lag;
+    tally_metric_t *m_paused;
+    tally_metric_t *m_db_errors;
+} dispatcher_t;
+
+/* dispatcher.c */
+double dispatch_now(void);
+
+/* intake.c */
+
+/**
+ * @brief Take what the consumer has (up to batch_size), validate it, and write it in one
+ * transaction; store the offsets only after COMMIT. On a database error the batch is kept
+ * and retried after a backoff. @returns messages committed, 0 when none, -1 on an error.
+ */
+int intake_step(dispatcher_t *d);
+
+/** @brief Drop the held batch without storing offsets (Kafka redelivers it). */
+void intake_discard(dispatcher_t *d);
+
+/* deliver.c */
+
+/** @brief Claim due outbox rows within capacity and start their calls. @returns calls started. */
+int deliver_claim(dispatcher_t *d);
+
+/** @brief The connector's completion callback: classify and queue the result. */
+void deliver_on_done(const tally_conn_result_t *res, void *opaque);
+
+/** @brief Write every queued completion in one transaction. @returns rows recorded or -1. */
+int deliver_record(dispatcher_t *d);
+
+/** @brief Free a call context (also for calls abandoned at exit). */
+void dispatch_call_free(void *call);
+
+/* events.c */
+
+/** @brief What an effect event says (DESIGN §5); every string may be NULL except status. */
+typedef struct effect_view {
+    const char *effect_id;
+    const char *run_id;
+    const char *step;
+    bool step_is_number;
+    const char *tool;
+    const char *operation_key;
+    const char *status; /**< "CONFIRMED", ..., or "CONFLICT" */
+    const json_t *receipt;
+    const char *external_ref;
+    const char *error_code;
+    const char *error_message;
+    long long attempts;
+    const char *intent_id;
+} effect_view_t;
+
+/**
+ * @brief Queue tally.effect.<status>.v1 for @p v on topic "outcomes" (key: the run id).
+ * @p extra (may be NULL; borrowed) is merged into data. @returns false when out of memory.
+ */
+bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const effect_view_t *v,
+                             const json_t *extra) TALLY_WUR;
+
+/** @brief The step as JSON: an integer when it was one, else a string. New reference. */
+json_t *dispatch_step_json(const char *step, bool is_number);
+
+/** @brief Serialise @p v compactly; @returns malloc'd text or NULL. Steals @p v. */
+char *dispatch_dump(json_t *v);
+
+#endif

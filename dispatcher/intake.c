@@ -1,0 +1,837 @@
+/* intake.c — intents into the ledger: one PostgreSQL transaction per Kafka poll batch (runs,
+ * effects, dispatch outbox, audit events, outcome and DLQ messages); the batch's offsets are
+ * stored only after its COMMIT, so a crash anywhere before makes Kafka deliver it again and
+ * the ledger's uniqueness turns the second delivery into replays. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/evp.h>
+
+#include "dispatcher.h"
+#include "tally/audit.h"
+#include "tally/id.h"
+#include "tally/json.h"
+#include "tally/log.h"
+
+/* librdkafka's default message.max.bytes is 1,000,000: a DLQ record must stay below it even
+ * when TALLY_MAX_MESSAGE_BYTES is larger, or the relay could never publish it. */
+#define DLQ_MAX_BYTES 900000
+#define DLQ_OVERHEAD  4096
+
+/* ---------------------------------------------------------------------------------------- */
+/* SQL. Every statement handles the whole batch; values travel as one JSON parameter.      */
+
+static const char SQL_RUNS[] = "INSERT INTO runs (run_id, tenant)"
+                               " SELECT DISTINCT ON (r.run_id) r.run_id, r.tenant"
+                               " FROM json_to_recordset($1::json) AS r(run_id text, tenant text)"
+                               " ORDER BY r.run_id, r.tenant NULLS LAST"
+                               " ON CONFLICT (run_id) DO NOTHING";
+
+/* The run rows are share-locked so an operator's cancel of the same run serialises with this
+ * batch: either the cancel sees these effects, or this batch sees the cancelled run. */
+static const char SQL_EFFECTS[] =
+    "WITH r AS ("
+    "  SELECT * FROM json_to_recordset($1::json) AS r(ord int, effect_id uuid, run_id text,"
+    "    step text, step_num numeric, tool text, effect_class text, operation_key text,"
+    "    input_hash text, args_canonical text, tenant text, traceparent text, intent_id text,"
+    "    gated boolean)),"
+    " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT run_id FROM r)"
+    "    ORDER BY run_id FOR SHARE),"
+    " ins AS ("
+    "  INSERT INTO effects (effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
+    "    input_hash, args_canonical, tenant, traceparent, intent_id, status, status_reason)"
+    "  SELECT r.effect_id, r.run_id, r.step, r.step_num, r.tool, r.effect_class,"
+    "    r.operation_key, r.input_hash, r.args_canonical, r.tenant, r.traceparent, r.intent_id,"
+    "    CASE WHEN ru.status <> 'ACTIVE' THEN 'CANCELLED'"
+    "         WHEN r.gated THEN 'AWAITING_APPROVAL' ELSE 'PLANNED' END,"
+    "    CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END"
+    "  FROM r JOIN ru ON ru.run_id = r.run_id"
+    "  ORDER BY r.ord"
+    "  ON CONFLICT DO NOTHING"
+    "  RETURNING effect_id, tool, status, status_reason),"
+    " ob AS (INSERT INTO outbox (effect_id, tool)"
+    "  SELECT effect_id, tool FROM ins WHERE status = 'PLANNED')"
+    " SELECT effect_id::text, status, status_reason FROM ins";
+
+/* For the intents that created nothing: the effect holding their (tool, key), and the one
+ * holding their (run, step), in one query. */
+static const char SQL_EXISTING[] =
+    "SELECT k.ord, e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
+    "  e.operation_key, e.status, e.input_hash, e.receipt::text, e.external_ref, e.error_code,"
+    "  e.error_message, e.attempts, s.effect_id::text, s.tool, s.operation_key"
+    " FROM json_to_recordset($1::json) AS k(ord int, tool text, operation_key text,"
+    "   run_id text, step text)"
+    " LEFT JOIN effects e ON e.tool = k.tool AND e.operation_key = k.operation_key"
+    " LEFT JOIN effects s ON s.run_id = k.run_id AND s.step = k.step";
+
+/* Outbox rows first, then the effects: the claim path locks outbox then effects, so taking
+ * the locks in the same order cannot deadlock. A row a dispatcher already claimed is
+ * DISPATCHING by the time this sees it and is left to finish. */
+static const char SQL_CANCEL_OUTBOX[] =
+    "DELETE FROM outbox o USING effects e"
+    " WHERE o.effect_id = e.effect_id AND e.status = 'PLANNED'"
+    "   AND e.run_id IN (SELECT run_id FROM json_to_recordset($1::json) AS r(run_id text))";
+
+static const char SQL_CANCEL_EFFECTS[] =
+    "WITH req AS (SELECT DISTINCT ON (run_id) run_id, reason"
+    "   FROM json_to_recordset($1::json) AS r(run_id text, reason text) ORDER BY run_id),"
+    " old AS (SELECT e.effect_id, e.status FROM effects e JOIN req USING (run_id)"
+    "   WHERE e.status IN ('PLANNED', 'AWAITING_APPROVAL'))"
+    " UPDATE effects e SET status = 'CANCELLED',"
+    "   status_reason = 'cancel_run: ' || coalesce(req.reason, ''),"
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
+    " FROM old, req"
+    " WHERE e.effect_id = old.effect_id AND e.run_id = req.run_id"
+    "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
+    " RETURNING e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
+    "   e.operation_key, e.attempts, e.intent_id, old.status";
+
+static const char SQL_CANCEL_RUNS[] =
+    "UPDATE runs SET status = 'CANCELLED', status_reason = r.reason, updated_at = now()"
+    " FROM (SELECT DISTINCT ON (run_id) run_id, reason"
+    "   FROM json_to_recordset($1::json) AS x(run_id text, reason text) ORDER BY run_id) r"
+    " WHERE runs.run_id = r.run_id AND runs.status = 'ACTIVE'";
+
+/* One obligation per CONFIRMED effect of each run; asking twice creates nothing new
+ * (UNIQUE NULLS NOT DISTINCT (effect_id, external_ref)). The run turns COMPENSATING when
+ * this created work for it. */
+static const char SQL_OBLIGATIONS[] =
+    "WITH req AS (SELECT DISTINCT ON (run_id) run_id, kind, reason"
+    "   FROM json_to_recordset($1::json) AS r(run_id text, kind text, reason text)"
+    "   ORDER BY run_id),"
+    " ins AS ("
+    "  INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
+    "  SELECT gen_random_uuid(), e.run_id, e.effect_id, req.kind, e.external_ref, e.receipt"
+    "  FROM effects e JOIN req USING (run_id)"
+    "  WHERE e.status = 'CONFIRMED'"
+    "  ORDER BY e.run_id, e.step_num DESC NULLS LAST, e.seq DESC"
+    "  ON CONFLICT (effect_id, external_ref) DO NOTHING"
+    "  RETURNING obligation_id, run_id, effect_id, reason, external_ref),"
+    " ru AS (UPDATE runs SET status = 'COMPENSATING', status_reason = req.reason,"
+    "   updated_at = now() FROM req"
+    "   WHERE runs.run_id = req.run_id AND runs.status IN ('ACTIVE', 'CANCELLED')"
+    "     AND EXISTS (SELECT 1 FROM ins WHERE ins.run_id = req.run_id))"
+    " SELECT obligation_id::text, run_id, effect_id::text, reason, external_ref FROM ins";
+
+/* ---------------------------------------------------------------------------------------- */
+/* The batch in memory                                                                      */
+
+static void msg_clear(intake_msg_t *m)
+{
+    if (m->rkm)
+        rd_kafka_message_destroy(m->rkm);
+    tally_intent_clear(&m->in);
+    free(m->op_key);
+    free(m->canonical);
+    memset(m, 0, sizeof *m);
+}
+
+void intake_discard(dispatcher_t *d)
+{
+    for (size_t i = 0; i < d->n_batch; i++)
+        msg_clear(&d->batch[i]);
+    d->n_batch = 0;
+    d->intake_failed = false;
+}
+
+static bool batch_push(dispatcher_t *d, rd_kafka_message_t *rkm)
+{
+    if (d->n_batch == d->cap_batch) {
+        size_t cap = d->cap_batch ? 2 * d->cap_batch : 64;
+        intake_msg_t *b = realloc(d->batch, cap * sizeof *b);
+        if (!b)
+            return false;
+        memset(b + d->cap_batch, 0, (cap - d->cap_batch) * sizeof *b);
+        d->batch = b;
+        d->cap_batch = cap;
+    }
+    intake_msg_t *m = &d->batch[d->n_batch++];
+    memset(m, 0, sizeof *m);
+    m->rkm = rkm;
+    return true;
+}
+
+static bool has_control_char(const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        if (*p < 0x20 || *p == 0x7f)
+            return true;
+    return false;
+}
+
+/* Validate one message: envelope and data (cloudevent.c), then the registry. */
+static void parse_msg(dispatcher_t *d, intake_msg_t *m)
+{
+    m->parsed = true;
+    const rd_kafka_message_t *rkm = m->rkm;
+    m->reason = tally_intent_parse(rkm->payload, rkm->len, (size_t)d->cfg->max_message_bytes,
+                                   &m->in, m->detail, sizeof m->detail);
+    if (m->reason != TALLY_DLQ_NONE)
+        return;
+    if (has_control_char(m->in.run_id)) {
+        m->reason = TALLY_DLQ_INVALID_FIELD;
+        snprintf(m->detail, sizeof m->detail, "data.run_id holds a control character");
+        return;
+    }
+    if (m->in.type != TALLY_MSG_INTENT)
+        return;
+    m->tool = tally_registry_find(d->reg, m->in.tool);
+    if (!m->tool) {
+        m->reason = TALLY_DLQ_UNKNOWN_TOOL;
+        snprintf(m->detail, sizeof m->detail, "tool '%.200s' is not in the registry (%s)",
+                 m->in.tool, d->cfg->tools_path);
+        return;
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    m->op_key = tally_registry_operation_key(m->tool, m->in.args, m->in.operation_key, &err);
+    if (!m->op_key) {
+        m->reason = TALLY_DLQ_MISSING_OPERATION_KEY;
+        snprintf(m->detail, sizeof m->detail, "%.250s", err.message);
+        return;
+    }
+    if (has_control_char(m->op_key)) {
+        /* It travels as the Idempotency-Key header: a CR/LF there would inject headers. */
+        m->reason = TALLY_DLQ_INVALID_FIELD;
+        snprintf(m->detail, sizeof m->detail,
+                 "the operation key of tool '%s' holds a control character", m->tool->name);
+        return;
+    }
+    m->canonical = tally_json_canonical(m->in.args);
+    if (!m->canonical || !tally_sha256_hex(m->canonical, strlen(m->canonical), m->input_hash)) {
+        /* Out of memory: keep the message unparsed so the next attempt tries again. */
+        m->parsed = false;
+        tally_intent_clear(&m->in);
+        free(m->op_key);
+        free(m->canonical);
+        m->op_key = m->canonical = NULL;
+        return;
+    }
+    tally_uuid(m->effect_id);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Dead letters                                                                             */
+
+static json_t *b64(const void *data, size_t len)
+{
+    size_t outlen = 4 * ((len + 2) / 3) + 1;
+    unsigned char *out = malloc(outlen);
+    if (!out)
+        return NULL;
+    int n = EVP_EncodeBlock(out, data, (int)len);
+    json_t *s = json_stringn((const char *)out, (size_t)(n > 0 ? n : 0));
+    free(out);
+    return s;
+}
+
+/* The longest prefix of s[0..len) not longer than max that ends on a character boundary. */
+static size_t utf8_prefix(const char *s, size_t len, size_t max)
+{
+    if (len <= max)
+        return len;
+    size_t n = max;
+    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80)
+        n--;
+    return n;
+}
+
+static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
+{
+    const rd_kafka_message_t *rkm = m->rkm;
+    const char *val = rkm->payload ? rkm->payload : "";
+    size_t len = rkm->payload ? rkm->len : 0;
+    rd_kafka_timestamp_type_t tstype;
+    int64_t ts = rd_kafka_message_timestamp(rkm, &tstype);
+    json_t *data = json_pack(
+        "{s:s, s:s, s:s, s:i, s:I, s:o, s:I}", "reason", tally_dlq_reason_name(m->reason), "detail",
+        m->detail, "topic", rd_kafka_topic_name(rkm->rkt), "partition", (int)rkm->partition,
+        "offset", (json_int_t)rkm->offset, "timestamp",
+        ts >= 0 ? json_integer((json_int_t)ts) : json_null(), "original_bytes", (json_int_t)len);
+    if (!data)
+        return NULL;
+    int rc = 0;
+    if (rkm->key && rkm->key_len > 0) {
+        if (tally_utf8_valid(rkm->key, rkm->key_len) && !memchr(rkm->key, '\0', rkm->key_len))
+            rc |= json_object_set_new(data, "key", json_stringn(rkm->key, rkm->key_len));
+        else
+            rc |= json_object_set_new(data, "key_base64", b64(rkm->key, rkm->key_len));
+    } else {
+        rc |= json_object_set_new(data, "key", json_null());
+    }
+    bool text = tally_utf8_valid(val, len);
+    size_t keep;
+    if (text) {
+        keep = utf8_prefix(val, len, budget);
+        rc |= json_object_set_new(data, "original", json_stringn(val, keep));
+    } else {
+        keep = len < budget / 4 * 3 ? len : budget / 4 * 3;
+        rc |= json_object_set_new(data, "original_base64", b64(val, keep));
+    }
+    rc |= json_object_set_new(data, "original_truncated", json_boolean(keep < len));
+    (void)d;
+    if (rc != 0) {
+        json_decref(data);
+        return NULL;
+    }
+    return data;
+}
+
+/* A DLQ record under the size limit: halve the kept original until the event fits. */
+static bool dlq_add(dispatcher_t *d, tally_outbox_batch_t *ob, const intake_msg_t *m)
+{
+    size_t limit = (size_t)d->cfg->max_message_bytes;
+    if (limit > DLQ_MAX_BYTES)
+        limit = DLQ_MAX_BYTES;
+    size_t budget = limit > 2 * DLQ_OVERHEAD ? limit - DLQ_OVERHEAD : DLQ_OVERHEAD;
+    const rd_kafka_message_t *rkm = m->rkm;
+    char subject[320];
+    snprintf(subject, sizeof subject, "%s/%d/%lld", rd_kafka_topic_name(rkm->rkt),
+             (int)rkm->partition, (long long)rkm->offset);
+    const char *key = NULL;
+    char keybuf[256];
+    if (rkm->key && rkm->key_len > 0 && rkm->key_len < sizeof keybuf &&
+        !memchr(rkm->key, '\0', rkm->key_len) && tally_utf8_valid(rkm->key, rkm->key_len)) {
+        memcpy(keybuf, rkm->key, rkm->key_len);
+        keybuf[rkm->key_len] = '\0';
+        key = keybuf;
+    }
+    for (int round = 0; round < 16; round++) {
+        json_t *data = dlq_data(d, m, budget);
+        if (!data)
+            return false;
+        json_t *ce = tally_ce_new("tally.dlq.v1", d->source, subject, data, NULL);
+        if (!ce)
+            return false;
+        char *s = json_dumps(ce, JSON_COMPACT);
+        size_t n = s ? strlen(s) : 0;
+        free(s);
+        if (n > 0 && n <= limit) {
+            tally_outbox_batch_add(ob, "dlq", key, ce);
+            json_decref(ce);
+            return true;
+        }
+        json_decref(ce);
+        budget /= 2;
+    }
+    return false;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The transaction                                                                          */
+
+typedef struct intake_counts {
+    int created, replay, conflict, dlq, cancel, compensate;
+    int dlq_by_reason[16];
+} intake_counts_t;
+
+static int cmp_effect_id(const void *a, const void *b)
+{
+    const intake_msg_t *const *x = a, *const *y = b;
+    return strcmp((*x)->effect_id, (*y)->effect_id);
+}
+
+static bool exec_json(dispatcher_t *d, const char *sql, json_t *arr, PGresult **out,
+                      tally_error_t *err)
+{
+    char *text = json_dumps(arr, JSON_COMPACT);
+    if (!text) {
+        tally_error_set(err, "oom", true, "out of memory serialising a batch");
+        return false;
+    }
+    const char *params[1] = {text};
+    PGresult *res = tally_pg_exec(d->pg, sql, 1, params, err);
+    free(text);
+    if (!res)
+        return false;
+    if (out)
+        *out = res;
+    else
+        PQclear(res);
+    return true;
+}
+
+static const char *val(PGresult *res, int row, int col)
+{
+    return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
+}
+
+static void audit_add(tally_audit_batch_t *ab, const char *run_id, const char *effect_id,
+                      const char *kind, const char *from, const char *to, const char *actor,
+                      const char *reason, const json_t *data)
+{
+    tally_audit_event_t ev = {.run_id = run_id,
+                              .effect_id = effect_id,
+                              .kind = kind,
+                              .from_status = from,
+                              .to_status = to,
+                              .actor = actor,
+                              .reason = reason,
+                              .data = data};
+    tally_audit_batch_add(ab, &ev);
+}
+
+/* The intents that created an effect: their "intent" and "transition" events, and the
+ * outcome for those that start gated (awaiting approval) or in a run that is over. */
+static bool record_created(dispatcher_t *d, PGresult *res, intake_msg_t **sorted, size_t n,
+                           tally_audit_batch_t *ab, tally_outbox_batch_t *ob, intake_counts_t *c,
+                           bool *created)
+{
+    for (int row = 0; row < PQntuples(res); row++) {
+        const char *eid = PQgetvalue(res, row, 0);
+        const char *status = PQgetvalue(res, row, 1);
+        const char *why = val(res, row, 2);
+        intake_msg_t key = {0}, *kp = &key;
+        snprintf(key.effect_id, sizeof key.effect_id, "%s", eid);
+        intake_msg_t **hit = bsearch(&kp, sorted, n, sizeof *sorted, cmp_effect_id);
+        if (!hit)
+            continue;
+        intake_msg_t *m = *hit;
+        created[m - d->batch] = true;
+        c->created++;
+        json_t *data =
+            json_pack("{s:s, s:s, s:s, s:s, s:s}", "intent_id", m->in.id, "tool", m->tool->name,
+                      "operation_key", m->op_key, "input_hash", m->input_hash, "effect_class",
+                      tally_effect_class_name(m->tool->effect_class));
+        if (m->in.traceparent && data)
+            json_object_set_new(data, "traceparent", json_string(m->in.traceparent));
+        audit_add(ab, m->in.run_id, eid, "intent", NULL, NULL, d->worker_id, NULL, data);
+        audit_add(ab, m->in.run_id, eid, "transition", NULL, status, d->worker_id, why, NULL);
+        json_decref(data);
+        if (strcmp(status, "PLANNED") != 0) {
+            effect_view_t v = {.effect_id = eid,
+                               .run_id = m->in.run_id,
+                               .step = m->in.step,
+                               .step_is_number = m->in.step_is_number,
+                               .tool = m->tool->name,
+                               .operation_key = m->op_key,
+                               .status = status,
+                               .error_code = why ? "run_not_active" : NULL,
+                               .error_message = why,
+                               .intent_id = m->in.id};
+            if (!dispatch_publish_effect(d, ob, &v, NULL))
+                return false;
+        }
+    }
+    return true;
+}
+
+/* The intents that created nothing: a replay of the same effect, or a conflict. */
+static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
+                            tally_outbox_batch_t *ob, intake_counts_t *c, tally_error_t *err)
+{
+    for (int row = 0; row < PQntuples(res); row++) {
+        int ord = atoi(PQgetvalue(res, row, 0));
+        if (ord < 0 || (size_t)ord >= d->n_batch)
+            continue;
+        intake_msg_t *m = &d->batch[ord];
+        const char *eid = val(res, row, 1);
+        const char *sid = val(res, row, 14);
+        if (eid && strcmp(PQgetvalue(res, row, 8), m->input_hash) == 0) {
+            /* Rule 5: the same effect. Answer with its state, naming this intent. */
+            c->replay++;
+            json_t *receipt = NULL;
+            if (val(res, row, 9))
+                receipt = json_loads(PQgetvalue(res, row, 9), 0, NULL);
+            effect_view_t v = {.effect_id = eid,
+                               .run_id = m->in.run_id,
+                               .step = m->in.step,
+                               .step_is_number = m->in.step_is_number,
+                               .tool = PQgetvalue(res, row, 5),
+                               .operation_key = PQgetvalue(res, row, 6),
+                               .status = PQgetvalue(res, row, 7),
+                               .receipt = receipt,
+                               .external_ref = val(res, row, 10),
+                               .error_code = val(res, row, 11),
+                               .error_message = val(res, row, 12),
+                               .attempts = atoll(PQgetvalue(res, row, 13)),
+                               .intent_id = m->in.id};
+            json_t *extra = json_pack(
+                "{s:b, s:s, s:o}", "replay", 1, "effect_run_id", PQgetvalue(res, row, 2),
+                "effect_step",
+                dispatch_step_json(PQgetvalue(res, row, 3), PQgetvalue(res, row, 4)[0] == 't'));
+            bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
+            json_t *data = json_pack("{s:s, s:s, s:s}", "intent_id", m->in.id, "replay_of", eid,
+                                     "status", v.status);
+            audit_add(ab, m->in.run_id, eid, "intent", NULL, NULL, d->worker_id,
+                      "replay: same tool, operation key and input hash", data);
+            json_decref(data);
+            json_decref(extra);
+            json_decref(receipt);
+            if (!ok) {
+                tally_error_set(err, "oom", true, "out of memory building a replay event");
+                return false;
+            }
+            continue;
+        }
+        if (!eid && !sid) {
+            /* The conflicting row vanished between the INSERT and this SELECT: only a
+             * concurrent transaction that rolled back can do that. Try the batch again. */
+            tally_error_set(err, "race", true,
+                            "intent %s created nothing yet no effect holds its key or step",
+                            m->in.id);
+            return false;
+        }
+        c->conflict++;
+        char msg[512];
+        const char *other = eid ? eid : sid;
+        if (eid)
+            snprintf(msg, sizeof msg,
+                     "operation key '%.150s' of tool '%s' is already effect %s with different "
+                     "arguments (input hash %.12s, this intent's %.12s)",
+                     m->op_key, m->tool->name, eid, PQgetvalue(res, row, 8), m->input_hash);
+        else
+            snprintf(msg, sizeof msg,
+                     "step %.100s of run %.150s is already effect %s (tool '%s', key '%.100s')",
+                     m->in.step, m->in.run_id, sid, PQgetvalue(res, row, 15),
+                     PQgetvalue(res, row, 16));
+        effect_view_t v = {.effect_id = NULL,
+                           .run_id = m->in.run_id,
+                           .step = m->in.step,
+                           .step_is_number = m->in.step_is_number,
+                           .tool = m->tool->name,
+                           .operation_key = m->op_key,
+                           .status = "CONFLICT",
+                           .error_code = "conflict",
+                           .error_message = msg,
+                           .intent_id = m->in.id};
+        json_t *extra = json_pack("{s:s}", "conflicting_effect_id", other);
+        bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
+        json_t *data = json_pack("{s:s, s:s, s:s, s:s}", "intent_id", m->in.id, "operation_key",
+                                 m->op_key, "input_hash", m->input_hash, "tool", m->tool->name);
+        audit_add(ab, m->in.run_id, other, "conflict", NULL, NULL, d->worker_id, msg, data);
+        json_decref(data);
+        json_decref(extra);
+        if (!ok) {
+            tally_error_set(err, "oom", true, "out of memory building a conflict event");
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool record_cancelled(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
+                             tally_outbox_batch_t *ob)
+{
+    for (int row = 0; row < PQntuples(res); row++) {
+        const char *eid = PQgetvalue(res, row, 0);
+        effect_view_t v = {.effect_id = eid,
+                           .run_id = PQgetvalue(res, row, 1),
+                           .step = PQgetvalue(res, row, 2),
+                           .step_is_number = PQgetvalue(res, row, 3)[0] == 't',
+                           .tool = PQgetvalue(res, row, 4),
+                           .operation_key = PQgetvalue(res, row, 5),
+                           .status = "CANCELLED",
+                           .attempts = atoll(PQgetvalue(res, row, 6)),
+                           .intent_id = PQgetvalue(res, row, 7)};
+        audit_add(ab, v.run_id, eid, "transition", PQgetvalue(res, row, 8), "CANCELLED",
+                  d->worker_id, "cancel_run", NULL);
+        if (!dispatch_publish_effect(d, ob, &v, NULL))
+            return false;
+    }
+    return true;
+}
+
+static bool record_obligations(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
+                               tally_outbox_batch_t *ob)
+{
+    for (int row = 0; row < PQntuples(res); row++) {
+        const char *oid = PQgetvalue(res, row, 0);
+        const char *run_id = PQgetvalue(res, row, 1);
+        const char *eid = PQgetvalue(res, row, 2);
+        const char *reason = PQgetvalue(res, row, 3);
+        const char *ref = val(res, row, 4);
+        json_t *data = json_pack("{s:s, s:s, s:s, s:s, s:o}", "obligation_id", oid, "run_id",
+                                 run_id, "effect_id", eid, "reason", reason, "external_ref",
+                                 ref ? json_string(ref) : json_null());
+        if (!data)
+            return false;
+        tally_audit_event_t ev = {.run_id = run_id,
+                                  .effect_id = eid,
+                                  .obligation_id = oid,
+                                  .kind = "obligation",
+                                  .to_status = "PENDING",
+                                  .actor = d->worker_id,
+                                  .reason = reason,
+                                  .data = data};
+        tally_audit_batch_add(ab, &ev);
+        json_t *ce = tally_ce_new("tally.obligation.v1", d->source, oid, data, NULL);
+        if (!ce)
+            return false;
+        tally_outbox_batch_add(ob, "obligations", run_id, ce);
+        json_decref(ce);
+    }
+    return true;
+}
+
+/* Everything the batch says, in one transaction. The caller commits or rolls back. */
+static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
+                         intake_counts_t *c, tally_error_t *err)
+{
+    bool ok = false;
+    json_t *runs = json_array(), *effects = json_array(), *cancels = json_array();
+    json_t *comps = json_array(), *existing = json_array();
+    intake_msg_t **sorted = calloc(d->n_batch ? d->n_batch : 1, sizeof *sorted);
+    bool *created = calloc(d->n_batch ? d->n_batch : 1, sizeof *created);
+    PGresult *res = NULL;
+    size_t n_sorted = 0;
+    if (!runs || !effects || !cancels || !comps || !existing || !sorted || !created) {
+        tally_error_set(err, "oom", true, "out of memory building the intake batch");
+        goto out;
+    }
+
+    for (size_t i = 0; i < d->n_batch; i++) {
+        intake_msg_t *m = &d->batch[i];
+        if (m->reason != TALLY_DLQ_NONE) {
+            if (!dlq_add(d, ob, m)) {
+                tally_error_set(err, "oom", true, "out of memory building a DLQ record");
+                goto out;
+            }
+            c->dlq++;
+            if ((size_t)m->reason < sizeof c->dlq_by_reason / sizeof c->dlq_by_reason[0])
+                c->dlq_by_reason[m->reason]++;
+            continue;
+        }
+        const tally_intent_t *in = &m->in;
+        json_array_append_new(runs,
+                              json_pack("{s:s, s:s?}", "run_id", in->run_id, "tenant", in->tenant));
+        json_t *data = NULL;
+        switch (in->type) {
+        case TALLY_MSG_INTENT: {
+            bool gated =
+                m->tool->effect_class == TALLY_CLASS_DESTRUCTIVE || m->tool->requires_approval;
+            json_t *row = json_pack(
+                "{s:i, s:s, s:s, s:s, s:o, s:s, s:s, s:s, s:s, s:s, s:s?, s:s?, s:s, s:b}", "ord",
+                (int)i, "effect_id", m->effect_id, "run_id", in->run_id, "step", in->step,
+                "step_num", in->step_is_number ? json_string(in->step) : json_null(), "tool",
+                m->tool->name, "effect_class", tally_effect_class_name(m->tool->effect_class),
+                "operation_key", m->op_key, "input_hash", m->input_hash, "args_canonical",
+                m->canonical, "tenant", in->tenant, "traceparent", in->traceparent, "intent_id",
+                in->id, "gated", gated);
+            if (!row || json_array_append_new(effects, row) != 0)
+                goto oom;
+            sorted[n_sorted++] = m;
+            break;
+        }
+        case TALLY_MSG_CANCEL_RUN:
+            c->cancel++;
+            json_array_append_new(
+                cancels, json_pack("{s:s, s:s?}", "run_id", in->run_id, "reason", in->reason));
+            if (in->compensate)
+                json_array_append_new(comps, json_pack("{s:s, s:s, s:s?}", "run_id", in->run_id,
+                                                       "kind", "cancel_run", "reason", in->reason));
+            data = json_pack("{s:s, s:s?, s:b}", "intent_id", in->id, "reason", in->reason,
+                             "compensate", in->compensate);
+            audit_add(ab, in->run_id, NULL, "cancel_run", NULL, NULL, d->worker_id, in->reason,
+                      data);
+            break;
+        case TALLY_MSG_COMPENSATE_RUN:
+            c->compensate++;
+            json_array_append_new(comps, json_pack("{s:s, s:s, s:s?}", "run_id", in->run_id, "kind",
+                                                   "compensate_run", "reason", in->reason));
+            data = json_pack("{s:s, s:s?}", "intent_id", in->id, "reason", in->reason);
+            audit_add(ab, in->run_id, NULL, "compensate_run", NULL, NULL, d->worker_id, in->reason,
+                      data);
+            break;
+        }
+        json_decref(data);
+    }
+    qsort(sorted, n_sorted, sizeof *sorted, cmp_effect_id);
+
+    if (!tally_pg_begin(d->pg, err))
+        goto out;
+    if (json_array_size(runs) > 0 && !exec_json(d, SQL_RUNS, runs, NULL, err))
+        goto out;
+    if (json_array_size(effects) > 0) {
+        if (!exec_json(d, SQL_EFFECTS, effects, &res, err))
+            goto out;
+        if (!record_created(d, res, sorted, n_sorted, ab, ob, c, created))
+            goto oom;
+        PQclear(res);
+        res = NULL;
+        for (size_t k = 0; k < n_sorted; k++) {
+            intake_msg_t *m = sorted[k];
+            if (created[m - d->batch])
+                continue;
+            json_t *row = json_pack("{s:i, s:s, s:s, s:s, s:s}", "ord", (int)(m - d->batch), "tool",
+                                    m->tool->name, "operation_key", m->op_key, "run_id",
+                                    m->in.run_id, "step", m->in.step);
+            if (!row || json_array_append_new(existing, row) != 0)
+                goto oom;
+        }
+        if (json_array_size(existing) > 0) {
+            if (!exec_json(d, SQL_EXISTING, existing, &res, err))
+                goto out;
+            if (!record_existing(d, res, ab, ob, c, err))
+                goto out;
+            PQclear(res);
+            res = NULL;
+        }
+    }
+    if (json_array_size(cancels) > 0) {
+        if (!exec_json(d, SQL_CANCEL_OUTBOX, cancels, NULL, err) ||
+            !exec_json(d, SQL_CANCEL_EFFECTS, cancels, &res, err))
+            goto out;
+        if (!record_cancelled(d, res, ab, ob))
+            goto oom;
+        PQclear(res);
+        res = NULL;
+        if (!exec_json(d, SQL_CANCEL_RUNS, cancels, NULL, err))
+            goto out;
+    }
+    if (json_array_size(comps) > 0) {
+        if (!exec_json(d, SQL_OBLIGATIONS, comps, &res, err))
+            goto out;
+        if (!record_obligations(d, res, ab, ob))
+            goto oom;
+        PQclear(res);
+        res = NULL;
+    }
+    if (!tally_audit_batch_flush(ab, d->pg, err) || !tally_outbox_batch_flush(ob, d->pg, err))
+        goto out;
+    ok = true;
+    goto out;
+oom:
+    tally_error_set(err, "oom", true, "out of memory building the intake batch");
+out:
+    PQclear(res);
+    json_decref(runs);
+    json_decref(effects);
+    json_decref(cancels);
+    json_decref(comps);
+    json_decref(existing);
+    free(sorted);
+    free(created);
+    return ok;
+}
+
+/* Offsets of the committed batch: the next offset to read, per partition. */
+static void store_offsets(dispatcher_t *d)
+{
+    rd_kafka_topic_partition_list_t *offs = rd_kafka_topic_partition_list_new(8);
+    for (size_t i = 0; i < d->n_batch; i++) {
+        const rd_kafka_message_t *rkm = d->batch[i].rkm;
+        const char *topic = rd_kafka_topic_name(rkm->rkt);
+        rd_kafka_topic_partition_t *tp =
+            rd_kafka_topic_partition_list_find(offs, topic, rkm->partition);
+        if (!tp)
+            tp = rd_kafka_topic_partition_list_add(offs, topic, rkm->partition);
+        if (rkm->offset + 1 > tp->offset)
+            tp->offset = rkm->offset + 1;
+    }
+    rd_kafka_resp_err_t err = rd_kafka_offsets_store(d->rk, offs);
+    if (err != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        /* A partition revoked while the batch was in flight: its new owner reads these
+         * messages again and the ledger answers them as replays. */
+        for (int i = 0; i < offs->cnt; i++)
+            if (offs->elems[i].err)
+                TALLY_INFO("offset %lld of %s [%d] not stored (%s): the partition's next owner "
+                           "will see those messages again",
+                           (long long)offs->elems[i].offset, offs->elems[i].topic,
+                           (int)offs->elems[i].partition, rd_kafka_err2str(offs->elems[i].err));
+    }
+    rd_kafka_topic_partition_list_destroy(offs);
+}
+
+int intake_step(dispatcher_t *d)
+{
+    if (d->draining || !d->rk)
+        return 0;
+    size_t limit = (size_t)(d->cfg->batch_size > 0 ? d->cfg->batch_size : 1);
+    /* Keep serving the consumer (rebalances, errors) even while paused or holding a failed
+     * batch; paused partitions deliver nothing. */
+    d->intake_more = false;
+    /* Holding a failed batch (partitions paused): poll anyway, one message at most. */
+    size_t cap = d->intake_failed ? d->n_batch + 1 : limit;
+    while (d->n_batch < cap) {
+        rd_kafka_message_t *rkm = rd_kafka_consumer_poll(d->rk, 0);
+        if (!rkm)
+            break;
+        if (rkm->err) {
+            if (rkm->err != RD_KAFKA_RESP_ERR__PARTITION_EOF)
+                TALLY_WARN("consumer: %s", rd_kafka_message_errstr(rkm));
+            rd_kafka_message_destroy(rkm);
+            continue;
+        }
+        if (!batch_push(d, rkm)) {
+            /* Not stored, so not lost: Kafka delivers it again after a restart. */
+            TALLY_ERROR("out of memory holding an intent; it stays uncommitted in Kafka");
+            rd_kafka_message_destroy(rkm);
+            break;
+        }
+        if (d->n_batch >= limit)
+            d->intake_more = true;
+    }
+    if (d->n_batch == 0)
+        return 0;
+    if (d->intake_failed && dispatch_now() < d->intake_retry_at)
+        return 0;
+
+    for (size_t i = 0; i < d->n_batch; i++)
+        if (!d->batch[i].parsed)
+            parse_msg(d, &d->batch[i]);
+    for (size_t i = 0; i < d->n_batch; i++)
+        if (!d->batch[i].parsed) {
+            d->intake_failed = true;
+            d->intake_retry_at = dispatch_now() + 0.5;
+            return -1;
+        }
+
+    intake_counts_t c = {0};
+    tally_error_t err;
+    tally_error_clear(&err);
+    tally_audit_batch_t *ab = tally_audit_batch_new();
+    tally_outbox_batch_t *ob = tally_outbox_batch_new();
+    bool ok = ab && ob && intake_write(d, ab, ob, &c, &err) && tally_pg_commit(d->pg, &err);
+    if (!ab || !ob)
+        tally_error_set(&err, "oom", true, "out of memory");
+    tally_audit_batch_free(ab);
+    tally_outbox_batch_free(ob);
+    if (!ok) {
+        tally_pg_rollback(d->pg);
+        d->intake_backoff_ms = d->intake_backoff_ms ? d->intake_backoff_ms * 2 : 100;
+        if (d->intake_backoff_ms > 5000)
+            d->intake_backoff_ms = 5000;
+        d->intake_retry_at = dispatch_now() + d->intake_backoff_ms / 1000.0;
+        if (!d->intake_failed)
+            TALLY_ERROR("intake batch of %zu messages not written (%s: %s); holding it and "
+                        "retrying in %d ms, offsets not stored",
+                        d->n_batch, err.code, err.message, d->intake_backoff_ms);
+        else
+            TALLY_WARN("intake batch of %zu messages still not written (%s: %s); retrying in "
+                       "%d ms",
+                       d->n_batch, err.code, err.message, d->intake_backoff_ms);
+        d->intake_failed = true;
+        tally_metric_add(d->m_db_errors, 1, "intake");
+        tally_worker_set_ready(d->w, false, err.message);
+        return -1;
+    }
+    if (d->intake_failed) {
+        TALLY_INFO("intake batch of %zu messages written after retrying", d->n_batch);
+        tally_worker_set_ready(d->w, true, NULL);
+    }
+    d->intake_backoff_ms = 0;
+    store_offsets(d);
+    int n = (int)d->n_batch;
+    intake_discard(d);
+    if (c.created)
+        d->claim_wanted = true;
+    tally_metric_add(d->m_intents, c.created, "created");
+    tally_metric_add(d->m_intents, c.replay, "replay");
+    tally_metric_add(d->m_intents, c.conflict, "conflict");
+    tally_metric_add(d->m_intents, c.dlq, "dlq");
+    tally_metric_add(d->m_intents, c.cancel, "cancel_run");
+    tally_metric_add(d->m_intents, c.compensate, "compensate_run");
+    for (size_t r = 1; r < sizeof c.dlq_by_reason / sizeof c.dlq_by_reason[0]; r++)
+        if (c.dlq_by_reason[r])
+            tally_metric_add(d->m_dlq, c.dlq_by_reason[r],
+                             tally_dlq_reason_name((tally_dlq_reason_t)r));
+    if (c.dlq)
+        TALLY_INFO("intake: %d created, %d replayed, %d conflicts, %d to the DLQ", c.created,
+                   c.replay, c.conflict, c.dlq);
+    else
+        TALLY_DEBUG("intake: %d created, %d replayed, %d conflicts", c.created, c.replay,
+                    c.conflict);
+    return n;
+}

@@ -1,0 +1,111 @@
+"""Dispatcher, run-level messages: tally.cancel_run.v1 and tally.compensate_run.v1 (the
+ledger side: cancelled effects, obligations and their events; executing obligations is the
+compensator's job). Also SIGTERM while calls are in flight."""
+
+import time
+import uuid
+
+from dispatchcase import DispatchCase, main, run_id
+
+
+def run_message(case, kind, run, **data):
+    d = {"run_id": run, "reason": f"test {kind}"}
+    d.update(data)
+    return {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests/" + case.id(),
+            "type": f"tally.{kind}.v1", "datacontenttype": "application/json", "data": d}
+
+
+class DispatchRunsTest(DispatchCase):
+
+    def test_cancel_run_cancels_pending_effects_and_compensates_when_asked(self):
+        self.dispatcher()
+        run = run_id()
+        self.publish(self.intent(run, 1, "charge_card",
+                                 {"tenant_id": "t1", "payment_id": f"{run}-p", "amount": 7}))
+        charged = self.wait_status("charge_card", f"charge_card:t1:{run}-p", "CONFIRMED")
+        gated = self.publish(self.intent(run, 2, "delete_account", {"account_id": f"{run}-a"}))
+        self.wait_status("delete_account", f"delete_account:{run}-a", "AWAITING_APPROVAL")
+        self.publish(run_message(self, "cancel_run", run, compensate=True))
+        self.wait_status("delete_account", f"delete_account:{run}-a", "CANCELLED")
+        ob = self.query("SELECT effect_id::text, reason, external_ref, status FROM obligations"
+                        " WHERE run_id = %s", (run,))
+        self.assertEqual(ob, [(charged["effect_id"], "cancel_run", charged["external_ref"],
+                               "PENDING")])
+        self.assertEqual(self.scalar("SELECT status FROM runs WHERE run_id = %s", (run,)),
+                         "COMPENSATING")
+        got = self.read_until("outcomes", lambda got: len(
+            [m for m in got if m["data"].get("intent_id") == gated["id"]]) >= 2)
+        self.assertEqual([m["type"] for m in got if m["data"].get("intent_id") == gated["id"]],
+                         ["tally.effect.awaiting_approval.v1", "tally.effect.cancelled.v1"])
+        [obl] = self.read_until("obligations", lambda got: len(got) >= 1)
+        self.assertEqual(obl["type"], "tally.obligation.v1")
+        self.assertEqual(obl["data"]["effect_id"], charged["effect_id"])
+        self.assertEqual(obl["data"]["reason"], "cancel_run")
+        self.assertEqual(obl["data"]["external_ref"], charged["external_ref"])
+        # An intent that arrives after the cancel never runs.
+        late = self.publish(self.intent(run, 3, "update_ledger", {"entry_id": f"{run}-late"}))
+        self.wait_status("update_ledger", f"update_ledger:{run}-late", "CANCELLED")
+        [ev] = self.outcomes_for([late["id"]])[late["id"]]
+        self.assertEqual(ev["type"], "tally.effect.cancelled.v1")
+        time.sleep(1)
+        self.assertEqual(self.records("ledger_entries"), [])
+        self.assertEqual(self.records("account_deletions"), [])
+        self.invariants()
+
+    def test_cancel_without_compensation_leaves_confirmed_effects_alone(self):
+        self.dispatcher()
+        run = run_id()
+        self.publish(self.intent(run, 1, "update_ledger", {"entry_id": f"{run}-1"}))
+        self.wait_status("update_ledger", f"update_ledger:{run}-1", "CONFIRMED")
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
+                        1, (run,))
+        self.assertEqual(self.scalar("SELECT count(*) FROM obligations"), 0)
+        self.assertEqual(self.effect("update_ledger", f"update_ledger:{run}-1")["status"],
+                         "CONFIRMED")
+        self.invariants()
+
+    def test_compensate_run_twice_creates_each_obligation_once(self):
+        self.dispatcher()
+        run = run_id()
+        for i, (tool, args) in enumerate([
+                ("create_hold", {"hold_id": f"{run}-h"}),
+                ("charge_card", {"tenant_id": "t1", "payment_id": f"{run}-p"}),
+                ("send_email", {"message_id": f"{run}-m"})]):
+            self.publish(self.intent(run, i + 1, tool, args))
+        self.wait_count("SELECT count(*) FROM effects WHERE run_id = %s AND status = 'CONFIRMED'",
+                        3, (run,))
+        self.publish(run_message(self, "compensate_run", run))
+        self.wait_count("SELECT count(*) FROM obligations WHERE run_id = %s", 3, (run,))
+        self.publish(run_message(self, "compensate_run", run))
+        marker = self.publish(self.intent(run_id(), 1, "update_ledger", {"entry_id": "marker"}))
+        self.outcomes_for([marker["id"]])  # the second request was processed before this
+        self.assertEqual(self.scalar("SELECT count(*) FROM obligations WHERE run_id = %s",
+                                     (run,)), 3)
+        rows = self.query("SELECT o.reason, o.external_ref = e.external_ref, o.receipt = e.receipt"
+                          " FROM obligations o JOIN effects e USING (effect_id)")
+        self.assertEqual(set(rows), {("compensate_run", True, True)})
+        self.assertEqual(self.scalar("SELECT status FROM runs WHERE run_id = %s", (run,)),
+                         "COMPENSATING")
+        obl = self.read_until("obligations", lambda got: len(got) >= 3)
+        time.sleep(1)
+        self.assertEqual(len(obl), 3)
+        self.invariants()
+
+    def test_sigterm_lets_calls_in_flight_finish_and_records_them(self):
+        d = self.dispatcher(TALLY_SHUTDOWN_GRACE_MS=10000)
+        run = run_id()
+        self.fault("slow", collection="holds", times=-1, delay_ms=1500)
+        intents = [self.intent(run, i + 1, "create_hold", {"hold_id": f"{run}-{i}"})
+                   for i in range(5)]
+        self.publish_many(intents)
+        self.wait_count("SELECT count(*) FROM effects WHERE status = 'DISPATCHING'", 5)
+        self.assertEqual(d.terminate(timeout=30), 0)
+        self.assertEqual(self.scalar("SELECT count(*) FROM effects WHERE status = 'CONFIRMED'"),
+                         5)
+        self.assertIn("drained", d.log())
+        self.invariants()
+
+
+if __name__ == "__main__":
+    main()
