@@ -1,0 +1,921 @@
+/* cmd_doctor.c — one run, read whole: `tally doctor --run R` (the timeline of
+ * every audit event in order, then each effect's and obligation's current row,
+ * and the run's pages) and `tally summary --run R` (the compensation summary of
+ * DESIGN §7: what was undone, what cannot be, what was skipped and what waits
+ * for a human).
+ *
+ * Both read one snapshot (REPEATABLE READ) so the timeline and the rows agree.
+ * Rows come out of PostgreSQL as to_jsonb(row): --json gives every column under
+ * its own name, and a column added by a later migration appears without a
+ * change here. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "format.h"
+#include "tally/alert.h"
+
+/* Data of one timeline event printed in full up to this many bytes (--json has
+ * it all). */
+#define EVENT_DATA_MAX 1200
+
+static const char USAGE_DOCTOR[] =
+    "usage: tally doctor --run R [--json]\n"
+    "\n"
+    "Everything the ledger (TALLY_PG) knows about one run, for finding out what happened:\n"
+    "the timeline of every event in order (intents, transitions with their actor and reason,\n"
+    "leases, connector requests and responses, status checks, receipts, obligations,\n"
+    "operator decisions, alerts), then each effect as it is now (state, attempts, lease\n"
+    "owner/until/epoch, receipt, external ref, error), each obligation, and the run's alerts.\n"
+    "\n"
+    "  --run R     the run id\n"
+    "  --json      one JSON document: {run, events, effects, obligations, alerts,\n"
+    "              messages_waiting}; rows carry every column under its own name\n"
+    "  -h, --help  this text\n"
+    "\n"
+    "Exit status: 0 printed; 1 no such run; 2 usage error; 3 PostgreSQL could not be reached.\n";
+
+static const char USAGE_SUMMARY[] =
+    "usage: tally summary --run R [--json]\n"
+    "\n"
+    "The run's compensation summary: the one the compensator wrote when it settled the run,\n"
+    "or, while compensation is under way (or the stored one is older than the run's\n"
+    "obligations), one computed from the ledger now. Per effect, last step first:\n"
+    "  " CLI_SYM_OK " compensated      with the reverse call's receipt\n"
+    "  " CLI_SYM_WARN
+    " uncompensatable  with the blast radius (what it reached, when, the receipt)\n"
+    "  " CLI_SYM_SKIP " skipped          with the reason\n"
+    "  " CLI_SYM_FAIL " failed / STUCK   with the error, the original receipt and what to do\n"
+    "and the obligations still in progress.\n"
+    "\n"
+    "  --run R     the run id\n"
+    "  --json      {run_id, run_status, source, summary_status, compensated, uncompensatable,\n"
+    "              skipped, failed, pending, counts}\n"
+    "  -h, --help  this text\n"
+    "\n"
+    "Exit status: 0 printed; 1 no such run; 2 usage error; 3 PostgreSQL could not be reached.\n";
+
+/* ---------------------------------------------------------------------------------------- */
+/* SQL: $1 is the run id everywhere                                                         */
+
+static const char SQL_RUN[] = "SELECT (SELECT to_jsonb(r) || jsonb_build_object('updated_age_s',"
+                              "   extract(epoch FROM now() - r.updated_at)::float8, 'now', now())"
+                              " FROM runs r WHERE r.run_id = $1)";
+
+/* The run's events, and those of its effects and obligations that were written
+ * without the run id (a conflict answered for another run still names this
+ * run's effect). */
+static const char SQL_EVENTS[] =
+    "SELECT coalesce(jsonb_agg(to_jsonb(v) ORDER BY v.seq), '[]') FROM ("
+    " SELECT seq, event_id, occurred_at, run_id, effect_id, obligation_id, kind, from_status,"
+    "   to_status, actor, reason, data FROM events"
+    " WHERE run_id = $1"
+    "   OR effect_id IN (SELECT effect_id FROM effects WHERE run_id = $1)"
+    "   OR obligation_id IN (SELECT obligation_id FROM obligations WHERE run_id = $1)) v";
+
+static const char SQL_EFFECTS[] =
+    "SELECT coalesce(jsonb_agg(to_jsonb(e) || jsonb_build_object("
+    "   'outbox_due_at', o.due_at, 'lease_held', coalesce(e.lease_until > now(), false),"
+    "   'updated_age_s', extract(epoch FROM now() - e.updated_at)::float8)"
+    "   ORDER BY e.step_num IS NULL, e.step_num, e.seq), '[]')"
+    " FROM effects e LEFT JOIN outbox o ON o.effect_id = e.effect_id WHERE e.run_id = $1";
+
+/* In compensation order: last step first. */
+static const char SQL_OBLIGATIONS[] =
+    "SELECT coalesce(jsonb_agg(to_jsonb(o) || jsonb_build_object('step', e.step,"
+    "   'step_is_number', e.step_num IS NOT NULL, 'tool', e.tool, 'effect_class', e.effect_class,"
+    "   'effect_status', e.status, 'lease_held', coalesce(o.lease_until > now(), false))"
+    "   ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC, o.created_at), '[]')"
+    " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id WHERE o.run_id = $1";
+
+static const char SQL_ALERTS[] =
+    "SELECT coalesce(jsonb_agg(to_jsonb(a) ORDER BY a.created_at, a.dedup_key), '[]')"
+    " FROM alerts a WHERE a.run_id = $1"
+    "   OR a.effect_id IN (SELECT effect_id FROM effects WHERE run_id = $1)"
+    "   OR a.obligation_id IN (SELECT obligation_id FROM obligations WHERE run_id = $1)";
+
+static const char SQL_WAITING[] =
+    "SELECT to_jsonb(count(*)) FROM message_outbox WHERE msg_key = $1";
+
+/* For the summary: the stored one, and whether it still describes the run — the
+ * outcome it was written for is the run's status, and no obligation moved after
+ * it was written. */
+static const char SQL_STORED_SUMMARY[] =
+    "SELECT jsonb_build_object('status', r.status, 'status_reason', r.status_reason,"
+    "  'summary', r.summary, 'summary_status', r.summary_status, 'summary_at', r.summary_at,"
+    "  'current', r.summary IS NOT NULL"
+    "    AND (r.summary_status IS NULL OR r.summary_status = r.status)"
+    "    AND (r.summary_at IS NULL OR r.summary_at >= coalesce((SELECT max(o.updated_at)"
+    "      FROM obligations o WHERE o.run_id = r.run_id), r.summary_at)))"
+    " FROM runs r WHERE r.run_id = $1";
+
+/* One item per obligation, and one per effect that has none, last step first:
+ * what the compensator's own summary is built from. */
+static const char SQL_SUMMARY_ITEMS[] =
+    "SELECT coalesce(jsonb_agg(x ORDER BY x.ord), '[]') FROM ("
+    " SELECT row_number() OVER (ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC,"
+    "     o.created_at) AS ord,"
+    "   e.effect_id, e.step, e.step_num IS NOT NULL AS step_is_number, e.tool, e.effect_class,"
+    "   e.status AS effect_status,"
+    "   CASE WHEN e.error_code IS NULL THEN NULL ELSE jsonb_build_object('code', e.error_code,"
+    "     'message', e.error_message) END AS effect_error,"
+    "   coalesce(o.receipt, e.receipt) AS receipt,"
+    "   coalesce(o.external_ref, e.external_ref) AS external_ref,"
+    "   o.obligation_id, o.status AS obligation_status, o.reason AS obligation_reason,"
+    "   o.status_reason, o.reverse_receipt, o.blast_radius, o.error_code, o.error_message,"
+    "   o.attempts"
+    " FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
+    " WHERE e.run_id = $1) x";
+
+/* ---------------------------------------------------------------------------------------- */
+/* Shared                                                                                   */
+
+typedef struct run_opts {
+    const char *verb;
+    const char *run;
+    bool as_json;
+} run_opts_t;
+
+static int parse_run_opts(run_opts_t *o, const char *usage, int argc, char **argv)
+{
+    static const struct option opts[] = {
+        {"run", required_argument, NULL, 'r'},
+        {"json", no_argument, NULL, 'j'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    optind = 1;
+    opterr = 0; /* cli_bad_option says it, naming the verb */
+    int c;
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        switch (c) {
+        case 'r':
+            o->run = optarg;
+            break;
+        case 'j':
+            o->as_json = true;
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            return CLI_EXIT_OK;
+        default:
+            return cli_bad_option(o->verb, c, argv);
+        }
+    }
+    if (optind < argc)
+        return cli_usage_error(o->verb, "unexpected argument '%s'", argv[optind]);
+    if (o->run == NULL)
+        return cli_usage_error(o->verb, "--run R is required");
+    if (!cli_check_text(o->verb, "--run", o->run))
+        return CLI_EXIT_USAGE;
+    return -1;
+}
+
+/* "HH:MM:SS.mmm" of an ISO timestamp as PostgreSQL writes it in UTC. */
+static void clock_of(const char *iso, char *out, size_t outsz)
+{
+    if (iso == NULL || strlen(iso) < 19) {
+        snprintf(out, outsz, "%s", iso != NULL ? iso : "-");
+        return;
+    }
+    char ms[4] = "000";
+    if (iso[19] == '.') {
+        for (int i = 0; i < 3 && iso[20 + i] >= '0' && iso[20 + i] <= '9'; i++)
+            ms[i] = iso[20 + i];
+    }
+    snprintf(out, outsz, "%.8s.%s", iso + 11, ms);
+}
+
+/* "2026-11-22 00:33:21 UTC" */
+static void date_of(const char *iso, char *out, size_t outsz)
+{
+    if (iso == NULL || strlen(iso) < 19)
+        snprintf(out, outsz, "%s", iso != NULL ? iso : "-");
+    else
+        snprintf(out, outsz, "%.10s %.8s UTC", iso, iso + 11);
+}
+
+/* A member as text for a field line: strings as they are, other JSON compact;
+ * NULL when the member is missing or null. Malloc'd. */
+static char *member_text(const json_t *obj, const char *key)
+{
+    const json_t *v = json_object_get(obj, key);
+    if (v == NULL || json_is_null(v))
+        return NULL;
+    if (json_is_string(v))
+        return strdup(json_string_value(v));
+    return cli_json_text(v);
+}
+
+/* Print "label  value" when the member is set; an object or array too wide for the line is
+ * printed indented below its label. */
+static void field_member(const json_t *obj, const char *key, const char *label, size_t indent)
+{
+    char *text = member_text(obj, key);
+    if (text == NULL)
+        return;
+    const json_t *v = json_object_get(obj, key);
+    if ((json_is_object(v) || json_is_array(v)) && indent + 15 + cli_text_width(text) > CLI_WIDTH) {
+        printf("%*s%s\n", (int)indent, "", label);
+        cli_json_block(stdout, v, indent + 2);
+    } else {
+        cli_field(stdout, indent, 13, label, text);
+    }
+    free(text);
+}
+
+static void field_error(const json_t *obj, const char *code_key, const char *msg_key, size_t indent)
+{
+    const char *code = cli_str(obj, code_key, NULL);
+    if (code == NULL)
+        return;
+    char line[1024];
+    snprintf(line, sizeof line, "%s: %s", code, cli_str(obj, msg_key, ""));
+    cli_field(stdout, indent, 13, "error", line);
+}
+
+static void field_lease(const json_t *obj, size_t indent)
+{
+    char line[512], until[32];
+    long long epoch = (long long)cli_num(obj, "lease_epoch", 0);
+    const char *owner = cli_str(obj, "lease_owner", NULL);
+    if (owner == NULL) {
+        snprintf(line, sizeof line, "none (epoch %lld)", epoch);
+    } else {
+        clock_of(cli_str(obj, "lease_until", NULL), until, sizeof until);
+        snprintf(line, sizeof line, "%s until %s (epoch %lld%s)", owner, until, epoch,
+                 json_is_true(json_object_get(obj, "lease_held")) ? ", held now" : ", expired");
+    }
+    cli_field(stdout, indent, 13, "lease", line);
+}
+
+/* "step 3 charge_card" for an effect id, from the run's effects; NULL when not
+ * one of them. */
+static const json_t *find_by(const json_t *rows, const char *key, const char *id)
+{
+    size_t i;
+    json_t *row;
+    if (id == NULL)
+        return NULL;
+    json_array_foreach(rows, i, row)
+    {
+        if (strcmp(cli_str(row, key, ""), id) == 0)
+            return row;
+    }
+    return NULL;
+}
+
+static bool read_snapshot_begin(tally_pg_t *pg, tally_error_t *err)
+{
+    return tally_pg_run(pg, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", 0, NULL, err);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* doctor                                                                                   */
+
+static void print_event(const json_t *ev, const json_t *effects, const json_t *obligations)
+{
+    char at[32], head[512], subject[300] = "";
+    clock_of(cli_str(ev, "occurred_at", NULL), at, sizeof at);
+    const char *oid = cli_str(ev, "obligation_id", NULL);
+    const char *eid = cli_str(ev, "effect_id", NULL);
+    const json_t *effect = find_by(effects, "effect_id", eid);
+    if (oid != NULL) {
+        const json_t *ob = find_by(obligations, "obligation_id", oid);
+        snprintf(subject, sizeof subject, "obligation %.8s step %s %s", oid,
+                 cli_str(ob, "step", "?"), cli_str(ob, "tool", ""));
+    } else if (effect != NULL) {
+        snprintf(subject, sizeof subject, "step %s %s", cli_str(effect, "step", "?"),
+                 cli_str(effect, "tool", ""));
+    } else if (eid != NULL) {
+        snprintf(subject, sizeof subject, "effect %.8s", eid);
+    } else {
+        snprintf(subject, sizeof subject, "run");
+    }
+    const char *from = cli_str(ev, "from_status", NULL), *to = cli_str(ev, "to_status", NULL);
+    char move[64] = "";
+    if (from != NULL || to != NULL)
+        snprintf(move, sizeof move, "  %s → %s", from != NULL ? from : "new",
+                 to != NULL ? to : "-");
+    snprintf(head, sizeof head, "#%lld %s %-14s %s%s", (long long)cli_num(ev, "seq", 0), at,
+             cli_str(ev, "kind", "?"), subject, move);
+    cli_wrap(stdout, head, 0, 4);
+
+    char by[1024];
+    const char *reason = cli_str(ev, "reason", NULL);
+    snprintf(by, sizeof by, "by %s%s%s", cli_str(ev, "actor", "?"), reason != NULL ? ": " : "",
+             reason != NULL ? reason : "");
+    printf("    ");
+    cli_wrap(stdout, by, 4, 6);
+
+    const json_t *data = json_object_get(ev, "data");
+    if (data != NULL && !json_is_null(data) &&
+        !(json_is_object(data) && json_object_size(data) == 0)) {
+        char *text = cli_json_text(data);
+        if (text != NULL && strlen(text) > EVENT_DATA_MAX) {
+            /* cut on a character boundary and say so */
+            size_t cut = EVENT_DATA_MAX;
+            while (cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80)
+                cut--;
+            snprintf(text + cut, strlen(text) + 1 - cut, " …(%zu bytes; --json has it all)",
+                     strlen(text));
+        }
+        printf("    ");
+        cli_wrap(stdout, text != NULL ? text : "(out of memory)", 4, 6);
+        free(text);
+    }
+}
+
+static void print_effect(const json_t *e)
+{
+    char line[1024];
+    snprintf(line, sizeof line, "step %s  %s (%s)  %s", cli_str(e, "step", "?"),
+             cli_str(e, "tool", "?"), cli_str(e, "effect_class", "?"), cli_str(e, "status", "?"));
+    cli_wrap(stdout, line, 0, 2);
+    field_member(e, "effect_id", "effect", 2);
+    field_member(e, "operation_key", "key", 2);
+    field_member(e, "status_reason", "reason", 2);
+    snprintf(line, sizeof line, "%lld", (long long)cli_num(e, "attempts", 0));
+    cli_field(stdout, 2, 13, "attempts", line);
+    field_lease(e, 2);
+    field_member(e, "receipt", "receipt", 2);
+    field_member(e, "external_ref", "external ref", 2);
+    field_error(e, "error_code", "error_message", 2);
+    if (cli_str(e, "unknown_since", NULL) != NULL) {
+        char since[48];
+        date_of(cli_str(e, "unknown_since", NULL), since, sizeof since);
+        cli_field(stdout, 2, 13, "unknown since", since);
+    }
+    if (json_object_get(e, "status_checks") != NULL) {
+        snprintf(line, sizeof line, "%lld (%lld inconclusive in a row)",
+                 (long long)cli_num(e, "status_checks", 0),
+                 (long long)cli_num(e, "inconclusive_checks", 0));
+        cli_field(stdout, 2, 13, "status checks", line);
+    }
+    if (cli_str(e, "outbox_due_at", NULL) != NULL) {
+        char due[48];
+        date_of(cli_str(e, "outbox_due_at", NULL), due, sizeof due);
+        snprintf(line, sizeof line, "due %s", due);
+        cli_field(stdout, 2, 13, "dispatch", line);
+    }
+    field_member(e, "intent_id", "intent", 2);
+    field_member(e, "args_canonical", "args", 2);
+    if (strcmp(cli_str(e, "status", ""), "STUCK") == 0) {
+        char *cmd = tally_alert_effect_command(cli_str(e, "effect_id", "?"));
+        cli_print_command(stdout, cmd, 2);
+        free(cmd);
+    }
+}
+
+static void print_obligation(const json_t *o)
+{
+    char line[1024];
+    snprintf(line, sizeof line, "obligation for step %s  %s (%s)  %s  [%s]",
+             cli_str(o, "step", "?"), cli_str(o, "tool", "?"), cli_str(o, "effect_class", "?"),
+             cli_str(o, "status", "?"), cli_str(o, "reason", "?"));
+    cli_wrap(stdout, line, 0, 2);
+    field_member(o, "obligation_id", "obligation", 2);
+    field_member(o, "effect_id", "effect", 2);
+    field_member(o, "external_ref", "external ref", 2);
+    field_member(o, "status_reason", "reason", 2);
+    snprintf(line, sizeof line, "%lld", (long long)cli_num(o, "attempts", 0));
+    cli_field(stdout, 2, 13, "attempts", line);
+    field_lease(o, 2);
+    if (cli_str(o, "approved_by", NULL) != NULL) {
+        char at[48];
+        date_of(cli_str(o, "approved_at", NULL), at, sizeof at);
+        snprintf(line, sizeof line, "by %s at %s", cli_str(o, "approved_by", "?"), at);
+        cli_field(stdout, 2, 13, "approved", line);
+    }
+    field_member(o, "receipt", "receipt", 2);
+    field_member(o, "reverse_receipt", "reverse rcpt", 2);
+    field_member(o, "blast_radius", "blast radius", 2);
+    field_error(o, "error_code", "error_message", 2);
+    const char *status = cli_str(o, "status", "");
+    if (strcmp(status, "STUCK") == 0) {
+        char *cmd = tally_alert_obligation_command(cli_str(o, "obligation_id", "?"));
+        cli_print_command(stdout, cmd, 2);
+        free(cmd);
+    } else if (strcmp(status, "AWAITING_APPROVAL") == 0) {
+        snprintf(line, sizeof line,
+                 "tally approve --obligation %s --reason \"<why>\"\n"
+                 "tally deny --obligation %s --reason \"<why>\"",
+                 cli_str(o, "obligation_id", "?"), cli_str(o, "obligation_id", "?"));
+        cli_print_command(stdout, line, 2);
+    }
+}
+
+static void print_alert(const json_t *a)
+{
+    char line[1024], at[48];
+    bool open = strcmp(cli_str(a, "status", ""), "TRIGGERED") == 0;
+    date_of(cli_str(a, "created_at", NULL), at, sizeof at);
+    snprintf(line, sizeof line, "%s %s %s  %s  opened %s", open ? CLI_SYM_WARN : CLI_SYM_OK,
+             cli_str(a, "status", "?"), cli_str(a, "dedup_key", "?"), cli_str(a, "severity", "?"),
+             at);
+    cli_wrap(stdout, line, 0, 4);
+    field_member(a, "summary", "summary", 2);
+    field_member(a, "reason", "reason", 2);
+    field_member(a, "runbook", "runbook", 2);
+    field_member(a, "pager_state", "pager", 2);
+    if (!open) {
+        date_of(cli_str(a, "resolved_at", NULL), at, sizeof at);
+        cli_field(stdout, 2, 13, "resolved", at);
+    } else if (cli_str(a, "resolve_command", NULL) != NULL) {
+        cli_print_command(stdout, cli_str(a, "resolve_command", ""), 2);
+    }
+}
+
+static bool print_doctor(const json_t *doc)
+{
+    const json_t *run = json_object_get(doc, "run");
+    const json_t *events = json_object_get(doc, "events");
+    const json_t *effects = json_object_get(doc, "effects");
+    const json_t *obligations = json_object_get(doc, "obligations");
+    const json_t *alerts = json_object_get(doc, "alerts");
+    char line[1024], created[48], age[32];
+
+    snprintf(line, sizeof line, "RUN %s  %s%s%s", cli_str(run, "run_id", "?"),
+             cli_str(run, "status", "?"), cli_str(run, "status_reason", NULL) ? ": " : "",
+             cli_str(run, "status_reason", ""));
+    cli_wrap(stdout, line, 0, 2);
+    date_of(cli_str(run, "created_at", NULL), created, sizeof created);
+    cli_age(cli_num(run, "updated_age_s", -1), age, sizeof age);
+    snprintf(line, sizeof line, "created %s, last change %s ago", created, age);
+    cli_field(stdout, 2, 13, "when", line);
+    if (cli_str(run, "tenant", NULL) != NULL)
+        cli_field(stdout, 2, 13, "tenant", cli_str(run, "tenant", NULL));
+    size_t open = 0, i;
+    json_t *row;
+    json_array_foreach(alerts, i, row)
+    {
+        open += strcmp(cli_str(row, "status", ""), "TRIGGERED") == 0;
+    }
+    snprintf(line, sizeof line, "%zu effect%s, %zu obligation%s, %zu alert%s (%zu open)",
+             json_array_size(effects), json_array_size(effects) == 1 ? "" : "s",
+             json_array_size(obligations), json_array_size(obligations) == 1 ? "" : "s",
+             json_array_size(alerts), json_array_size(alerts) == 1 ? "" : "s", open);
+    cli_field(stdout, 2, 13, "holds", line);
+    long long waiting = (long long)cli_num(doc, "messages_waiting", 0);
+    snprintf(line, sizeof line, "%lld message%s of this run waiting for the relay", waiting,
+             waiting == 1 ? "" : "s");
+    cli_field(stdout, 2, 13, "outbox", line);
+    if (json_object_get(run, "summary") != NULL && !json_is_null(json_object_get(run, "summary")))
+        cli_field(stdout, 2, 13, "summary", "written; see tally summary --run");
+
+    printf("\nTIMELINE: %zu event%s, in order (times UTC)\n", json_array_size(events),
+           json_array_size(events) == 1 ? "" : "s");
+    json_array_foreach(events, i, row)
+    {
+        print_event(row, effects, obligations);
+    }
+
+    printf("\nEFFECTS: %zu, in step order\n", json_array_size(effects));
+    json_array_foreach(effects, i, row)
+    {
+        if (i > 0)
+            printf("\n");
+        print_effect(row);
+    }
+    if (json_array_size(obligations) > 0) {
+        printf("\nOBLIGATIONS: %zu, in compensation order (last step first)\n",
+               json_array_size(obligations));
+        json_array_foreach(obligations, i, row)
+        {
+            if (i > 0)
+                printf("\n");
+            print_obligation(row);
+        }
+    }
+    if (json_array_size(alerts) > 0) {
+        printf("\nALERTS: %zu\n", json_array_size(alerts));
+        json_array_foreach(alerts, i, row)
+        {
+            print_alert(row);
+        }
+    }
+    return fflush(stdout) == 0;
+}
+
+int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg)
+{
+    run_opts_t o = {.verb = "doctor"};
+    int rc = parse_run_opts(&o, USAGE_DOCTOR, argc, argv);
+    if (rc >= 0)
+        return rc;
+    tally_pg_t *pg = cli_connect(o.verb, cfg);
+    if (pg == NULL)
+        return CLI_EXIT_INFRA;
+    const char *params[1] = {o.run};
+    tally_error_t err;
+    json_t *run = NULL, *events = NULL, *effects = NULL, *obligations = NULL, *alerts = NULL;
+    json_t *waiting = NULL, *doc = NULL;
+    if (!read_snapshot_begin(pg, &err) ||
+        (run = cli_query_json(pg, SQL_RUN, 1, params, &err)) == NULL) {
+        rc = cli_pg_fail(o.verb, "cannot read the run", &err);
+        goto out;
+    }
+    if (json_is_null(run)) {
+        fprintf(stderr, "tally doctor: no run '%s' in this ledger\n", o.run);
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    if ((events = cli_query_json(pg, SQL_EVENTS, 1, params, &err)) == NULL ||
+        (effects = cli_query_json(pg, SQL_EFFECTS, 1, params, &err)) == NULL ||
+        (obligations = cli_query_json(pg, SQL_OBLIGATIONS, 1, params, &err)) == NULL ||
+        (alerts = cli_query_json(pg, SQL_ALERTS, 1, params, &err)) == NULL ||
+        (waiting = cli_query_json(pg, SQL_WAITING, 1, params, &err)) == NULL) {
+        rc = cli_pg_fail(o.verb, "cannot read the run's history", &err);
+        goto out;
+    }
+    tally_pg_rollback(pg);
+    doc = json_pack("{s:O, s:O, s:O, s:O, s:O, s:O}", "run", run, "events", events, "effects",
+                    effects, "obligations", obligations, "alerts", alerts, "messages_waiting",
+                    waiting);
+    if (doc == NULL) {
+        fprintf(stderr, "tally doctor: out of memory\n");
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    if (!(o.as_json ? cli_print_json(doc) : print_doctor(doc))) {
+        fprintf(stderr, "tally doctor: cannot write the report to stdout\n");
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    rc = CLI_EXIT_OK;
+out:
+    json_decref(doc);
+    json_decref(run);
+    json_decref(events);
+    json_decref(effects);
+    json_decref(obligations);
+    json_decref(alerts);
+    json_decref(waiting);
+    tally_pg_free(pg);
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* summary                                                                                  */
+
+static bool set_new(json_t *obj, const char *key, json_t *v)
+{
+    return v != NULL && json_object_set_new(obj, key, v) == 0;
+}
+
+static bool set_copy(json_t *obj, const char *key, const json_t *v)
+{
+    return set_new(obj, key, v != NULL ? json_deep_copy(v) : json_null());
+}
+
+/* The step as the agent sent it: an integer when it was one. */
+static json_t *step_of(const json_t *item)
+{
+    const char *step = cli_str(item, "step", NULL);
+    if (step == NULL)
+        return json_null();
+    if (json_is_true(json_object_get(item, "step_is_number"))) {
+        char *end = NULL;
+        long long v = strtoll(step, &end, 10);
+        if (end != step && *end == '\0')
+            return json_integer((json_int_t)v);
+    }
+    return json_string(step);
+}
+
+/*
+ * Sort one item of SQL_SUMMARY_ITEMS into the lists, with the entries the
+ * compensator writes (compensator/summary.c): effect_id, step, tool,
+ * obligation_id, external_ref, and per list reverse_receipt | blast_radius |
+ * reason | error, receipt, action_required. Obligations still under way go to
+ * "pending".
+ */
+static bool classify(const json_t *item, json_t *lists)
+{
+    const char *ob_status = cli_str(item, "obligation_status", NULL);
+    const char *effect_status = cli_str(item, "effect_status", "?");
+    json_t *e = json_object();
+    bool ok = e != NULL && set_copy(e, "effect_id", json_object_get(item, "effect_id")) &&
+              set_new(e, "step", step_of(item)) &&
+              set_copy(e, "tool", json_object_get(item, "tool")) &&
+              set_copy(e, "obligation_id", json_object_get(item, "obligation_id")) &&
+              set_copy(e, "external_ref", json_object_get(item, "external_ref"));
+    const char *list = "skipped";
+    char text[1024];
+    if (!ok) {
+        json_decref(e);
+        return false;
+    }
+    if (ob_status == NULL) {
+        if (strcmp(effect_status, "STUCK") == 0) {
+            char *cmd = tally_alert_effect_command(cli_str(item, "effect_id", "?"));
+            snprintf(text, sizeof text,
+                     "Settle the effect first from upstream evidence; if it happened, its "
+                     "compensation follows:\n%s",
+                     cmd != NULL ? cmd : "tally resolve --effect <id> --as confirmed|failed");
+            free(cmd);
+            const json_t *err = json_object_get(item, "effect_error");
+            ok =
+                set_new(e, "status", json_string("STUCK")) &&
+                set_new(e, "error",
+                        json_is_object(err)
+                            ? json_deep_copy(err)
+                            : json_pack("{s:s, s:s}", "code", "effect_stuck", "message",
+                                        "the effect is STUCK: whether it happened is not known")) &&
+                set_copy(e, "receipt", json_object_get(item, "receipt")) &&
+                set_new(e, "action_required", json_string(text));
+            list = "failed";
+        } else if (strcmp(effect_status, "CONFIRMED") == 0 ||
+                   strcmp(effect_status, "DISPATCHING") == 0 ||
+                   strcmp(effect_status, "UNKNOWN") == 0) {
+            snprintf(text, sizeof text,
+                     "%s and no obligation yet: one is created when the run is compensated%s",
+                     effect_status,
+                     strcmp(effect_status, "CONFIRMED") == 0 ? "" : " and the effect confirmed");
+            ok = set_new(e, "status", json_string(effect_status)) &&
+                 set_new(e, "reason", json_string(text));
+            list = "pending";
+        } else {
+            snprintf(text, sizeof text, "%s (%s)",
+                     strcmp(effect_status, "CANCELLED") == 0
+                         ? "the effect was cancelled before it reached the tool"
+                     : strcmp(effect_status, "FAILED") == 0 ||
+                             strcmp(effect_status, "REJECTED") == 0
+                         ? "the effect never took effect"
+                         : "the effect has not been dispatched",
+                     effect_status);
+            ok = set_new(e, "reason", json_string(text));
+        }
+    } else if (strcmp(ob_status, "RESOLVED") == 0) {
+        ok = set_copy(e, "reverse_receipt", json_object_get(item, "reverse_receipt")) &&
+             set_copy(e, "reason", json_object_get(item, "status_reason"));
+        list = "compensated";
+    } else if (strcmp(ob_status, "UNCOMPENSATABLE") == 0) {
+        ok = set_copy(e, "blast_radius", json_object_get(item, "blast_radius")) &&
+             set_copy(e, "reason", json_object_get(item, "status_reason"));
+        list = "uncompensatable";
+    } else if (strcmp(ob_status, "SKIPPED") == 0 || strcmp(ob_status, "CANCELLED") == 0) {
+        ok = set_new(e, "reason", json_string(cli_str(item, "status_reason", ob_status)));
+    } else if (strcmp(ob_status, "STUCK") == 0) {
+        char *cmd = tally_alert_obligation_command(cli_str(item, "obligation_id", "?"));
+        snprintf(text, sizeof text,
+                 "Reverse it by hand (the original receipt is here) or confirm nothing is to be "
+                 "undone, then settle it:\n%s",
+                 cmd != NULL ? cmd : "tally resolve --obligation <id> --as resolved|skipped");
+        free(cmd);
+        ok =
+            set_new(e, "status", json_string("STUCK")) &&
+            set_new(e, "error",
+                    json_pack("{s:s, s:s}", "code", cli_str(item, "error_code", "stuck"), "message",
+                              cli_str(item, "error_message", "the obligation is STUCK"))) &&
+            set_copy(e, "receipt", json_object_get(item, "receipt")) &&
+            set_new(e, "action_required", json_string(text)) &&
+            set_copy(e, "attempts", json_object_get(item, "attempts"));
+        list = "failed";
+    } else { /* PENDING, RUNNING, AWAITING_APPROVAL */
+        ok = set_new(e, "status", json_string(ob_status)) &&
+             set_copy(e, "reason", json_object_get(item, "status_reason")) &&
+             set_copy(e, "attempts", json_object_get(item, "attempts"));
+        list = "pending";
+    }
+    if (!ok || json_array_append_new(json_object_get(lists, list), e) != 0) {
+        if (!ok)
+            json_decref(e);
+        return false;
+    }
+    return true;
+}
+
+static const char *const LISTS[] = {"compensated", "uncompensatable", "skipped", "failed",
+                                    "pending"};
+#define N_LISTS (sizeof LISTS / sizeof LISTS[0])
+
+/* The summary document: the stored one's lists, or lists computed from @p
+ * items. */
+static json_t *build_summary(const char *run_id, const json_t *stored, const json_t *items)
+{
+    bool use_stored = json_is_true(json_object_get(stored, "current"));
+    const json_t *summary = json_object_get(stored, "summary");
+    json_t *doc = json_pack("{s:s, s:O, s:O, s:s, s:O?, s:O?}", "run_id", run_id, "run_status",
+                            json_object_get(stored, "status"), "run_reason",
+                            json_object_get(stored, "status_reason")
+                                ? json_object_get(stored, "status_reason")
+                                : json_null(),
+                            "source", use_stored ? "compensator" : "ledger", "summary_status",
+                            json_object_get(stored, "summary_status"), "summary_at",
+                            json_object_get(stored, "summary_at"));
+    if (doc == NULL)
+        return NULL;
+    bool ok = true;
+    for (size_t l = 0; ok && l < N_LISTS; l++) {
+        const json_t *from = use_stored ? json_object_get(summary, LISTS[l]) : NULL;
+        ok = set_new(doc, LISTS[l], json_is_array(from) ? json_deep_copy(from) : json_array());
+    }
+    if (!use_stored) {
+        size_t i;
+        json_t *item;
+        json_array_foreach(items, i, item)
+        {
+            ok = ok && classify(item, doc);
+        }
+    }
+    json_t *counts = json_object();
+    ok = ok && counts != NULL;
+    for (size_t l = 0; ok && l < N_LISTS; l++)
+        ok = set_new(counts, LISTS[l],
+                     json_integer((json_int_t)json_array_size(json_object_get(doc, LISTS[l]))));
+    ok = ok && json_object_set_new(doc, "counts", counts) == 0;
+    if (!ok) {
+        json_decref(doc);
+        return NULL;
+    }
+    return doc;
+}
+
+/* An action_required text: the words, then the commands to copy when they end the text (this
+ * file's summaries and the compensator's "...; then settle it: tally resolve ..."); a command
+ * in the middle of a sentence stays in the sentence. */
+static void print_action(const char *action)
+{
+    const char *cmd = strstr(action, "tally resolve");
+    if (cmd == NULL || strchr(cmd, ';') != NULL) {
+        cli_field(stdout, 6, 13, "action", action);
+        return;
+    }
+    size_t len = (size_t)(cmd - action);
+    while (len > 0 && (action[len - 1] == ' ' || action[len - 1] == '\n'))
+        len--;
+    char what[1024];
+    snprintf(what, sizeof what, "%.*s", (int)len, action);
+    cli_field(stdout, 6, 13, "action", what);
+    cli_print_command(stdout, cmd, 8);
+}
+
+/* One entry: the symbol, the step and tool, then its details. */
+static void print_entry(const char *sym, const json_t *e, const char *list)
+{
+    char line[1024];
+    const json_t *step = json_object_get(e, "step");
+    char step_text[128];
+    if (json_is_integer(step))
+        snprintf(step_text, sizeof step_text, "%lld", (long long)json_integer_value(step));
+    else
+        snprintf(step_text, sizeof step_text, "%s",
+                 json_string_value(step) ? json_string_value(step) : "?");
+    snprintf(line, sizeof line, "%s step %s  %s%s%s", sym, step_text, cli_str(e, "tool", "?"),
+             cli_str(e, "status", NULL) ? "  " : "", cli_str(e, "status", ""));
+    printf("  ");
+    cli_wrap(stdout, line, 2, 6);
+    field_member(e, "effect_id", "effect", 6);
+    field_member(e, "external_ref", "external ref", 6);
+    if (strcmp(list, "compensated") == 0) {
+        field_member(e, "reverse_receipt", "reverse rcpt", 6);
+        field_member(e, "reason", "how", 6);
+    } else if (strcmp(list, "uncompensatable") == 0) {
+        const json_t *br = json_object_get(e, "blast_radius");
+        const json_t *target = json_object_get(br, "target");
+        if (json_is_object(target)) {
+            char *value = member_text(target, "value");
+            snprintf(line, sizeof line, "%s = %s", cli_str(target, "field", "?"),
+                     value != NULL ? value : "?");
+            free(value);
+            cli_field(stdout, 6, 13, "reached", line);
+        }
+        field_member(br, "time", "happened at", 6);
+        field_member(br, "receipt", "receipt", 6);
+        field_member(br, "args", "args", 6);
+        field_member(e, "reason", "why", 6);
+    } else if (strcmp(list, "skipped") == 0 || strcmp(list, "pending") == 0) {
+        field_member(e, "reason", "reason", 6);
+    } else {
+        const json_t *err = json_object_get(e, "error");
+        if (json_is_object(err)) {
+            snprintf(line, sizeof line, "%s: %s", cli_str(err, "code", "?"),
+                     cli_str(err, "message", ""));
+            cli_field(stdout, 6, 13, "error", line);
+        }
+        field_member(e, "receipt", "receipt", 6);
+        const char *action = cli_str(e, "action_required", NULL);
+        if (action != NULL)
+            print_action(action);
+    }
+}
+
+static bool print_summary(const json_t *doc)
+{
+    static const struct {
+        const char *list, *sym, *title;
+    } SECTIONS[] = {
+        {"compensated", CLI_SYM_OK, "compensated"},
+        {"uncompensatable", CLI_SYM_WARN, "uncompensatable"},
+        {"skipped", CLI_SYM_SKIP, "skipped"},
+        {"failed", CLI_SYM_FAIL, "failed / STUCK: action required"},
+        {"pending", "…", "in progress"},
+    };
+    char line[1024];
+    const char *source = cli_str(doc, "source", "ledger");
+    snprintf(line, sizeof line, "COMPENSATION SUMMARY of run %s: %s", cli_str(doc, "run_id", "?"),
+             cli_str(doc, "run_status", "?"));
+    cli_wrap(stdout, line, 0, 2);
+    if (cli_str(doc, "run_reason", NULL) != NULL)
+        cli_field(stdout, 2, 8, "reason", cli_str(doc, "run_reason", NULL));
+    if (strcmp(source, "compensator") == 0) {
+        char at[48];
+        date_of(cli_str(doc, "summary_at", NULL), at, sizeof at);
+        snprintf(line, sizeof line, "written by the compensator%s%s",
+                 cli_str(doc, "summary_at", NULL) ? " at " : "",
+                 cli_str(doc, "summary_at", NULL) ? at : "");
+    } else {
+        snprintf(
+            line, sizeof line,
+            "computed from the ledger now (the compensator writes its own once the run settles)");
+    }
+    cli_field(stdout, 2, 8, "source", line);
+    const char *rs = cli_str(doc, "run_status", "");
+    if ((strcmp(rs, "ACTIVE") == 0 || strcmp(rs, "CANCELLED") == 0) &&
+        json_array_size(json_object_get(doc, "compensated")) == 0 &&
+        json_array_size(json_object_get(doc, "uncompensatable")) == 0) {
+        snprintf(line, sizeof line,
+                 "no compensation was asked for this run; `tally compensate --run %s "
+                 "--dry-run` shows what it would do",
+                 cli_str(doc, "run_id", "?"));
+        cli_field(stdout, 2, 8, "note", line);
+    }
+
+    size_t total = 0;
+    for (size_t s = 0; s < sizeof SECTIONS / sizeof SECTIONS[0]; s++) {
+        const json_t *list = json_object_get(doc, SECTIONS[s].list);
+        total += json_array_size(list);
+        if (json_array_size(list) == 0)
+            continue;
+        printf("\n%s %s: %zu\n", SECTIONS[s].sym, SECTIONS[s].title, json_array_size(list));
+        size_t i;
+        json_t *e;
+        json_array_foreach(list, i, e)
+        {
+            print_entry(SECTIONS[s].sym, e, SECTIONS[s].list);
+        }
+    }
+    if (total == 0)
+        printf("\nThe run has no effects.\n");
+    return fflush(stdout) == 0;
+}
+
+int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg)
+{
+    run_opts_t o = {.verb = "summary"};
+    int rc = parse_run_opts(&o, USAGE_SUMMARY, argc, argv);
+    if (rc >= 0)
+        return rc;
+    tally_pg_t *pg = cli_connect(o.verb, cfg);
+    if (pg == NULL)
+        return CLI_EXIT_INFRA;
+    const char *params[1] = {o.run};
+    tally_error_t err;
+    json_t *stored = NULL, *items = NULL, *doc = NULL;
+    if (!read_snapshot_begin(pg, &err)) {
+        rc = cli_pg_fail(o.verb, "cannot read the ledger", &err);
+        goto out;
+    }
+    PGresult *res = tally_pg_exec(pg, SQL_STORED_SUMMARY, 1, params, &err);
+    if (res == NULL) {
+        rc = cli_pg_fail(o.verb, "cannot read the run", &err);
+        goto out;
+    }
+    if (PQntuples(res) == 0) {
+        PQclear(res);
+        fprintf(stderr, "tally summary: no run '%s' in this ledger\n", o.run);
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    stored = json_loads(PQgetvalue(res, 0, 0), 0, NULL);
+    PQclear(res);
+    if (stored == NULL ||
+        (items = cli_query_json(pg, SQL_SUMMARY_ITEMS, 1, params, &err)) == NULL) {
+        if (stored == NULL)
+            tally_error_set(&err, "json", false, "the run row did not read back as JSON");
+        rc = cli_pg_fail(o.verb, "cannot read the run's obligations", &err);
+        goto out;
+    }
+    tally_pg_rollback(pg);
+    doc = build_summary(o.run, stored, items);
+    if (doc == NULL) {
+        fprintf(stderr, "tally summary: out of memory\n");
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    if (!(o.as_json ? cli_print_json(doc) : print_summary(doc))) {
+        fprintf(stderr, "tally summary: cannot write the report to stdout\n");
+        rc = CLI_EXIT_REFUSED;
+        goto out;
+    }
+    rc = CLI_EXIT_OK;
+out:
+    json_decref(doc);
+    json_decref(items);
+    json_decref(stored);
+    tally_pg_free(pg);
+    return rc;
+}

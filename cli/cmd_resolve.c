@@ -1,0 +1,1071 @@
+/* cmd_resolve.c — the operator's decisions on one item: `tally resolve` (an
+ * UNKNOWN or STUCK effect is CONFIRMED or FAILED; a STUCK obligation is
+ * RESOLVED or SKIPPED), `tally approve` and `tally deny` (an effect or
+ * obligation AWAITING_APPROVAL).
+ *
+ * Each decision is one transaction, like any worker's transition (DESIGN §3,
+ * rules 3 and 6): lock the row, refuse a move the state machine (ledger.h) does
+ * not give operators, then a compare-and-set on status and lease_epoch that
+ * also bumps the epoch, so a worker still holding a lease on the row can write
+ * nothing more; the move's "transition" event (an obligation's: "obligation",
+ * as the compensator writes it) and an "operator" event with the actor, the
+ * reason and the evidence; the outcome event on the message outbox; and, when the item
+ * was what kept a page open, the page's resolve (alert.h). Nothing is half
+ * done. */
+#include <getopt.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "format.h"
+#include "tally/alert.h"
+#include "tally/audit.h"
+#include "tally/cloudevent.h"
+#include "tally/json.h"
+#include "tally/ledger.h"
+#include "tally/outbox.h"
+#include "tally/runops.h"
+
+typedef enum { VERB_RESOLVE, VERB_APPROVE, VERB_DENY } verb_t;
+
+static const char *const VERB_NAMES[] = {"resolve", "approve", "deny"};
+
+static const char USAGE_RESOLVE[] =
+    "usage: tally resolve --effect ID --as confirmed --ref REF [--receipt JSON] --reason TEXT\n"
+    "       tally resolve --effect ID --as failed --reason TEXT\n"
+    "       tally resolve --obligation ID --as resolved|skipped [--ref REF] [--receipt JSON]\n"
+    "                     --reason TEXT\n"
+    "\n"
+    "Settle what tally could not decide on its own, from what you verified upstream.\n"
+    "An UNKNOWN or STUCK effect becomes CONFIRMED (it happened: --ref is the upstream record's\n"
+    "id) or FAILED (it did not happen). A STUCK obligation becomes RESOLVED (you reversed it by\n"
+    "hand) or SKIPPED (nothing is to be undone). Any worker still holding a lease on the row\n"
+    "loses it. The audit trail records who, why and the evidence; the outcome is published\n"
+    "on <prefix>outcomes; the item's open alert is resolved (its resolve event goes to\n"
+    "<prefix>alerts). Every write happens in one transaction, or none does.\n"
+    "\n"
+    "  --effect ID        the effect (UUID, as `tally status` and the alert print it)\n"
+    "  --obligation ID    the obligation\n"
+    "  --as OUTCOME       confirmed | failed (effects); resolved | skipped (obligations)\n"
+    "  --ref REF          the upstream record's id (required for --as confirmed); for an\n"
+    "                     obligation, the reverse record's id, kept as evidence\n"
+    "  --receipt JSON     the upstream record itself, a JSON object; default\n"
+    "                     {\"resolved_by\":ACTOR,\"external_ref\":REF,\"reason\":REASON}\n"
+    "  --reason TEXT      what you verified (required; goes into the audit trail)\n"
+    "  --actor NAME       who decided (default: the OS user)\n"
+    "  --json             print what was done as JSON\n"
+    "  -h, --help         this text\n"
+    "\n"
+    "Exit status: 0 done; 1 refused (the item is in a state this does not apply to, or does\n"
+    "not exist) and nothing was changed; 2 usage error; 3 PostgreSQL could not be reached.\n";
+
+static const char USAGE_APPROVE[] =
+    "usage: tally approve --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
+    "\n"
+    "Release what waits for a human's approval. An effect AWAITING_APPROVAL (a destructive\n"
+    "tool, or one that requires approval) becomes PLANNED and is due for dispatch at once:\n"
+    "the dispatcher is woken and calls the tool. An obligation AWAITING_APPROVAL (its tool's\n"
+    "compensation.mode is approval_required) becomes PENDING and the compensator runs it.\n"
+    "\n"
+    "  --effect ID        the effect (UUID)\n"
+    "  --obligation ID    the obligation (UUID)\n"
+    "  --reason TEXT      why it may go ahead (required; goes into the audit trail)\n"
+    "  --actor NAME       who approved (default: the OS user)\n"
+    "  --json             print what was done as JSON\n"
+    "  -h, --help         this text\n"
+    "\n"
+    "Exit status: 0 done; 1 refused (not AWAITING_APPROVAL, or no such item), nothing changed;\n"
+    "2 usage error; 3 PostgreSQL could not be reached.\n";
+
+static const char USAGE_DENY[] =
+    "usage: tally deny --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
+    "\n"
+    "Refuse what waits for a human's approval. An effect AWAITING_APPROVAL becomes REJECTED:\n"
+    "the tool is never called, and tally.effect.rejected.v1 goes to <prefix>outcomes. An\n"
+    "obligation AWAITING_APPROVAL becomes SKIPPED (\"denied by ACTOR: REASON\"): its\n"
+    "compensation is not run.\n"
+    "\n"
+    "  --effect ID        the effect (UUID)\n"
+    "  --obligation ID    the obligation (UUID)\n"
+    "  --reason TEXT      why (required; goes into the audit trail)\n"
+    "  --actor NAME       who denied (default: the OS user)\n"
+    "  --json             print what was done as JSON\n"
+    "  -h, --help         this text\n"
+    "\n"
+    "Exit status: 0 done; 1 refused (not AWAITING_APPROVAL, or no such item), nothing changed;\n"
+    "2 usage error; 3 PostgreSQL could not be reached.\n";
+
+/* ---------------------------------------------------------------------------------------- */
+/* SQL                                                                                      */
+
+/* A wait on a row a worker holds must not hang an operator's terminal. */
+static const char SQL_LOCK_TIMEOUT[] = "SET LOCAL lock_timeout = '10s'";
+
+static const char SQL_EFFECT_LOCK[] =
+    "SELECT e.status, e.lease_epoch, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
+    "  e.operation_key, e.attempts, e.intent_id, e.receipt::text, e.external_ref,"
+    "  e.error_code, e.error_message, e.lease_owner,"
+    "  coalesce(e.lease_until > now(), false), e.status_reason"
+    " FROM effects e WHERE e.effect_id = $1::uuid FOR UPDATE";
+
+/* One statement for every operator move of an effect; $4..$9 are the new
+ * values. The receipt and ref are kept when not given; the error is replaced.
+ */
+static const char SQL_EFFECT_MOVE[] =
+    "UPDATE effects SET status = $4, status_reason = $5,"
+    "  receipt = coalesce($6::jsonb, receipt), external_ref = coalesce($7, external_ref),"
+    "  error_code = $8, error_message = $9,"
+    "  lease_owner = NULL, lease_until = NULL, lease_epoch = lease_epoch + 1,"
+    "  next_attempt_at = now(), updated_at = now()"
+    " WHERE effect_id = $1::uuid AND status = $2 AND lease_epoch = $3::bigint"
+    " RETURNING lease_epoch, attempts, receipt::text, external_ref";
+
+/* Approved: due for dispatch now. The insert fires NOTIFY tally_outbox, waking
+ * dispatchers. */
+static const char SQL_OUTBOX_DUE[] =
+    "INSERT INTO outbox (effect_id, tool, due_at) VALUES ($1::uuid, $2, now())"
+    " ON CONFLICT (effect_id) DO UPDATE SET due_at = now()";
+
+/* A final state is never dispatched. */
+static const char SQL_OUTBOX_DROP[] = "DELETE FROM outbox WHERE effect_id = $1::uuid";
+
+static const char SQL_OBLIGATION_LOCK[] =
+    "SELECT o.status, o.lease_epoch, o.run_id, o.effect_id::text, o.reason, o.external_ref,"
+    "  o.attempts, o.error_code, o.error_message, o.lease_owner,"
+    "  coalesce(o.lease_until > now(), false), o.status_reason, o.receipt::text,"
+    "  e.step, e.step_num IS NOT NULL, e.tool, e.operation_key, e.status, e.receipt::text,"
+    "  e.external_ref, e.attempts, e.intent_id"
+    " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id"
+    " WHERE o.obligation_id = $1::uuid FOR UPDATE OF o";
+
+/* resolve --obligation: STUCK -> RESOLVED | SKIPPED. */
+static const char SQL_OBLIGATION_SETTLE[] =
+    "UPDATE obligations SET status = $4, status_reason = $5,"
+    "  reverse_receipt = CASE WHEN $4 = 'RESOLVED' THEN $6::jsonb ELSE reverse_receipt END,"
+    "  error_code = NULL, error_message = NULL,"
+    "  lease_owner = NULL, lease_until = NULL, lease_epoch = lease_epoch + 1,"
+    "  finished_at = now(), updated_at = now()"
+    " WHERE obligation_id = $1::uuid AND status = $2 AND lease_epoch = $3::bigint"
+    " RETURNING lease_epoch";
+
+/* After runops' approve/deny (the shared SQL that sets
+ * approved_at/approved_by): take any lease away and, for a denial, say who
+ * denied and why. */
+static const char SQL_OBLIGATION_AFTER_APPROVAL[] =
+    "UPDATE obligations SET lease_epoch = lease_epoch + 1, lease_owner = NULL,"
+    "  lease_until = NULL, status_reason = coalesce($4, status_reason)"
+    " WHERE obligation_id = $1::uuid AND status = $2 AND lease_epoch = $3::bigint"
+    " RETURNING lease_epoch";
+
+/* The compensator listens for new obligations; an approved one is as good as
+ * new. */
+static const char SQL_WAKE_COMPENSATOR[] = "SELECT pg_notify('tally_obligations', '')";
+
+/* The open pages this item kept open: an effect's page names it and no
+ * obligation; an obligation's names the obligation. */
+static const char SQL_ITEM_ALERTS[] =
+    "SELECT coalesce(json_agg(dedup_key ORDER BY dedup_key), '[]') FROM alerts"
+    " WHERE status = 'TRIGGERED' AND (dedup_key = $3 OR"
+    "  CASE WHEN $2 = 'obligation' THEN obligation_id = $1::uuid"
+    "       ELSE effect_id = $1::uuid AND obligation_id IS NULL END)";
+
+/* ---------------------------------------------------------------------------------------- */
+/* Options                                                                                  */
+
+typedef struct op {
+    verb_t verb;
+    const char *name; /* "resolve", ... */
+    const char *effect_id;
+    const char *obligation_id;
+    const char *as;
+    const char *ref;
+    const char *receipt_text;
+    json_t *receipt; /* parsed --receipt (owned) */
+    const char *reason;
+    const char *actor;
+    bool as_json;
+    char source[300]; /* CloudEvents source */
+} op_t;
+
+/* What a move did, for the report. */
+typedef struct done {
+    const char *kind; /* "effect" or "obligation" */
+    const char *id;
+    char from[24];
+    char to[24];
+    char run_id[256];
+    json_t *events; /* CloudEvents types queued, in order */
+    json_t *alerts; /* dedup keys resolved */
+    char note[512]; /* one more sentence for the human report, or "" */
+    char warn[512]; /* something the operator should know, or "" */
+} done_t;
+
+/* ---------------------------------------------------------------------------------------- */
+/* The state machine's answer, in words                                                     */
+
+/* The command an operator uses to make a move. NULL for moves only workers
+ * make. */
+static const char *effect_move_verb(int from, int to)
+{
+    (void)from;
+    switch ((tally_effect_state_t)to) {
+    case TALLY_EFFECT_CONFIRMED:
+        return "tally resolve --as confirmed";
+    case TALLY_EFFECT_FAILED:
+        return "tally resolve --as failed";
+    case TALLY_EFFECT_PLANNED:
+        return "tally approve";
+    case TALLY_EFFECT_REJECTED:
+        return "tally deny";
+    case TALLY_EFFECT_CANCELLED:
+        return "tally cancel --run";
+    default:
+        return NULL;
+    }
+}
+
+static const char *obligation_move_verb(int from, int to)
+{
+    switch ((tally_obligation_state_t)to) {
+    case TALLY_OBLIGATION_RESOLVED:
+        return "tally resolve --as resolved";
+    case TALLY_OBLIGATION_SKIPPED:
+        return from == TALLY_OBLIGATION_STUCK ? "tally resolve --as skipped" : "tally deny";
+    case TALLY_OBLIGATION_PENDING:
+        return "tally approve";
+    default:
+        return NULL;
+    }
+}
+
+/* Append to a fixed buffer, silently stopping at its end (the texts are short).
+ */
+static void appendf(char *buf, size_t sz, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void appendf(char *buf, size_t sz, const char *fmt, ...)
+{
+    size_t len = strlen(buf);
+    if (len >= sz)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + len, sz - len, fmt, ap);
+    va_end(ap);
+}
+
+/*
+ * Print why a move is refused, from the transition tables alone: which states
+ * this command applies to, and what an operator can do from the current one.
+ */
+static void explain_refusal(const op_t *o, bool effect, const char *id, int from, int to)
+{
+    const tally_transition_t *table =
+        effect ? tally_effect_transitions : tally_obligation_transitions;
+    const char *kind = effect ? "effect" : "obligation";
+    const char *from_name = effect ? tally_effect_state_name((tally_effect_state_t)from)
+                                   : tally_obligation_state_name((tally_obligation_state_t)from);
+    const char *to_name = effect ? tally_effect_state_name((tally_effect_state_t)to)
+                                 : tally_obligation_state_name((tally_obligation_state_t)to);
+    char sources[256] = "", moves[512] = "";
+    size_t n_sources = 0, n_moves = 0;
+    for (const tally_transition_t *t = table; t->by != NULL; t++) {
+        if (strcmp(t->by, "operator") != 0)
+            continue;
+        if (t->to == to) {
+            const char *name = effect ? tally_effect_state_name((tally_effect_state_t)t->from)
+                                      : tally_obligation_state_name(t->from);
+            if (strstr(sources, name) == NULL) {
+                appendf(sources, sizeof sources, "%s%s", n_sources ? " or " : "", name);
+                n_sources++;
+            }
+        }
+        if (t->from == from) {
+            const char *verb =
+                effect ? effect_move_verb(t->from, t->to) : obligation_move_verb(t->from, t->to);
+            if (verb != NULL && strstr(moves, verb) == NULL) {
+                appendf(moves, sizeof moves, "%s%s", n_moves ? ", " : "", verb);
+                n_moves++;
+            }
+        }
+    }
+    fprintf(stderr, "tally %s: refused: %s %s is %s", o->name, kind, id, from_name);
+    if (from == to)
+        fprintf(stderr, " already");
+    fprintf(stderr, ".\n");
+    char line[1024];
+    snprintf(line, sizeof line, "`tally %s%s%s` moves an %s that is %s to %s.", o->name,
+             o->as != NULL ? " --as " : "", o->as != NULL ? o->as : "", kind,
+             n_sources ? sources : "(no state)", to_name);
+    cli_wrap(stderr, line, 0, 0);
+    if (n_moves > 0)
+        snprintf(line, sizeof line, "From %s an operator can: %s.", from_name, moves);
+    else
+        snprintf(line, sizeof line, "From %s there is nothing for an operator to do%s.", from_name,
+                 effect ? (tally_effect_state_terminal((tally_effect_state_t)from)
+                               ? ": it is final"
+                               : ": a worker moves it next")
+                        : (tally_obligation_state_terminal((tally_obligation_state_t)from)
+                               ? ": it is final"
+                               : ": the compensator moves it next"));
+    cli_wrap(stderr, line, 0, 0);
+    fprintf(stderr, "Nothing was changed.\n");
+}
+
+static bool operator_may(bool effect, int from, int to)
+{
+    const tally_transition_t *table =
+        effect ? tally_effect_transitions : tally_obligation_transitions;
+    for (const tally_transition_t *t = table; t->by != NULL; t++) {
+        if (t->from == from && t->to == to && strcmp(t->by, "operator") == 0)
+            return effect ? tally_effect_transition_allowed((tally_effect_state_t)from,
+                                                            (tally_effect_state_t)to)
+                          : tally_obligation_transition_allowed((tally_obligation_state_t)from,
+                                                                (tally_obligation_state_t)to);
+    }
+    return false;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Events                                                                                   */
+
+static const char *col(const PGresult *res, int row, int c)
+{
+    return PQgetisnull(res, row, c) ? NULL : PQgetvalue(res, row, c);
+}
+
+static json_t *str_or_null(const char *s)
+{
+    return s != NULL ? json_string(s) : json_null();
+}
+
+/* The step as the agent sent it: an integer when it was one. */
+static json_t *step_json(const char *step, bool is_number)
+{
+    if (is_number && step != NULL) {
+        char *end = NULL;
+        long long n = strtoll(step, &end, 10);
+        if (end != step && *end == '\0')
+            return json_integer((json_int_t)n);
+    }
+    return json_string(step != NULL ? step : "");
+}
+
+/* A JSON text from the ledger as a value (NULL stays NULL). */
+static json_t *parse_or_null(const char *text)
+{
+    if (text == NULL)
+        return NULL;
+    return json_loads(text, JSON_DECODE_ANY, NULL);
+}
+
+/* What an effect event says about it (DESIGN §5). */
+typedef struct effect_view {
+    const char *effect_id, *run_id, *step, *tool, *operation_key, *status, *external_ref;
+    bool step_is_number;
+    const json_t *receipt;
+    const char *error_code, *error_message;
+    long long attempts;
+    const char *intent_id;
+} effect_view_t;
+
+/* Queue tally.effect.<type>.v1 for @p v on "outcomes", with @p extra merged
+ * into data. */
+static bool queue_effect_event(const op_t *o, tally_outbox_batch_t *ob, const char *type,
+                               const effect_view_t *v, json_t *extra, done_t *d)
+{
+    json_t *error = json_null();
+    if (v->error_code != NULL)
+        error = json_pack("{s:s, s:s}", "code", v->error_code, "message",
+                          v->error_message != NULL ? v->error_message : "");
+    json_t *data = json_object();
+    bool ok = data != NULL && error != NULL;
+    ok = ok && json_object_set_new(data, "effect_id", json_string(v->effect_id)) == 0;
+    ok = ok && json_object_set_new(data, "run_id", json_string(v->run_id)) == 0;
+    ok = ok && json_object_set_new(data, "step", step_json(v->step, v->step_is_number)) == 0;
+    ok = ok && json_object_set_new(data, "tool", json_string(v->tool)) == 0;
+    ok = ok && json_object_set_new(data, "operation_key", json_string(v->operation_key)) == 0;
+    ok = ok && json_object_set_new(data, "status", json_string(v->status)) == 0;
+    ok = ok && json_object_set_new(data, "receipt",
+                                   v->receipt ? json_deep_copy(v->receipt) : json_null()) == 0;
+    ok = ok && json_object_set_new(data, "external_ref", str_or_null(v->external_ref)) == 0;
+    ok = ok && json_object_set(data, "error", error) == 0;
+    ok = ok && json_object_set_new(data, "attempts", json_integer((json_int_t)v->attempts)) == 0;
+    ok = ok && json_object_set_new(data, "intent_id", str_or_null(v->intent_id)) == 0;
+    ok = ok && json_object_set_new(data, "resolved_by", json_string(o->actor)) == 0;
+    ok = ok && json_object_set_new(data, "reason", json_string(o->reason)) == 0;
+    if (ok && extra != NULL)
+        ok = json_object_update(data, extra) == 0;
+    json_decref(error);
+    if (!ok) {
+        json_decref(data);
+        return false;
+    }
+    json_t *ev = tally_ce_new(type, o->source, v->run_id, data, NULL); /* takes data */
+    if (ev == NULL)
+        return false;
+    tally_outbox_batch_add(ob, "outcomes", v->run_id, ev);
+    json_decref(ev);
+    return json_array_append_new(d->events, json_string(type)) == 0;
+}
+
+/* Rule 3 of DESIGN §3: every move of a state writes its "transition" event, whoever makes it;
+ * the "operator" event beside it carries the decision's evidence. */
+static void add_transition(tally_audit_batch_t *ab, const char *kind, const char *run_id,
+                           const char *effect_id, const char *obligation_id, const char *from,
+                           const char *to, const char *actor, const char *why)
+{
+    tally_audit_event_t ev = {.run_id = run_id,
+                              .effect_id = effect_id,
+                              .obligation_id = obligation_id,
+                              .kind = kind,
+                              .from_status = from,
+                              .to_status = to,
+                              .actor = actor,
+                              .reason = why};
+    tally_audit_batch_add(ab, &ev);
+}
+
+/* Resolve the pages the item kept open, in this transaction. */
+static bool resolve_alerts(tally_pg_t *pg, const op_t *o, const char *kind, const char *id,
+                           const char *to, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                           done_t *d, tally_error_t *err)
+{
+    char *key =
+        strcmp(kind, "effect") == 0 ? tally_alert_effect_key(id) : tally_alert_obligation_key(id);
+    if (key == NULL) {
+        tally_error_set(err, "oom", false, "out of memory");
+        return false;
+    }
+    const char *params[3] = {id, kind, key};
+    json_t *keys = cli_query_json(pg, SQL_ITEM_ALERTS, 3, params, err);
+    free(key);
+    if (keys == NULL)
+        return false;
+    size_t n = json_array_size(keys);
+    const char **list = calloc(n ? n : 1, sizeof *list);
+    if (list == NULL) {
+        json_decref(keys);
+        tally_error_set(err, "oom", false, "out of memory");
+        return false;
+    }
+    for (size_t i = 0; i < n; i++)
+        list[i] = json_string_value(json_array_get(keys, i));
+    char why[1024];
+    snprintf(why, sizeof why, "%s %s is %s: %s by %s: %s", kind, id, to,
+             o->verb == VERB_RESOLVE ? "resolved" : "decided", o->actor, o->reason);
+    size_t n_resolved = 0;
+    bool ok = tally_alert_resolve(pg, list, n, o->actor, o->source, why, ob, ab, &n_resolved, err);
+    for (size_t i = 0; ok && i < n; i++) {
+        ok = json_array_append_new(d->alerts, json_string(list[i])) == 0 &&
+             json_array_append_new(d->events, json_string("tally.alert.resolve.v1")) == 0;
+    }
+    free(list);
+    json_decref(keys);
+    return ok;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Effects                                                                                  */
+
+/* The move, in the open transaction. @returns an exit code; CLI_EXIT_OK means
+ * commit. */
+static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                       tally_audit_batch_t *ab, done_t *d)
+{
+    tally_error_t err;
+    const char *id = o->effect_id;
+    const char *p_lock[1] = {id};
+    PGresult *cur = tally_pg_exec(pg, SQL_EFFECT_LOCK, 1, p_lock, &err);
+    if (cur == NULL)
+        return cli_pg_fail(o->name, "cannot read the effect", &err);
+    if (PQntuples(cur) == 0) {
+        fprintf(stderr, "tally %s: no effect %s in this ledger. Nothing was changed.\n", o->name,
+                id);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+    tally_effect_state_t from, to;
+    if (!tally_effect_state_parse(col(cur, 0, 0), &from)) {
+        fprintf(stderr, "tally %s: effect %s has the unknown status '%s'\n", o->name, id,
+                col(cur, 0, 0));
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+    switch (o->verb) {
+    case VERB_APPROVE:
+        to = TALLY_EFFECT_PLANNED;
+        break;
+    case VERB_DENY:
+        to = TALLY_EFFECT_REJECTED;
+        break;
+    case VERB_RESOLVE:
+    default:
+        to = strcmp(o->as, "confirmed") == 0 ? TALLY_EFFECT_CONFIRMED : TALLY_EFFECT_FAILED;
+        break;
+    }
+    if (!operator_may(true, (int)from, (int)to)) {
+        explain_refusal(o, true, id, (int)from, (int)to);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+
+    const char *from_name = tally_effect_state_name(from);
+    const char *to_name = tally_effect_state_name(to);
+    snprintf(d->from, sizeof d->from, "%s", from_name);
+    snprintf(d->to, sizeof d->to, "%s", to_name);
+    snprintf(d->run_id, sizeof d->run_id, "%s", col(cur, 0, 2));
+    if (col(cur, 0, 13) != NULL && strcmp(col(cur, 0, 14), "t") == 0)
+        snprintf(d->warn, sizeof d->warn,
+                 "%s held a lease on it until now; that lease is void (epoch %s -> next)",
+                 col(cur, 0, 13), col(cur, 0, 1));
+
+    /* The new values. */
+    char status_reason[1024], error_message[1024];
+    const char *error_code = NULL, *receipt_text = NULL, *ref = NULL;
+    char *receipt_owned = NULL;
+    const char *decided = o->verb == VERB_RESOLVE   ? "resolved"
+                          : o->verb == VERB_APPROVE ? "approved"
+                                                    : "denied";
+    snprintf(status_reason, sizeof status_reason, "%s by %s: %s", decided, o->actor, o->reason);
+    error_message[0] = '\0';
+    if (to == TALLY_EFFECT_CONFIRMED) {
+        json_t *receipt = o->receipt != NULL
+                              ? json_incref(o->receipt)
+                              : json_pack("{s:s, s:s, s:s}", "resolved_by", o->actor,
+                                          "external_ref", o->ref, "reason", o->reason);
+        receipt_owned = receipt != NULL ? json_dumps(receipt, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+        json_decref(receipt);
+        if (receipt_owned == NULL) {
+            PQclear(cur);
+            fprintf(stderr, "tally %s: out of memory\n", o->name);
+            return CLI_EXIT_REFUSED;
+        }
+        receipt_text = receipt_owned;
+        ref = o->ref;
+    } else if (to == TALLY_EFFECT_FAILED) {
+        error_code = "operator_failed";
+        snprintf(error_message, sizeof error_message, "resolved as failed by %s: %s", o->actor,
+                 o->reason);
+    } else if (to == TALLY_EFFECT_REJECTED) {
+        error_code = "denied";
+        snprintf(error_message, sizeof error_message, "denied by %s: %s", o->actor, o->reason);
+    }
+
+    const char *p_move[9] = {id,      from_name,     col(cur, 0, 1),
+                             to_name, status_reason, receipt_text,
+                             ref,     error_code,    error_code != NULL ? error_message : NULL};
+    PGresult *moved = tally_pg_exec(pg, SQL_EFFECT_MOVE, 9, p_move, &err);
+    free(receipt_owned);
+    if (moved == NULL) {
+        PQclear(cur);
+        return cli_pg_fail(o->name, "cannot update the effect", &err);
+    }
+    if (PQntuples(moved) != 1) { /* cannot happen under FOR UPDATE; said plainly if it does */
+        fprintf(stderr,
+                "tally %s: effect %s changed while this ran; nothing was changed, run `tally "
+                "doctor --run %s` and try again\n",
+                o->name, id, d->run_id);
+        PQclear(moved);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+
+    const char *p_outbox[2] = {id, col(cur, 0, 5)};
+    bool ok = tally_pg_run(pg, to == TALLY_EFFECT_PLANNED ? SQL_OUTBOX_DUE : SQL_OUTBOX_DROP,
+                           to == TALLY_EFFECT_PLANNED ? 2 : 1, p_outbox, &err);
+    if (!ok) {
+        PQclear(moved);
+        PQclear(cur);
+        return cli_pg_fail(o->name, "cannot update the dispatch outbox", &err);
+    }
+
+    /* The audit events: the transition, and who decided, why, on what evidence. */
+    add_transition(ab, "transition", d->run_id, id, NULL, from_name, to_name, o->actor,
+                   status_reason);
+    json_t *previous = json_pack("{s:s, s:s?, s:s?, s:s?, s:s?}", "status", from_name,
+                                 "status_reason", col(cur, 0, 15), "external_ref", col(cur, 0, 10),
+                                 "error_code", col(cur, 0, 11), "error_message", col(cur, 0, 12));
+    json_t *evidence =
+        json_pack("{s:s, s:s?, s:O?, s:s, s:o?}", "verb", o->name, "as", o->as, "receipt",
+                  o->receipt, "lease_epoch", PQgetvalue(moved, 0, 0), "previous", previous);
+    if (evidence != NULL && o->ref != NULL)
+        json_object_set_new(evidence, "external_ref", json_string(o->ref));
+    tally_audit_event_t ev = {.run_id = d->run_id,
+                              .effect_id = id,
+                              .kind = "operator",
+                              .from_status = from_name,
+                              .to_status = to_name,
+                              .actor = o->actor,
+                              .reason = o->reason,
+                              .data = evidence};
+    tally_audit_batch_add(ab, &ev);
+    json_decref(evidence);
+
+    /* The outcome: what agents waiting on this effect learn. Approval is not an
+     * outcome: the dispatcher publishes the call's. */
+    ok = true;
+    if (to != TALLY_EFFECT_PLANNED) {
+        json_t *receipt = parse_or_null(col(moved, 0, 2));
+        effect_view_t v = {.effect_id = id,
+                           .run_id = d->run_id,
+                           .step = col(cur, 0, 3),
+                           .step_is_number = strcmp(col(cur, 0, 4), "t") == 0,
+                           .tool = col(cur, 0, 5),
+                           .operation_key = col(cur, 0, 6),
+                           .status = to_name,
+                           .external_ref = col(moved, 0, 3),
+                           .receipt = receipt,
+                           .error_code = error_code,
+                           .error_message = error_code != NULL ? error_message : NULL,
+                           .attempts = strtoll(PQgetvalue(moved, 0, 1), NULL, 10),
+                           .intent_id = col(cur, 0, 8)};
+        const char *type = to == TALLY_EFFECT_CONFIRMED ? "tally.effect.confirmed.v1"
+                           : to == TALLY_EFFECT_FAILED  ? "tally.effect.failed.v1"
+                                                        : "tally.effect.rejected.v1";
+        json_t *extra = json_pack("{s:s}", "previous_status", from_name);
+        ok = extra != NULL && queue_effect_event(o, ob, type, &v, extra, d);
+        json_decref(extra);
+        json_decref(receipt);
+    } else {
+        snprintf(d->note, sizeof d->note,
+                 "It is due for dispatch now; a running tally-dispatcher picks it up at once.");
+    }
+    PQclear(moved);
+    PQclear(cur);
+    if (!ok) {
+        fprintf(stderr, "tally %s: out of memory building the outcome event\n", o->name);
+        return CLI_EXIT_REFUSED;
+    }
+    if (!resolve_alerts(pg, o, "effect", id, to_name, ob, ab, d, &err))
+        return cli_pg_fail(o->name, "cannot resolve the effect's alert", &err);
+    return CLI_EXIT_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Obligations                                                                              */
+
+static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                           tally_audit_batch_t *ab, done_t *d)
+{
+    tally_error_t err;
+    const char *id = o->obligation_id;
+    const char *p_lock[1] = {id};
+    PGresult *cur = tally_pg_exec(pg, SQL_OBLIGATION_LOCK, 1, p_lock, &err);
+    if (cur == NULL)
+        return cli_pg_fail(o->name, "cannot read the obligation", &err);
+    if (PQntuples(cur) == 0) {
+        fprintf(stderr, "tally %s: no obligation %s in this ledger. Nothing was changed.\n",
+                o->name, id);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+    tally_obligation_state_t from, to;
+    if (!tally_obligation_state_parse(col(cur, 0, 0), &from)) {
+        fprintf(stderr, "tally %s: obligation %s has the unknown status '%s'\n", o->name, id,
+                col(cur, 0, 0));
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+    switch (o->verb) {
+    case VERB_APPROVE:
+        to = TALLY_OBLIGATION_PENDING;
+        break;
+    case VERB_DENY:
+        to = TALLY_OBLIGATION_SKIPPED;
+        break;
+    case VERB_RESOLVE:
+    default:
+        to = strcmp(o->as, "resolved") == 0 ? TALLY_OBLIGATION_RESOLVED : TALLY_OBLIGATION_SKIPPED;
+        break;
+    }
+    if (!operator_may(false, (int)from, (int)to)) {
+        explain_refusal(o, false, id, (int)from, (int)to);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+    const char *from_name = tally_obligation_state_name(from);
+    const char *to_name = tally_obligation_state_name(to);
+    snprintf(d->from, sizeof d->from, "%s", from_name);
+    snprintf(d->to, sizeof d->to, "%s", to_name);
+    snprintf(d->run_id, sizeof d->run_id, "%s", col(cur, 0, 2));
+    const char *effect_id = col(cur, 0, 3);
+    if (col(cur, 0, 9) != NULL && strcmp(col(cur, 0, 10), "t") == 0)
+        snprintf(d->warn, sizeof d->warn,
+                 "%s held a lease on it until now; that lease is void (epoch %s -> next)",
+                 col(cur, 0, 9), col(cur, 0, 1));
+
+    char status_reason[1024];
+    const char *decided = o->verb == VERB_RESOLVE   ? "resolved"
+                          : o->verb == VERB_APPROVE ? "approved"
+                                                    : "denied";
+    snprintf(status_reason, sizeof status_reason, "%s by %s: %s", decided, o->actor, o->reason);
+    bool ok = true;
+    char *reverse_text = NULL;
+
+    if (o->verb == VERB_RESOLVE) {
+        if (to == TALLY_OBLIGATION_RESOLVED) {
+            json_t *rr = o->receipt != NULL
+                             ? json_incref(o->receipt)
+                             : json_pack("{s:s, s:s?, s:s}", "resolved_by", o->actor,
+                                         "external_ref", o->ref, "reason", o->reason);
+            reverse_text = rr != NULL ? json_dumps(rr, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+            json_decref(rr);
+            if (reverse_text == NULL) {
+                PQclear(cur);
+                fprintf(stderr, "tally %s: out of memory\n", o->name);
+                return CLI_EXIT_REFUSED;
+            }
+        }
+        const char *params[6] = {id,      from_name,     col(cur, 0, 1),
+                                 to_name, status_reason, reverse_text};
+        PGresult *moved = tally_pg_exec(pg, SQL_OBLIGATION_SETTLE, 6, params, &err);
+        if (moved == NULL) {
+            free(reverse_text);
+            PQclear(cur);
+            return cli_pg_fail(o->name, "cannot update the obligation", &err);
+        }
+        ok = PQntuples(moved) == 1;
+        PQclear(moved);
+        json_t *evidence =
+            json_pack("{s:s, s:s, s:s?, s:O?, s:{s:s, s:s?, s:s?, s:s?}}", "verb", o->name, "as",
+                      o->as, "external_ref", o->ref, "receipt", o->receipt, "previous", "status",
+                      from_name, "status_reason", col(cur, 0, 11), "error_code", col(cur, 0, 7),
+                      "error_message", col(cur, 0, 8));
+        tally_audit_event_t ev = {.run_id = d->run_id,
+                                  .effect_id = effect_id,
+                                  .obligation_id = id,
+                                  .kind = "operator",
+                                  .from_status = from_name,
+                                  .to_status = to_name,
+                                  .actor = o->actor,
+                                  .reason = o->reason,
+                                  .data = evidence};
+        tally_audit_batch_add(ab, &ev);
+        json_decref(evidence);
+    } else {
+        /* The shared approval SQL (runops.h) sets approved_at/approved_by, which
+         * the compensator waits for, and writes the "operator" audit event. */
+        size_t changed = 0;
+        const char *ids[1] = {id};
+        if (!tally_runops_approve_obligations(pg, ids, 1, o->verb == VERB_APPROVE, o->actor,
+                                              o->reason, ab, &changed, &err)) {
+            PQclear(cur);
+            return cli_pg_fail(o->name, "cannot update the obligation", &err);
+        }
+        ok = changed == 1;
+        if (ok) {
+            const char *params[4] = {id, to_name, col(cur, 0, 1),
+                                     o->verb == VERB_DENY ? status_reason : NULL};
+            PGresult *moved = tally_pg_exec(pg, SQL_OBLIGATION_AFTER_APPROVAL, 4, params, &err);
+            if (moved == NULL) {
+                PQclear(cur);
+                return cli_pg_fail(o->name, "cannot update the obligation", &err);
+            }
+            ok = PQntuples(moved) == 1;
+            PQclear(moved);
+        }
+    }
+    if (!ok) {
+        free(reverse_text);
+        fprintf(stderr,
+                "tally %s: obligation %s changed while this ran; nothing was changed, run `tally "
+                "doctor --run %s` and try again\n",
+                o->name, id, d->run_id);
+        PQclear(cur);
+        return CLI_EXIT_REFUSED;
+    }
+
+    add_transition(ab, "obligation", d->run_id, effect_id, id, from_name, to_name, o->actor,
+                   status_reason);
+
+    /* What the compensator and the agents learn. */
+    if (to == TALLY_OBLIGATION_PENDING) {
+        json_t *data =
+            json_pack("{s:s, s:s, s:s, s:s, s:s?, s:s, s:s}", "obligation_id", id, "run_id",
+                      d->run_id, "effect_id", effect_id, "reason", col(cur, 0, 4), "external_ref",
+                      col(cur, 0, 5), "approved_by", o->actor, "approval_reason", o->reason);
+        json_t *ce = data != NULL
+                         ? tally_ce_new("tally.obligation.v1", o->source, d->run_id, data, NULL)
+                         : NULL;
+        ok = ce != NULL;
+        if (ok) {
+            tally_outbox_batch_add(ob, "obligations", d->run_id, ce);
+            ok = json_array_append_new(d->events, json_string("tally.obligation.v1")) == 0;
+        }
+        json_decref(ce);
+        if (ok && !tally_pg_run(pg, SQL_WAKE_COMPENSATOR, 0, NULL, &err)) {
+            PQclear(cur);
+            return cli_pg_fail(o->name, "cannot wake the compensator", &err);
+        }
+        snprintf(d->note, sizeof d->note,
+                 "The compensator runs it next (in the run's reverse step order).");
+    } else {
+        /* A reversal settled by hand is published as the compensator publishes its own
+         * (tally.effect.compensated.v1, with the record reversed and its receipt); a skip,
+         * like the compensator's skips, only in the run's summary. */
+        if (to == TALLY_OBLIGATION_RESOLVED) {
+            json_t *receipt = parse_or_null(col(cur, 0, 12));
+            json_t *rr = parse_or_null(reverse_text);
+            effect_view_t v = {.effect_id = effect_id,
+                               .run_id = d->run_id,
+                               .step = col(cur, 0, 13),
+                               .step_is_number = strcmp(col(cur, 0, 14), "t") == 0,
+                               .tool = col(cur, 0, 15),
+                               .operation_key = col(cur, 0, 16),
+                               .status = col(cur, 0, 17),
+                               .external_ref = col(cur, 0, 5),
+                               .receipt = receipt,
+                               .attempts = strtoll(col(cur, 0, 20), NULL, 10),
+                               .intent_id = col(cur, 0, 21)};
+            json_t *extra =
+                json_pack("{s:s, s:s, s:s, s:O?}", "obligation_id", id, "obligation_status",
+                          to_name, "obligation_reason", col(cur, 0, 4), "reverse_receipt", rr);
+            ok = extra != NULL &&
+                 queue_effect_event(o, ob, "tally.effect.compensated.v1", &v, extra, d);
+            json_decref(extra);
+            json_decref(rr);
+            json_decref(receipt);
+        }
+        snprintf(d->note, sizeof d->note,
+                 "The compensator settles the run (its summary) on its next sweep.");
+    }
+    PQclear(cur);
+    free(reverse_text);
+    if (!ok) {
+        fprintf(stderr, "tally %s: out of memory building the events\n", o->name);
+        return CLI_EXIT_REFUSED;
+    }
+    if (!resolve_alerts(pg, o, "obligation", id, to_name, ob, ab, d, &err))
+        return cli_pg_fail(o->name, "cannot resolve the obligation's alert", &err);
+    return CLI_EXIT_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The verb                                                                                 */
+
+static void report(const op_t *o, const done_t *d)
+{
+    if (o->as_json) {
+        json_t *doc = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:O, s:O}", "verb",
+                                o->name, "kind", d->kind, "id", d->id, "run_id", d->run_id, "from",
+                                d->from, "to", d->to, "actor", o->actor, "reason", o->reason,
+                                "events", d->events, "alerts_resolved", d->alerts);
+        if (doc != NULL && o->ref != NULL)
+            json_object_set_new(doc, "external_ref", json_string(o->ref));
+        if (doc == NULL || !cli_print_json(doc))
+            fprintf(stderr, "tally %s: done, but the report could not be written\n", o->name);
+        json_decref(doc);
+        return;
+    }
+    printf("%s %s %s: %s → %s, by %s\n", CLI_SYM_OK, d->kind, d->id, d->from, d->to, o->actor);
+    cli_field(stdout, 2, 8, "run", d->run_id);
+    cli_field(stdout, 2, 8, "reason", o->reason);
+    if (o->ref != NULL)
+        cli_field(stdout, 2, 8, "ref", o->ref);
+    if (d->warn[0] != '\0')
+        cli_field(stdout, 2, 8, "lease", d->warn);
+    size_t i;
+    json_t *v;
+    json_array_foreach(d->alerts, i, v)
+    {
+        char line[512];
+        snprintf(line, sizeof line, "%s resolved (tally.alert.resolve.v1 queued)",
+                 json_string_value(v));
+        cli_field(stdout, 2, 8, "alert", line);
+    }
+    json_array_foreach(d->events, i, v)
+    {
+        if (strcmp(json_string_value(v), "tally.alert.resolve.v1") == 0)
+            continue;
+        char line[512];
+        snprintf(line, sizeof line, "%s queued for the relay", json_string_value(v));
+        cli_field(stdout, 2, 8, "event", line);
+    }
+    if (d->note[0] != '\0') {
+        printf("  ");
+        cli_wrap(stdout, d->note, 2, 2);
+    }
+}
+
+static int run_op(op_t *o, tally_config_t *cfg)
+{
+    tally_pg_t *pg = cli_connect(o->name, cfg);
+    if (pg == NULL)
+        return CLI_EXIT_INFRA;
+    tally_outbox_batch_t *ob = tally_outbox_batch_new();
+    tally_audit_batch_t *ab = tally_audit_batch_new();
+    done_t d = {.kind = o->effect_id != NULL ? "effect" : "obligation",
+                .id = o->effect_id != NULL ? o->effect_id : o->obligation_id,
+                .events = json_array(),
+                .alerts = json_array()};
+    int rc = CLI_EXIT_REFUSED;
+    tally_error_t err;
+    if (ob == NULL || ab == NULL || d.events == NULL || d.alerts == NULL) {
+        fprintf(stderr, "tally %s: out of memory\n", o->name);
+        goto out;
+    }
+    if (!tally_pg_begin(pg, &err) || !tally_pg_run(pg, SQL_LOCK_TIMEOUT, 0, NULL, &err)) {
+        rc = cli_pg_fail(o->name, "cannot start the transaction", &err);
+        goto out;
+    }
+    rc = o->effect_id != NULL ? effect_move(pg, o, ob, ab, &d) : obligation_move(pg, o, ob, ab, &d);
+    if (rc != CLI_EXIT_OK) {
+        tally_pg_rollback(pg);
+        goto out;
+    }
+    if (!tally_audit_batch_flush(ab, pg, &err) || !tally_outbox_batch_flush(ob, pg, &err) ||
+        !tally_pg_commit(pg, &err)) {
+        tally_pg_rollback(pg);
+        rc = cli_pg_fail(o->name, "nothing was changed", &err);
+        goto out;
+    }
+    report(o, &d);
+    rc = CLI_EXIT_OK;
+out:
+    json_decref(d.events);
+    json_decref(d.alerts);
+    tally_outbox_batch_free(ob);
+    tally_audit_batch_free(ab);
+    tally_pg_free(pg);
+    return rc;
+}
+
+/* Parse and check the options; @returns -1 to go on, or the exit code. */
+static int parse(op_t *o, int argc, char **argv)
+{
+    enum { O_EFFECT = 256, O_OBLIGATION, O_AS, O_REF, O_RECEIPT, O_REASON, O_ACTOR, O_JSON };
+    static const struct option all[] = {
+        {"effect", required_argument, NULL, O_EFFECT},
+        {"obligation", required_argument, NULL, O_OBLIGATION},
+        {"reason", required_argument, NULL, O_REASON},
+        {"actor", required_argument, NULL, O_ACTOR},
+        {"json", no_argument, NULL, O_JSON},
+        {"help", no_argument, NULL, 'h'},
+        {"as", required_argument, NULL, O_AS},
+        {"ref", required_argument, NULL, O_REF},
+        {"receipt", required_argument, NULL, O_RECEIPT},
+        {NULL, 0, NULL, 0},
+    };
+    const struct option *opts = all;
+    const char *usage = o->verb == VERB_RESOLVE   ? USAGE_RESOLVE
+                        : o->verb == VERB_APPROVE ? USAGE_APPROVE
+                                                  : USAGE_DENY;
+    optind = 1;
+    opterr = 0; /* cli_bad_option says it, naming the verb */
+    int c;
+    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+        switch (c) {
+        case O_EFFECT:
+            o->effect_id = optarg;
+            break;
+        case O_OBLIGATION:
+            o->obligation_id = optarg;
+            break;
+        case O_AS:
+            o->as = optarg;
+            break;
+        case O_REF:
+            o->ref = optarg;
+            break;
+        case O_RECEIPT:
+            o->receipt_text = optarg;
+            break;
+        case O_REASON:
+            o->reason = optarg;
+            break;
+        case O_ACTOR:
+            o->actor = optarg;
+            break;
+        case O_JSON:
+            o->as_json = true;
+            break;
+        case 'h':
+            fputs(usage, stdout);
+            return CLI_EXIT_OK;
+        default:
+            return cli_bad_option(o->name, c, argv);
+        }
+    }
+    if (optind < argc)
+        return cli_usage_error(o->name, "unexpected argument '%s'", argv[optind]);
+    if (o->verb != VERB_RESOLVE && (o->as != NULL || o->ref != NULL || o->receipt_text != NULL))
+        return cli_usage_error(o->name, "--as, --ref and --receipt belong to tally resolve");
+    if ((o->effect_id == NULL) == (o->obligation_id == NULL))
+        return cli_usage_error(o->name, "name exactly one item: --effect ID or --obligation ID");
+    const char *id = o->effect_id != NULL ? o->effect_id : o->obligation_id;
+    if (!cli_is_uuid(id))
+        return cli_usage_error(o->name, "'%s' is not an id (a UUID such as %s)", id,
+                               "0b6d5f4e-8f3c-4a8e-9d0c-6a1f3e2b7c44");
+    if (o->verb == VERB_RESOLVE) {
+        if (o->as == NULL)
+            return cli_usage_error(o->name, "--as is required (%s)",
+                                   o->effect_id != NULL ? "confirmed or failed"
+                                                        : "resolved or skipped");
+        if (o->effect_id != NULL) {
+            if (strcmp(o->as, "confirmed") != 0 && strcmp(o->as, "failed") != 0)
+                return cli_usage_error(
+                    o->name, "--as %s: an effect is resolved as confirmed or failed", o->as);
+            if (strcmp(o->as, "confirmed") == 0 && o->ref == NULL)
+                return cli_usage_error(o->name, "--as confirmed needs --ref REF: the id of the "
+                                                "upstream record you found (the evidence)");
+            if (strcmp(o->as, "failed") == 0 && (o->ref != NULL || o->receipt_text != NULL))
+                return cli_usage_error(
+                    o->name, "--as failed takes no --ref or --receipt: nothing happened upstream");
+        } else {
+            if (strcmp(o->as, "resolved") != 0 && strcmp(o->as, "skipped") != 0)
+                return cli_usage_error(
+                    o->name, "--as %s: an obligation is resolved as resolved or skipped", o->as);
+            if (strcmp(o->as, "skipped") == 0 && (o->ref != NULL || o->receipt_text != NULL))
+                return cli_usage_error(
+                    o->name, "--as skipped takes no --ref or --receipt: nothing was reversed");
+        }
+        if (o->ref != NULL && !cli_check_text(o->name, "--ref", o->ref))
+            return CLI_EXIT_USAGE;
+        if (o->receipt_text != NULL) {
+            json_error_t jerr;
+            o->receipt = json_loads(o->receipt_text, TALLY_JSON_LOAD_FLAGS, &jerr);
+            if (o->receipt == NULL)
+                return cli_usage_error(o->name, "--receipt is not JSON: %s (column %d)", jerr.text,
+                                       jerr.column);
+            if (!json_is_object(o->receipt))
+                return cli_usage_error(
+                    o->name, "--receipt must be a JSON object, as the tool's own response is");
+        }
+    }
+    if (!cli_check_text(o->name, "--reason", o->reason))
+        return CLI_EXIT_USAGE;
+    if (o->actor == NULL)
+        o->actor = tally_cli_default_actor();
+    if (!cli_check_text(o->name, "--actor", o->actor))
+        return CLI_EXIT_USAGE;
+    snprintf(o->source, sizeof o->source, "/tally/cli/%s", tally_cli_default_actor());
+    return -1;
+}
+
+static int cmd(verb_t verb, int argc, char **argv, tally_config_t *cfg)
+{
+    op_t o = {.verb = verb, .name = VERB_NAMES[verb]};
+    int rc = parse(&o, argc, argv);
+    if (rc < 0)
+        rc = run_op(&o, cfg);
+    json_decref(o.receipt);
+    return rc;
+}
+
+int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg)
+{
+    return cmd(VERB_RESOLVE, argc, argv, cfg);
+}
+
+int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg)
+{
+    return cmd(VERB_APPROVE, argc, argv, cfg);
+}
+
+int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg)
+{
+    return cmd(VERB_DENY, argc, argv, cfg);
+}

@@ -1,0 +1,172 @@
+/* format.h — what the operator verbs (status, doctor, summary, resolve,
+ * approve, deny, compensate, cancel) share: the PostgreSQL session and the exit
+ * codes it implies, reading query results as JSON, and human output that fits
+ * an 80-column terminal (tables, ages such as "3m12s", wrapped text,
+ * copy-pasteable commands and the ✓ ⚠ ○ ✗ symbols). */
+#ifndef TALLY_CLI_FORMAT_H
+#define TALLY_CLI_FORMAT_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdio.h>
+
+#include "tally/config.h"
+#include "tally/error.h"
+#include "tally/pg.h"
+
+/* Exit codes of cli.h. */
+#define CLI_EXIT_OK      0
+#define CLI_EXIT_REFUSED 1
+#define CLI_EXIT_USAGE   2
+#define CLI_EXIT_INFRA   3
+
+/** The terminal width human output is laid out for. */
+#define CLI_WIDTH 80
+
+#define CLI_SYM_OK   "✓" /**< compensated, done */
+#define CLI_SYM_WARN "⚠" /**< uncompensatable, aging, an open page */
+#define CLI_SYM_SKIP "○" /**< skipped, nothing to do */
+#define CLI_SYM_FAIL "✗" /**< failed, STUCK: a human must act */
+
+/* ---------------------------------------------------------------------------------------- */
+/* PostgreSQL                                                                               */
+
+/**
+ * @brief Connect to TALLY_PG (one attempt) for @p verb, with the session's time
+ * zone set to UTC so every timestamp printed or emitted as JSON is UTC.
+ * @returns the handle, or NULL after printing "tally <verb>: <libpq's message>"
+ * to stderr (the caller exits CLI_EXIT_INFRA).
+ */
+tally_pg_t *cli_connect(const char *verb, const tally_config_t *cfg) TALLY_WUR;
+
+/** @brief CLI_EXIT_INFRA when @p err says PostgreSQL could not be reached or
+ * was lost, CLI_EXIT_REFUSED otherwise. */
+int cli_pg_rc(const tally_error_t *err);
+
+/** @brief Print "tally <verb>: <what>: <err->message>" to stderr and return
+ * cli_pg_rc(). */
+int cli_pg_fail(const char *verb, const char *what, const tally_error_t *err);
+
+/**
+ * @brief Run a statement that returns one row with one json/jsonb column, and
+ * parse it.
+ * @returns a new reference, or NULL with @p err filled (an SQL error, no row,
+ * or JSON that does not parse). SQL NULL comes back as JSON null.
+ */
+json_t *cli_query_json(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                       tally_error_t *err) TALLY_WUR;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Arguments                                                                                */
+
+/** @brief true when @p s is a UUID in canonical form (any case). */
+bool cli_is_uuid(const char *s);
+
+/**
+ * @brief Check a free-text option (--reason, --actor, --ref): present, not
+ * blank, valid UTF-8, no control characters but tab. Prints "tally <verb>:
+ * <flag> ..." and returns false when not.
+ */
+bool cli_check_text(const char *verb, const char *flag, const char *value);
+
+/** @brief Print "tally <verb>: <message>\nTry 'tally <verb> --help'." and
+ * return CLI_EXIT_USAGE. */
+int cli_usage_error(const char *verb, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/**
+ * @brief After getopt_long (with opterr = 0 and an optstring starting with ':') returned @p c
+ * ('?' or ':'): print "tally <verb>: unknown option '--x'" or "... '--x' needs a value" and
+ * the --help hint, and return CLI_EXIT_USAGE.
+ */
+int cli_bad_option(const char *verb, int c, char *const *argv);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Output                                                                                   */
+
+/** @brief Write @p doc to stdout as indented JSON with a final newline.
+ * @returns false when stdout could not be written. */
+bool cli_print_json(const json_t *doc);
+
+/** @brief @p seconds as a short age: "45s", "3m12s", "2h05m", "3d04h"; "0s"
+ * below a second,
+ * "-" for a negative value. */
+void cli_age(double seconds, char *out, size_t outsz);
+
+/** @brief Columns @p s takes on a terminal: one per UTF-8 code point (tally
+ * prints no wide characters of its own). */
+size_t cli_text_width(const char *s);
+
+/**
+ * @brief @p s cut to at most @p width columns, ending in "…" when cut, never
+ * splitting a UTF-8 sequence; control characters become spaces. Malloc'd; NULL
+ * when out of memory.
+ */
+char *cli_fit(const char *s, size_t width) TALLY_WUR;
+
+/**
+ * @brief Write @p text wrapped to CLI_WIDTH: the first line starts at the
+ * cursor, which is assumed to be at column @p first_col; continuation lines are
+ * indented by @p indent. Breaks at spaces when it can and inside a long word (a
+ * JSON document, an id) when it must. Ends with a newline. Embedded newlines
+ * start a new indented line.
+ */
+void cli_wrap(FILE *out, const char *text, size_t first_col, size_t indent);
+
+/** @brief "  <label>  <text, wrapped>" with the label padded to @p label_width.
+ */
+void cli_field(FILE *out, size_t indent, size_t label_width, const char *label, const char *text);
+
+/**
+ * @brief Print a shell command for the operator to copy: a trailing "  #
+ * comment" goes on its own line above it, and a command longer than the width
+ * is continued with " \" between options, never inside a quoted argument.
+ * Several commands separated by newlines (as alert.h's resolve commands are)
+ * are printed one after the other.
+ */
+void cli_print_command(FILE *out, const char *commands, size_t indent);
+
+/**
+ * @brief @p v as indented JSON (sorted keys, two spaces a level), every line indented by
+ * @p indent and long strings wrapped: for receipts and blast radii that do not fit one line.
+ */
+void cli_json_block(FILE *out, const json_t *v, size_t indent);
+
+/** @brief @p v as compact JSON (sorted keys). Malloc'd; "null" for NULL. NULL on OOM. */
+char *cli_json_text(const json_t *v) TALLY_WUR;
+
+/** @brief The string member @p key of @p obj, or @p dflt when missing, null or
+ * not a string. */
+const char *cli_str(const json_t *obj, const char *key, const char *dflt);
+
+/** @brief The number member @p key of @p obj (integer or real), or @p dflt. */
+double cli_num(const json_t *obj, const char *key, double dflt);
+
+/* A table laid out for CLI_WIDTH: columns as wide as their widest cell, then
+ * the widest shrinkable columns cut (with "…") until the row fits. */
+typedef struct cli_table cli_table_t;
+
+/** @brief A table with @p ncols columns and these headers (copied). NULL on
+ * OOM. */
+cli_table_t *cli_table_new(size_t ncols, const char *const *headers) TALLY_WUR;
+
+/** @brief Never cut column @p col (ids that are meant to be copied). */
+void cli_table_keep(cli_table_t *t, size_t col);
+
+/** @brief Right-align column @p col (counts). */
+void cli_table_right(cli_table_t *t, size_t col);
+
+/** @brief Add a row of ncols cells (copied; NULL prints as "-"). Sticky failure
+ * on OOM. */
+void cli_table_add(cli_table_t *t, const char *const *cells);
+
+size_t cli_table_rows(const cli_table_t *t);
+
+/** @brief Print the header and the rows, each line prefixed by @p indent
+ * spaces.
+ * @returns false when a row could not be stored earlier (out of memory). */
+bool cli_table_print(const cli_table_t *t, FILE *out, size_t indent);
+
+void cli_table_free(cli_table_t *t);
+
+#endif
