@@ -486,7 +486,9 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
                      "step %.100s of run %.150s is already effect %s (tool '%s', key '%.100s')",
                      m->in.step, m->in.run_id, sid, PQgetvalue(res, row, 15),
                      PQgetvalue(res, row, 16));
-        effect_view_t v = {.effect_id = NULL,
+        /* effect_id names the effect that holds the key or step (DESIGN §5 keeps effect_id in
+         * every effect event); status CONFLICT is this intent's own answer */
+        effect_view_t v = {.effect_id = other,
                            .run_id = m->in.run_id,
                            .step = m->in.step,
                            .step_is_number = m->in.step_is_number,

@@ -187,7 +187,9 @@ class DispatchFlowTest(DispatchCase):
         self.assertEqual(ev["data"]["status"], "CONFLICT")
         self.assertEqual(ev["data"]["error"]["code"], "conflict")
         self.assertIn(first["effect_id"], ev["data"]["error"]["message"])
+        self.assertEqual(ev["data"]["effect_id"], first["effect_id"])
         [ev2] = answers[step_reuse["id"]]
+        self.assertEqual(ev2["data"]["effect_id"], first["effect_id"])
         self.assertEqual(ev2["type"], "tally.effect.conflict.v1")
         self.assertIn(first["effect_id"], ev2["data"]["error"]["message"])
         self.assertEqual(len(self.requests(key)), 1)
