@@ -1,0 +1,153 @@
+/* runops.h — run-level operations of DESIGN §7: compensate or cancel a run, the obligations of
+ * effects confirmed after compensation began, the compensation plan (`--dry-run`), and the
+ * per-class decision table the compensator follows. Shared by the CLI (`tally compensate|cancel
+ * --run R`), the dispatcher (tally.compensate_run.v1, tally.cancel_run.v1) and the compensator. */
+#ifndef TALLY_RUNOPS_H
+#define TALLY_RUNOPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <jansson.h>
+
+#include "tally/audit.h"
+#include "tally/error.h"
+#include "tally/outbox.h"
+#include "tally/pg.h"
+#include "tally/registry.h"
+
+/* ---- the decision table (pure) -------------------------------------------------------- */
+
+/** @brief What compensating one confirmed effect means (DESIGN §4). */
+typedef enum {
+    TALLY_COMP_ACT_SKIP = 0, /**< read / idempotent: nothing to undo -> SKIPPED */
+    TALLY_COMP_ACT_REVERSE,  /**< reversible + automatic (or approved): the compensate call */
+    TALLY_COMP_ACT_RECORD,   /**< append_only: UNCOMPENSATABLE, blast radius recorded */
+    TALLY_COMP_ACT_CONTAIN,  /**< append_only with connector.contain: RECORD + containment call */
+    TALLY_COMP_ACT_ESCALATE, /**< destructive: UNCOMPENSATABLE and a critical alert */
+    TALLY_COMP_ACT_AWAIT_APPROVAL, /**< compensation.mode approval_required, not yet approved */
+    TALLY_COMP_ACT_RUNBOOK, /**< compensation.mode manual_runbook: STUCK at once with the runbook */
+    TALLY_COMP_ACT_NOT_SUPPORTED, /**< compensation.mode not_supported: UNCOMPENSATABLE with the
+                                     reason */
+    TALLY_COMP_ACT_NO_TOOL, /**< the tool is gone from the registry, or cannot reverse: STUCK */
+} tally_comp_action_t;
+
+/** @brief A decision: the action, the obligation state it leads to, a code and a sentence. */
+typedef struct tally_comp_decision {
+    tally_comp_action_t action;
+    const char *to_status; /**< "SKIPPED", "RUNNING" (a call is made), "UNCOMPENSATABLE",
+                                "AWAITING_APPROVAL", "STUCK" */
+    const char *code;      /**< machine-readable status_reason: "read_only", "idempotent",
+                                "reverse", "append_only", "destructive", "approval_required",
+                                "manual_runbook", "not_supported", "unknown_tool",
+                                "no_compensate_endpoint" */
+    char why[320];         /**< one sentence for the audit trail, the summary and the plan */
+} tally_comp_decision_t;
+
+/**
+ * @brief The decision table. @p tool is the registry's contract (NULL when @p tool_name is no
+ * longer registered); @p cls the effect's class as recorded in the ledger; @p approved whether
+ * an operator approved this compensation (approval_required tools).
+ *
+ * | class       | automatic | approval_required       | manual_runbook | not_supported  |
+ * |-------------|-----------|-------------------------|----------------|----------------|
+ * | read        | SKIP      | SKIP                    | SKIP           | SKIP           |
+ * | idempotent  | SKIP      | SKIP                    | SKIP           | SKIP           |
+ * | reversible  | REVERSE   | AWAIT, then REVERSE     | RUNBOOK        | NOT_SUPPORTED  |
+ * | append_only | CONTAIN*  | AWAIT*, then CONTAIN*   | RUNBOOK        | RECORD         |
+ * | destructive | ESCALATE  | ESCALATE                | ESCALATE       | ESCALATE       |
+ *
+ * (*) CONTAIN when the tool declares connector.contain, else RECORD (no approval needed).
+ */
+void tally_comp_decide(const tally_tool_t *tool, const char *tool_name, tally_effect_class_t cls,
+                       bool approved, tally_comp_decision_t *out);
+
+/** @brief "skip", "reverse", "record", "contain", "escalate", "await_approval", "runbook",
+ * "not_supported", "no_tool". */
+const char *tally_comp_action_name(tally_comp_action_t a);
+
+/* ---- compensate / cancel a run (in the caller's transaction) ---------------------------- */
+
+typedef enum {
+    TALLY_RUNOP_COMPENSATE = 0, /**< tally.compensate_run.v1, `tally compensate --run` */
+    TALLY_RUNOP_CANCEL,         /**< tally.cancel_run.v1, `tally cancel --run` */
+} tally_runop_kind_t;
+
+/** @brief One request. Strings are borrowed for the duration of the call. */
+typedef struct tally_runop {
+    tally_runop_kind_t kind;
+    const char *run_id;
+    bool compensate;       /**< cancel only: also compensate the CONFIRMED effects */
+    const char *reason;    /**< the requester's words for the audit trail; may be NULL */
+    const char *intent_id; /**< CloudEvents id of the request message; NULL from the CLI */
+} tally_runop_t;
+
+/** @brief What one request did. */
+typedef struct tally_runop_result {
+    bool found;                  /**< false: no such run (nothing was done) */
+    char status_before[24];      /**< the run's status before the request */
+    char status_after[24];       /**< and after */
+    size_t obligations_created;  /**< new obligations (0 when compensation was asked before) */
+    size_t obligations_existing; /**< CONFIRMED effects that already had their obligation */
+    size_t effects_cancelled;    /**< PLANNED / AWAITING_APPROVAL effects now CANCELLED */
+    size_t effects_waiting;      /**< DISPATCHING / UNKNOWN: compensated once they are confirmed */
+} tally_runop_result_t;
+
+/**
+ * @brief Apply @p n requests inside the caller's open transaction (the caller commits):
+ * - locks the runs (FOR UPDATE, in run_id order);
+ * - cancel: deletes the dispatch outbox rows of the runs' PLANNED effects, then moves their
+ *   PLANNED and AWAITING_APPROVAL effects to CANCELLED (compare-and-set; an effect a dispatcher
+ *   already claimed is DISPATCHING and left to finish); a run without compensation turns
+ *   ACTIVE -> CANCELLED;
+ * - compensate (and cancel with compensate): one obligation per CONFIRMED effect, inserted last
+ *   step first with ON CONFLICT DO NOTHING (asking twice creates nothing new), reason
+ *   "compensate_run" or "cancel_run"; the run turns COMPENSATING (from ACTIVE or CANCELLED, or
+ *   from COMPENSATED / PARTIALLY_COMPENSATED when this created new obligations; STUCK stays
+ *   STUCK). It turns COMPENSATING even when nothing is CONFIRMED yet: effects still DISPATCHING
+ *   or UNKNOWN get their obligation when they are confirmed (tally_runops_sweep_confirmed), and
+ *   the compensator writes the summary once nothing is left.
+ * Every statement handles the whole batch. Queues on @p ab an audit event per cancelled effect,
+ * per new obligation, per run status change and per request (kind "compensate_run" /
+ * "cancel_run", by @p actor), and on @p ob a tally.obligation.v1 (topic "obligations", key run_id,
+ * CloudEvents source @p source) per new obligation; the caller flushes both before COMMIT.
+ * @param results @p n entries, filled in request order.
+ */
+bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, const char *actor,
+                        const char *source, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                        tally_runop_result_t *results, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief The compensator's sweep, in the caller's transaction: CONFIRMED effects of runs under
+ * compensation (COMPENSATING, or COMPENSATED / PARTIALLY_COMPENSATED / STUCK runs that had
+ * compensation obligations) without an obligation for their external ref get one (one
+ * statement, at most @p limit, ON CONFLICT DO NOTHING), with the reason of the run's earlier
+ * obligations. A COMPENSATED or PARTIALLY_COMPENSATED run that gains one turns COMPENSATING
+ * again. Events are queued on @p ob and @p ab as for tally_runops_apply.
+ * @param created receives the number of new obligations.
+ */
+bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, const char *actor, const char *source,
+                                  tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                                  size_t *created, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief The plan of @p op for `--dry-run`, without changing anything: a JSON array with one
+ * object per effect of the run, last step first: {"step", "effect_id", "tool", "effect_class",
+ * "compensation_mode", "effect_status", "external_ref", "obligation" (the existing one or
+ * null), "action", "will" (what will happen, in words), "why"}.
+ * @returns a new reference, or NULL with @p err (code "not_found" when there is no such run).
+ */
+json_t *tally_runops_plan(tally_pg_t *pg, const tally_registry_t *reg, const tally_runop_t *op,
+                          tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief Approve (AWAITING_APPROVAL -> PENDING, approved_at/approved_by set) or deny
+ * (AWAITING_APPROVAL -> SKIPPED, reason "denied") obligations, compare-and-set, in the caller's
+ * transaction, with an audit event of kind "operator" each.
+ * @param changed receives how many obligations moved (the others were not AWAITING_APPROVAL).
+ */
+bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligation_ids, size_t n,
+                                      bool approve, const char *actor, const char *reason,
+                                      tally_audit_batch_t *ab, size_t *changed,
+                                      tally_error_t *err) TALLY_WUR;
+
+#endif

@@ -1,0 +1,935 @@
+/* runops.c — run-level operations of DESIGN §7 and the compensation decision table.
+ *
+ * Every statement handles a whole batch of runs (values travel as one JSON parameter) and runs
+ * in the caller's transaction; the caller flushes the queued audit and outbox events and
+ * commits. Lock order: runs, then the dispatch outbox, then effects — the dispatcher's intake
+ * locks runs before effects and its claim locks outbox before effects, so none of these can
+ * deadlock with each other. */
+#include "tally/runops.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tally/cloudevent.h"
+#include "tally/ledger.h"
+
+/* ---------------------------------------------------------------------------------------- */
+/* The decision table                                                                       */
+
+const char *tally_comp_action_name(tally_comp_action_t a)
+{
+    switch (a) {
+    case TALLY_COMP_ACT_SKIP:
+        return "skip";
+    case TALLY_COMP_ACT_REVERSE:
+        return "reverse";
+    case TALLY_COMP_ACT_RECORD:
+        return "record";
+    case TALLY_COMP_ACT_CONTAIN:
+        return "contain";
+    case TALLY_COMP_ACT_ESCALATE:
+        return "escalate";
+    case TALLY_COMP_ACT_AWAIT_APPROVAL:
+        return "await_approval";
+    case TALLY_COMP_ACT_RUNBOOK:
+        return "runbook";
+    case TALLY_COMP_ACT_NOT_SUPPORTED:
+        return "not_supported";
+    case TALLY_COMP_ACT_NO_TOOL:
+        return "no_tool";
+    }
+    return "unknown";
+}
+
+static void decided(tally_comp_decision_t *out, tally_comp_action_t action, const char *to_status,
+                    const char *code, const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static void decided(tally_comp_decision_t *out, tally_comp_action_t action, const char *to_status,
+                    const char *code, const char *fmt, ...)
+{
+    out->action = action;
+    out->to_status = to_status;
+    out->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(out->why, sizeof out->why, fmt, ap);
+    va_end(ap);
+}
+
+void tally_comp_decide(const tally_tool_t *tool, const char *tool_name, tally_effect_class_t cls,
+                       bool approved, tally_comp_decision_t *out)
+{
+    const char *name = tool != NULL ? tool->name : (tool_name != NULL ? tool_name : "?");
+    switch (cls) {
+    case TALLY_CLASS_READ:
+        decided(out, TALLY_COMP_ACT_SKIP, "SKIPPED", "read_only",
+                "tool '%s' is a read: it changed nothing, so there is nothing to undo", name);
+        return;
+    case TALLY_CLASS_IDEMPOTENT:
+        decided(out, TALLY_COMP_ACT_SKIP, "SKIPPED", "idempotent",
+                "tool '%s' is idempotent: its effect is not reversed by compensation (DESIGN §4)",
+                name);
+        return;
+    case TALLY_CLASS_DESTRUCTIVE:
+        decided(out, TALLY_COMP_ACT_ESCALATE, "UNCOMPENSATABLE", "destructive",
+                "tool '%s' is destructive: it cannot be undone; the blast radius is recorded and "
+                "a human is paged",
+                name);
+        return;
+    case TALLY_CLASS_REVERSIBLE:
+        break;
+    case TALLY_CLASS_APPEND_ONLY:
+        if (tool == NULL) {
+            decided(out, TALLY_COMP_ACT_RECORD, "UNCOMPENSATABLE", "append_only",
+                    "tool '%s' is append-only and no longer in the registry: it cannot be undone "
+                    "and no containment action is known; the blast radius is recorded",
+                    name);
+            return;
+        }
+        switch (tool->comp_mode) {
+        case TALLY_COMP_MANUAL_RUNBOOK:
+            decided(out, TALLY_COMP_ACT_RUNBOOK, "STUCK", "manual_runbook",
+                    "tool '%s' is append-only with compensation.mode manual_runbook: a human "
+                    "follows the runbook (%s)",
+                    name, tool->runbook != NULL ? tool->runbook : "none declared");
+            return;
+        case TALLY_COMP_NOT_SUPPORTED:
+            decided(out, TALLY_COMP_ACT_RECORD, "UNCOMPENSATABLE", "append_only",
+                    "tool '%s' is append-only (compensation.mode not_supported): it cannot be "
+                    "undone; the blast radius is recorded",
+                    name);
+            return;
+        case TALLY_COMP_AUTOMATIC:
+        case TALLY_COMP_APPROVAL_REQUIRED:
+            break;
+        }
+        if (tool->contain.path == NULL) {
+            decided(out, TALLY_COMP_ACT_RECORD, "UNCOMPENSATABLE", "append_only",
+                    "tool '%s' is append-only: it cannot be undone and declares no containment "
+                    "action; the blast radius is recorded",
+                    name);
+        } else if (tool->comp_mode == TALLY_COMP_APPROVAL_REQUIRED && !approved) {
+            decided(out, TALLY_COMP_ACT_AWAIT_APPROVAL, "AWAITING_APPROVAL", "approval_required",
+                    "tool '%s' requires approval before its containment action runs", name);
+        } else {
+            decided(out, TALLY_COMP_ACT_CONTAIN, "UNCOMPENSATABLE", "append_only",
+                    "tool '%s' is append-only: it cannot be undone; the blast radius is recorded "
+                    "and the containment action %s %s runs",
+                    name, tool->contain.method != NULL ? tool->contain.method : "POST",
+                    tool->contain.path);
+        }
+        return;
+    }
+
+    /* reversible */
+    if (tool == NULL) {
+        decided(out, TALLY_COMP_ACT_NO_TOOL, "STUCK", "unknown_tool",
+                "tool '%s' is no longer in the registry: tally does not know how to reverse it",
+                name);
+        return;
+    }
+    switch (tool->comp_mode) {
+    case TALLY_COMP_MANUAL_RUNBOOK:
+        decided(out, TALLY_COMP_ACT_RUNBOOK, "STUCK", "manual_runbook",
+                "tool '%s' has compensation.mode manual_runbook: a human reverses it following "
+                "the runbook (%s)",
+                name, tool->runbook != NULL ? tool->runbook : "none declared");
+        return;
+    case TALLY_COMP_NOT_SUPPORTED:
+        decided(out, TALLY_COMP_ACT_NOT_SUPPORTED, "UNCOMPENSATABLE", "not_supported",
+                "tool '%s' has compensation.mode not_supported: tally does not reverse it", name);
+        return;
+    case TALLY_COMP_APPROVAL_REQUIRED:
+        if (!approved) {
+            decided(out, TALLY_COMP_ACT_AWAIT_APPROVAL, "AWAITING_APPROVAL", "approval_required",
+                    "tool '%s' has compensation.mode approval_required: the reverse call waits "
+                    "for `tally approve --obligation`",
+                    name);
+            return;
+        }
+        break;
+    case TALLY_COMP_AUTOMATIC:
+        break;
+    }
+    if (tool->compensate.path == NULL) {
+        decided(out, TALLY_COMP_ACT_NO_TOOL, "STUCK", "no_compensate_endpoint",
+                "tool '%s' is reversible but declares no connector.compensate endpoint", name);
+        return;
+    }
+    decided(out, TALLY_COMP_ACT_REVERSE, "RUNNING", "reverse", "tool '%s' is reversible: %s %s%s",
+            name, tool->compensate.method != NULL ? tool->compensate.method : "POST",
+            tool->base_url != NULL ? tool->base_url : "", tool->compensate.path);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* SQL                                                                                      */
+
+static const char SQL_LOCK_RUNS[] = "SELECT run_id, status FROM runs"
+                                    " WHERE run_id IN (SELECT json_array_elements_text($1::json))"
+                                    " ORDER BY run_id FOR UPDATE";
+
+/* Outbox rows first, then the effects (the dispatcher's claim locks them in that order). A row
+ * a dispatcher already claimed belongs to an effect that is DISPATCHING and is left alone. */
+static const char SQL_CANCEL_OUTBOX[] =
+    "DELETE FROM outbox o USING effects e"
+    " WHERE o.effect_id = e.effect_id AND e.status = 'PLANNED'"
+    "   AND e.run_id IN (SELECT run_id FROM json_to_recordset($1::json) AS r(run_id text))";
+
+static const char SQL_CANCEL_EFFECTS[] =
+    "WITH req AS (SELECT run_id, reason FROM json_to_recordset($1::json)"
+    "   AS r(run_id text, reason text)),"
+    " old AS (SELECT e.effect_id, e.status FROM effects e JOIN req USING (run_id)"
+    "   WHERE e.status IN ('PLANNED', 'AWAITING_APPROVAL') ORDER BY e.effect_id FOR UPDATE OF e)"
+    " UPDATE effects e SET status = 'CANCELLED',"
+    "   status_reason = 'cancel_run' || coalesce(': ' || req.reason, ''),"
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
+    " FROM old, req"
+    " WHERE e.effect_id = old.effect_id AND e.run_id = req.run_id"
+    "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
+    " RETURNING e.effect_id::text, e.run_id, old.status";
+
+/* One obligation per CONFIRMED effect, last step first; asking twice creates nothing new
+ * (UNIQUE NULLS NOT DISTINCT (effect_id, external_ref)). */
+static const char SQL_OBLIGATIONS[] =
+    "WITH req AS (SELECT run_id, kind FROM json_to_recordset($1::json)"
+    "   AS r(run_id text, kind text))"
+    " INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
+    " SELECT gen_random_uuid(), e.run_id, e.effect_id, req.kind, e.external_ref, e.receipt"
+    " FROM effects e JOIN req USING (run_id)"
+    " WHERE e.status = 'CONFIRMED'"
+    " ORDER BY e.run_id, e.step_num DESC NULLS FIRST, e.seq DESC"
+    " ON CONFLICT (effect_id, external_ref) DO NOTHING"
+    " RETURNING obligation_id::text, run_id, effect_id::text, reason, external_ref";
+
+static const char SQL_COUNTS[] =
+    "SELECT run_id, count(*) FILTER (WHERE status = 'CONFIRMED'),"
+    "   count(*) FILTER (WHERE status IN ('DISPATCHING', 'UNKNOWN'))"
+    " FROM effects WHERE run_id IN (SELECT json_array_elements_text($1::json))"
+    " GROUP BY run_id";
+
+static const char SQL_RUN_STATUS[] =
+    "UPDATE runs r SET status = x.status, status_reason = x.reason, updated_at = now()"
+    " FROM json_to_recordset($1::json) AS x(run_id text, from_status text, status text,"
+    "   reason text)"
+    " WHERE r.run_id = x.run_id AND r.status = x.from_status"
+    " RETURNING r.run_id";
+
+/* Runs under compensation: COMPENSATING, or settled/STUCK runs that had compensation
+ * obligations. Their CONFIRMED effects without an obligation for their own external ref (an
+ * effect confirmed after compensation began) get one, with the reason of the run's first. */
+static const char SQL_SWEEP_CONFIRMED[] =
+    "WITH cand AS ("
+    "  SELECT e.effect_id, e.run_id, e.external_ref, e.receipt,"
+    "    coalesce((SELECT o.reason FROM obligations o WHERE o.run_id = e.run_id"
+    "      AND o.reason IN ('compensate_run', 'cancel_run') ORDER BY o.created_at LIMIT 1),"
+    "      'compensate_run') AS reason"
+    "  FROM runs r JOIN effects e ON e.run_id = r.run_id"
+    "  WHERE r.status IN ('COMPENSATING', 'COMPENSATED', 'PARTIALLY_COMPENSATED', 'STUCK')"
+    "    AND (r.status = 'COMPENSATING' OR EXISTS (SELECT 1 FROM obligations o"
+    "      WHERE o.run_id = r.run_id AND o.reason IN ('compensate_run', 'cancel_run')))"
+    "    AND e.status = 'CONFIRMED'"
+    "    AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.effect_id = e.effect_id"
+    "      AND o.external_ref IS NOT DISTINCT FROM e.external_ref)"
+    "  ORDER BY e.run_id, e.step_num DESC NULLS FIRST, e.seq DESC"
+    "  LIMIT $1),"
+    " ins AS ("
+    "  INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
+    "  SELECT gen_random_uuid(), run_id, effect_id, reason, external_ref, receipt FROM cand"
+    "  ON CONFLICT (effect_id, external_ref) DO NOTHING"
+    "  RETURNING obligation_id, run_id, effect_id, reason, external_ref),"
+    " ru AS ("
+    "  UPDATE runs r SET status = 'COMPENSATING',"
+    "    status_reason = 'an effect was confirmed after the compensation had ended',"
+    "    updated_at = now()"
+    "  FROM runs old"
+    "  WHERE old.run_id = r.run_id AND r.run_id IN (SELECT run_id FROM ins)"
+    "    AND r.status IN ('COMPENSATED', 'PARTIALLY_COMPENSATED')"
+    "  RETURNING r.run_id, old.status)"
+    " SELECT 'obligation', obligation_id::text, run_id, effect_id::text, reason, external_ref"
+    " FROM ins"
+    " UNION ALL SELECT 'run', NULL, run_id, NULL, status, NULL FROM ru";
+
+static const char SQL_PLAN_RUN[] = "SELECT status FROM runs WHERE run_id = $1";
+
+static const char SQL_PLAN_EFFECTS[] =
+    "SELECT e.effect_id::text, e.step, e.step_num IS NOT NULL, e.tool, e.effect_class, e.status,"
+    "  e.external_ref, e.receipt->>'version',"
+    "  (SELECT json_agg(json_build_object('obligation_id', o.obligation_id, 'status', o.status,"
+    "     'reason', o.reason, 'external_ref', o.external_ref,"
+    "     'approved', o.approved_at IS NOT NULL) ORDER BY o.created_at)"
+    "   FROM obligations o WHERE o.effect_id = e.effect_id)::text"
+    " FROM effects e WHERE e.run_id = $1"
+    " ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC";
+
+static const char SQL_APPROVE[] =
+    "UPDATE obligations SET status = $2,"
+    "  approved_at = CASE WHEN $2 = 'PENDING' THEN now() END,"
+    "  approved_by = CASE WHEN $2 = 'PENDING' THEN $3 END,"
+    "  status_reason = CASE WHEN $2 = 'SKIPPED' THEN 'denied' ELSE status_reason END,"
+    "  finished_at = CASE WHEN $2 = 'SKIPPED' THEN now() END,"
+    "  next_attempt_at = now(), updated_at = now()"
+    " WHERE obligation_id IN (SELECT json_array_elements_text($1::json)::uuid)"
+    "   AND status = 'AWAITING_APPROVAL'"
+    " RETURNING obligation_id::text, run_id, effect_id::text";
+
+/* ---------------------------------------------------------------------------------------- */
+/* Helpers                                                                                  */
+
+static PGresult *exec_json(tally_pg_t *pg, const char *sql, const json_t *param, tally_error_t *err)
+{
+    char *text = json_dumps(param, JSON_COMPACT);
+    if (text == NULL) {
+        tally_error_set(err, "oom", true, "out of memory serialising a statement parameter");
+        return NULL;
+    }
+    const char *params[1] = {text};
+    PGresult *res = tally_pg_exec(pg, sql, 1, params, err);
+    free(text);
+    return res;
+}
+
+static const char *nullable(PGresult *res, int row, int col)
+{
+    return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
+}
+
+/* The audit event and the tally.obligation.v1 of one new obligation. */
+static bool queue_obligation(const char *oid, const char *run_id, const char *eid,
+                             const char *reason, const char *ref, const char *intent_id,
+                             const char *actor, const char *source, tally_outbox_batch_t *ob,
+                             tally_audit_batch_t *ab)
+{
+    json_t *data = json_pack("{s:s, s:s, s:s, s:s, s:o, s:s}", "obligation_id", oid, "run_id",
+                             run_id, "effect_id", eid, "reason", reason, "external_ref",
+                             ref != NULL ? json_string(ref) : json_null(), "status", "PENDING");
+    if (data == NULL) {
+        return false;
+    }
+    json_t *audit = json_deep_copy(data);
+    if (audit == NULL || (intent_id != NULL &&
+                          json_object_set_new(audit, "intent_id", json_string(intent_id)) != 0)) {
+        json_decref(audit);
+        json_decref(data);
+        return false;
+    }
+    tally_audit_event_t ev = {.run_id = run_id,
+                              .effect_id = eid,
+                              .obligation_id = oid,
+                              .kind = "obligation",
+                              .to_status = "PENDING",
+                              .actor = actor,
+                              .reason = reason,
+                              .data = audit};
+    tally_audit_batch_add(ab, &ev);
+    json_decref(audit);
+    json_t *ce = tally_ce_new("tally.obligation.v1", source, run_id, data, NULL); /* takes data */
+    if (ce == NULL) {
+        return false;
+    }
+    tally_outbox_batch_add(ob, "obligations", run_id, ce);
+    json_decref(ce);
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Compensate / cancel                                                                      */
+
+/* What the batch knows about one run. */
+typedef struct run_state {
+    const char *run_id; /* borrowed from the request */
+    bool found;
+    char initial[24];
+    char status[24];
+    char reason[256];
+    size_t confirmed, waiting, created, cancelled;
+    bool created_counted, cancelled_counted;
+} run_state_t;
+
+static run_state_t *find_run(run_state_t *runs, size_t n, const char *run_id)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (strcmp(runs[i].run_id, run_id) == 0) {
+            return &runs[i];
+        }
+    }
+    return NULL;
+}
+
+static bool wants_compensation(const tally_runop_t *op)
+{
+    return op->kind == TALLY_RUNOP_COMPENSATE || op->compensate;
+}
+
+static const char *op_kind_name(const tally_runop_t *op)
+{
+    return op->kind == TALLY_RUNOP_CANCEL ? "cancel_run" : "compensate_run";
+}
+
+/* The run's status after @p op (DESIGN §3 runs: ACTIVE -> COMPENSATING -> ..., CANCELLED). */
+static const char *next_run_status(const tally_runop_t *op, const run_state_t *rs)
+{
+    const char *cur = rs->status;
+    if (wants_compensation(op)) {
+        if (strcmp(cur, "ACTIVE") == 0 || strcmp(cur, "CANCELLED") == 0) {
+            return "COMPENSATING";
+        }
+        if ((strcmp(cur, "COMPENSATED") == 0 || strcmp(cur, "PARTIALLY_COMPENSATED") == 0) &&
+            rs->created > 0) {
+            return "COMPENSATING";
+        }
+        return cur;
+    }
+    return strcmp(cur, "ACTIVE") == 0 ? "CANCELLED" : cur;
+}
+
+static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_error_t *err)
+{
+    json_t *ids = json_array();
+    for (size_t i = 0; ids != NULL && i < n_runs; i++) {
+        if (json_array_append_new(ids, json_string(runs[i].run_id)) != 0) {
+            json_decref(ids);
+            ids = NULL;
+        }
+    }
+    if (ids == NULL) {
+        tally_error_set(err, "oom", true, "out of memory listing the runs");
+        return false;
+    }
+    PGresult *res = exec_json(pg, SQL_LOCK_RUNS, ids, err);
+    if (res == NULL) {
+        json_decref(ids);
+        return false;
+    }
+    for (int row = 0; row < PQntuples(res); row++) {
+        run_state_t *rs = find_run(runs, n_runs, PQgetvalue(res, row, 0));
+        if (rs != NULL) {
+            rs->found = true;
+            snprintf(rs->initial, sizeof rs->initial, "%s", PQgetvalue(res, row, 1));
+            snprintf(rs->status, sizeof rs->status, "%s", PQgetvalue(res, row, 1));
+        }
+    }
+    PQclear(res);
+    res = exec_json(pg, SQL_COUNTS, ids, err);
+    json_decref(ids);
+    if (res == NULL) {
+        return false;
+    }
+    for (int row = 0; row < PQntuples(res); row++) {
+        run_state_t *rs = find_run(runs, n_runs, PQgetvalue(res, row, 0));
+        if (rs != NULL) {
+            rs->confirmed = strtoull(PQgetvalue(res, row, 1), NULL, 10);
+            rs->waiting = strtoull(PQgetvalue(res, row, 2), NULL, 10);
+        }
+    }
+    PQclear(res);
+    return true;
+}
+
+static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, run_state_t *runs,
+                           size_t n_runs, const char *actor, tally_audit_batch_t *ab,
+                           tally_error_t *err)
+{
+    json_t *req = json_array();
+    if (req == NULL) {
+        tally_error_set(err, "oom", true, "out of memory building the cancel batch");
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        run_state_t *rs = find_run(runs, n_runs, ops[i].run_id);
+        if (ops[i].kind != TALLY_RUNOP_CANCEL || !rs->found || rs->cancelled_counted) {
+            continue;
+        }
+        rs->cancelled_counted = true; /* one row per run */
+        json_array_append_new(
+            req, json_pack("{s:s, s:s?}", "run_id", ops[i].run_id, "reason", ops[i].reason));
+    }
+    bool ok = true;
+    if (json_array_size(req) > 0) {
+        PGresult *res = exec_json(pg, SQL_CANCEL_OUTBOX, req, err);
+        ok = res != NULL;
+        PQclear(res);
+        res = ok ? exec_json(pg, SQL_CANCEL_EFFECTS, req, err) : NULL;
+        ok = res != NULL;
+        for (int row = 0; ok && row < PQntuples(res); row++) {
+            const char *run_id = PQgetvalue(res, row, 1);
+            run_state_t *rs = find_run(runs, n_runs, run_id);
+            if (rs != NULL) {
+                rs->cancelled++;
+            }
+            tally_audit_event_t ev = {.run_id = run_id,
+                                      .effect_id = PQgetvalue(res, row, 0),
+                                      .kind = "transition",
+                                      .from_status = PQgetvalue(res, row, 2),
+                                      .to_status = "CANCELLED",
+                                      .actor = actor,
+                                      .reason = "cancel_run"};
+            tally_audit_batch_add(ab, &ev);
+        }
+        PQclear(res);
+    }
+    json_decref(req);
+    return ok;
+}
+
+static bool create_obligations(tally_pg_t *pg, const tally_runop_t *ops, size_t n,
+                               run_state_t *runs, size_t n_runs, const char *actor,
+                               const char *source, tally_outbox_batch_t *ob,
+                               tally_audit_batch_t *ab, tally_error_t *err)
+{
+    json_t *req = json_array();
+    if (req == NULL) {
+        tally_error_set(err, "oom", true, "out of memory building the compensation batch");
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        run_state_t *rs = find_run(runs, n_runs, ops[i].run_id);
+        if (!wants_compensation(&ops[i]) || !rs->found || rs->created_counted) {
+            continue;
+        }
+        rs->created_counted = true; /* the first request for a run names the reason */
+        json_array_append_new(
+            req, json_pack("{s:s, s:s}", "run_id", ops[i].run_id, "kind", op_kind_name(&ops[i])));
+    }
+    bool ok = true;
+    if (json_array_size(req) > 0) {
+        PGresult *res = exec_json(pg, SQL_OBLIGATIONS, req, err);
+        ok = res != NULL;
+        for (int row = 0; ok && row < PQntuples(res); row++) {
+            const char *run_id = PQgetvalue(res, row, 1);
+            run_state_t *rs = find_run(runs, n_runs, run_id);
+            const char *intent_id = NULL;
+            for (size_t i = 0; i < n; i++) {
+                if (strcmp(ops[i].run_id, run_id) == 0 && wants_compensation(&ops[i])) {
+                    intent_id = ops[i].intent_id;
+                    break;
+                }
+            }
+            if (rs != NULL) {
+                rs->created++;
+            }
+            if (!queue_obligation(PQgetvalue(res, row, 0), run_id, PQgetvalue(res, row, 2),
+                                  PQgetvalue(res, row, 3), nullable(res, row, 4), intent_id, actor,
+                                  source, ob, ab)) {
+                tally_error_set(err, "oom", true, "out of memory building an obligation event");
+                ok = false;
+            }
+        }
+        PQclear(res);
+    }
+    json_decref(req);
+    return ok;
+}
+
+bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, const char *actor,
+                        const char *source, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                        tally_runop_result_t *results, tally_error_t *err)
+{
+    if (n == 0) {
+        return true;
+    }
+    memset(results, 0, n * sizeof *results);
+    run_state_t *runs = calloc(n, sizeof *runs);
+    json_t *updates = json_array();
+    bool ok = false;
+    if (runs == NULL || updates == NULL) {
+        tally_error_set(err, "oom", true, "out of memory building the run batch");
+        goto out;
+    }
+    size_t n_runs = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ops[i].run_id == NULL || ops[i].run_id[0] == '\0') {
+            tally_error_set(err, "invalid", false, "request %zu names no run", i);
+            goto out;
+        }
+        if (find_run(runs, n_runs, ops[i].run_id) == NULL) {
+            runs[n_runs++].run_id = ops[i].run_id;
+        }
+    }
+    if (!lock_runs(pg, runs, n_runs, err) ||
+        !cancel_effects(pg, ops, n, runs, n_runs, actor, ab, err) ||
+        !create_obligations(pg, ops, n, runs, n_runs, actor, source, ob, ab, err)) {
+        goto out;
+    }
+
+    /* The requests in order: each sees the status the previous one left. */
+    for (size_t i = 0; i < n; i++) {
+        const tally_runop_t *op = &ops[i];
+        run_state_t *rs = find_run(runs, n_runs, op->run_id);
+        tally_runop_result_t *r = &results[i];
+        r->found = rs->found;
+        if (!rs->found) {
+            continue;
+        }
+        snprintf(r->status_before, sizeof r->status_before, "%s", rs->status);
+        const char *next = next_run_status(op, rs);
+        if (strcmp(next, rs->status) != 0) {
+            snprintf(rs->status, sizeof rs->status, "%s", next);
+            snprintf(rs->reason, sizeof rs->reason, "%s%s%.200s", op_kind_name(op),
+                     op->reason != NULL ? ": " : "", op->reason != NULL ? op->reason : "");
+        }
+        snprintf(r->status_after, sizeof r->status_after, "%s", rs->status);
+        r->effects_waiting = rs->waiting;
+        if (wants_compensation(op)) {
+            /* the counts belong to the first request of the run that asked */
+            bool first = true;
+            for (size_t j = 0; j < i; j++) {
+                first = first &&
+                        !(strcmp(ops[j].run_id, op->run_id) == 0 && wants_compensation(&ops[j]));
+            }
+            r->obligations_created = first ? rs->created : 0;
+            r->obligations_existing = rs->confirmed - (first ? rs->created : 0);
+        }
+        if (op->kind == TALLY_RUNOP_CANCEL) {
+            bool first = true;
+            for (size_t j = 0; j < i; j++) {
+                first = first && !(strcmp(ops[j].run_id, op->run_id) == 0 &&
+                                   ops[j].kind == TALLY_RUNOP_CANCEL);
+            }
+            r->effects_cancelled = first ? rs->cancelled : 0;
+        }
+        json_t *data = json_pack(
+            "{s:s?, s:b, s:s, s:s, s:I, s:I, s:I, s:I}", "intent_id", op->intent_id, "compensate",
+            wants_compensation(op), "status_before", r->status_before, "status_after",
+            r->status_after, "obligations_created", (json_int_t)r->obligations_created,
+            "obligations_existing", (json_int_t)r->obligations_existing, "effects_cancelled",
+            (json_int_t)r->effects_cancelled, "effects_waiting", (json_int_t)r->effects_waiting);
+        tally_audit_event_t ev = {.run_id = op->run_id,
+                                  .kind = op_kind_name(op),
+                                  .actor = actor,
+                                  .reason = op->reason,
+                                  .data = data};
+        tally_audit_batch_add(ab, &ev);
+        json_decref(data);
+    }
+
+    for (size_t i = 0; i < n_runs; i++) {
+        run_state_t *rs = &runs[i];
+        if (!rs->found || strcmp(rs->initial, rs->status) == 0) {
+            continue;
+        }
+        if (json_array_append_new(updates, json_pack("{s:s, s:s, s:s, s:s}", "run_id", rs->run_id,
+                                                     "from_status", rs->initial, "status",
+                                                     rs->status, "reason", rs->reason)) != 0) {
+            tally_error_set(err, "oom", true, "out of memory building the run updates");
+            goto out;
+        }
+        tally_audit_event_t ev = {.run_id = rs->run_id,
+                                  .kind = "transition",
+                                  .from_status = rs->initial,
+                                  .to_status = rs->status,
+                                  .actor = actor,
+                                  .reason = rs->reason};
+        tally_audit_batch_add(ab, &ev);
+    }
+    if (json_array_size(updates) > 0) {
+        PGresult *res = exec_json(pg, SQL_RUN_STATUS, updates, err);
+        if (res == NULL) {
+            goto out;
+        }
+        int moved = PQntuples(res);
+        PQclear(res);
+        if ((size_t)moved != json_array_size(updates)) {
+            /* cannot happen while the rows are locked; refuse rather than write half */
+            tally_error_set(err, "conflict", true,
+                            "%zu run(s) changed status under the lock; nothing written",
+                            json_array_size(updates) - (size_t)moved);
+            goto out;
+        }
+    }
+    ok = true;
+out:
+    free(runs);
+    json_decref(updates);
+    return ok;
+}
+
+bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, const char *actor, const char *source,
+                                  tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                                  size_t *created, tally_error_t *err)
+{
+    *created = 0;
+    char lim[16];
+    snprintf(lim, sizeof lim, "%d", limit > 0 ? limit : 1);
+    const char *params[1] = {lim};
+    PGresult *res = tally_pg_exec(pg, SQL_SWEEP_CONFIRMED, 1, params, err);
+    if (res == NULL) {
+        return false;
+    }
+    bool ok = true;
+    for (int row = 0; ok && row < PQntuples(res); row++) {
+        const char *run_id = PQgetvalue(res, row, 2);
+        if (strcmp(PQgetvalue(res, row, 0), "run") == 0) {
+            tally_audit_event_t ev = {.run_id = run_id,
+                                      .kind = "transition",
+                                      .from_status = PQgetvalue(res, row, 4),
+                                      .to_status = "COMPENSATING",
+                                      .actor = actor,
+                                      .reason = "an effect was confirmed after the compensation "
+                                                "had ended"};
+            tally_audit_batch_add(ab, &ev);
+            continue;
+        }
+        (*created)++;
+        if (!queue_obligation(PQgetvalue(res, row, 1), run_id, PQgetvalue(res, row, 3),
+                              PQgetvalue(res, row, 4), nullable(res, row, 5), NULL, actor, source,
+                              ob, ab)) {
+            tally_error_set(err, "oom", true, "out of memory building an obligation event");
+            ok = false;
+        }
+    }
+    PQclear(res);
+    return ok;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The plan                                                                                 */
+
+/* The step as JSON: an integer when the ledger holds it as a number, else the text. */
+static json_t *step_json(const char *step, bool is_number)
+{
+    if (is_number) {
+        char *end = NULL;
+        long long v = strtoll(step, &end, 10);
+        if (end != step && *end == '\0') {
+            return json_integer((json_int_t)v);
+        }
+    }
+    return json_string(step);
+}
+
+static bool obligation_terminal(const char *status)
+{
+    tally_obligation_state_t s;
+    return tally_obligation_state_parse(status, &s) && tally_obligation_state_terminal(s);
+}
+
+/* "what will happen" for a CONFIRMED effect to be compensated. */
+static void plan_confirmed(const tally_tool_t *tool, const tally_comp_decision_t *dec,
+                           const char *version, char *will, size_t willsz)
+{
+    switch (dec->action) {
+    case TALLY_COMP_ACT_SKIP:
+        snprintf(will, willsz, "mark the obligation SKIPPED");
+        return;
+    case TALLY_COMP_ACT_REVERSE:
+        snprintf(will, willsz,
+                 "call %s %s%s with Idempotency-Key reverse:<obligation id>%s%s once every later "
+                 "step is settled",
+                 tool->compensate.method != NULL ? tool->compensate.method : "POST", tool->base_url,
+                 tool->compensate.path, version != NULL ? " and If-Match: " : "",
+                 version != NULL ? version : "");
+        return;
+    case TALLY_COMP_ACT_RECORD:
+        snprintf(will, willsz, "mark UNCOMPENSATABLE and record the blast radius");
+        return;
+    case TALLY_COMP_ACT_CONTAIN:
+        snprintf(will, willsz,
+                 "mark UNCOMPENSATABLE, record the blast radius and call the containment action "
+                 "%s %s%s",
+                 tool->contain.method != NULL ? tool->contain.method : "POST", tool->base_url,
+                 tool->contain.path);
+        return;
+    case TALLY_COMP_ACT_ESCALATE:
+        snprintf(will, willsz, "mark UNCOMPENSATABLE, record the blast radius and page (critical)");
+        return;
+    case TALLY_COMP_ACT_AWAIT_APPROVAL:
+        snprintf(will, willsz,
+                 "wait in AWAITING_APPROVAL until `tally approve --obligation <id>`, then act");
+        return;
+    case TALLY_COMP_ACT_RUNBOOK:
+        snprintf(will, willsz, "go STUCK at once and page with the runbook %s",
+                 tool != NULL && tool->runbook != NULL ? tool->runbook : "(none declared)");
+        return;
+    case TALLY_COMP_ACT_NOT_SUPPORTED:
+        snprintf(will, willsz, "mark UNCOMPENSATABLE");
+        return;
+    case TALLY_COMP_ACT_NO_TOOL:
+        snprintf(will, willsz, "go STUCK and page: a human must reverse it");
+        return;
+    }
+}
+
+static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, PGresult *res,
+                          int row)
+{
+    const char *eid = PQgetvalue(res, row, 0);
+    const char *tool_name = PQgetvalue(res, row, 3);
+    const char *cls_name = PQgetvalue(res, row, 4);
+    const char *status = PQgetvalue(res, row, 5);
+    const char *version = nullable(res, row, 7);
+    const tally_tool_t *tool = tally_registry_find(reg, tool_name);
+    json_t *obligations =
+        PQgetisnull(res, row, 8) ? NULL : json_loads(PQgetvalue(res, row, 8), 0, NULL);
+    /* the obligation for the effect's own record is the last one created without a
+     * duplicate's ref; show the first non-terminal one, else the newest */
+    json_t *obl = NULL;
+    size_t i;
+    json_t *o;
+    json_array_foreach(obligations, i, o)
+    {
+        if (!obligation_terminal(json_string_value(json_object_get(o, "status")))) {
+            obl = o;
+            break;
+        }
+        obl = o;
+    }
+    const char *action = "none";
+    char will[512] = "";
+    char why[512] = "";
+    const char *mode = tool != NULL ? tally_comp_mode_name(tool->comp_mode) : NULL;
+    bool compensate = wants_compensation(op);
+
+    if (strcmp(status, "CONFIRMED") == 0) {
+        tally_effect_class_t cls = TALLY_CLASS_REVERSIBLE;
+        bool known = tally_effect_class_parse(cls_name, &cls);
+        tally_comp_decision_t dec;
+        bool approved = obl != NULL && json_is_true(json_object_get(obl, "approved"));
+        tally_comp_decide(tool, tool_name, cls, approved, &dec);
+        if (!known) {
+            dec.action = TALLY_COMP_ACT_NO_TOOL;
+            snprintf(dec.why, sizeof dec.why, "effect class '%s' is not one tally knows", cls_name);
+        }
+        if (!compensate) {
+            action = "keep";
+            snprintf(will, sizeof will, "nothing: it stays as it is");
+            snprintf(why, sizeof why, "cancel without compensate leaves confirmed effects alone");
+        } else if (obl != NULL &&
+                   obligation_terminal(json_string_value(json_object_get(obl, "status")))) {
+            action = "done";
+            snprintf(will, sizeof will, "nothing: its obligation is already %s",
+                     json_string_value(json_object_get(obl, "status")));
+            snprintf(why, sizeof why, "%s", dec.why);
+        } else {
+            action = tally_comp_action_name(dec.action);
+            plan_confirmed(tool, &dec, version, will, sizeof will);
+            if (obl != NULL) {
+                size_t len = strlen(will);
+                snprintf(will + len, sizeof will - len, " (obligation already queued: %s)",
+                         json_string_value(json_object_get(obl, "status")));
+            }
+            snprintf(why, sizeof why, "%s", dec.why);
+        }
+    } else if (strcmp(status, "DISPATCHING") == 0 || strcmp(status, "UNKNOWN") == 0) {
+        action = "wait";
+        if (compensate) {
+            snprintf(will, sizeof will,
+                     "wait for its outcome: compensated once confirmed; earlier steps wait");
+        } else {
+            snprintf(will, sizeof will, "nothing: the call in flight is left to finish");
+        }
+        snprintf(why, sizeof why, "the effect is %s: tally does not know yet whether it happened",
+                 status);
+    } else if (strcmp(status, "PLANNED") == 0 || strcmp(status, "AWAITING_APPROVAL") == 0) {
+        if (op->kind == TALLY_RUNOP_CANCEL) {
+            action = "cancel";
+            snprintf(will, sizeof will, "mark the effect CANCELLED; it is never dispatched");
+        } else {
+            snprintf(will, sizeof will,
+                     "nothing now; it is compensated if it is dispatched and confirmed later");
+        }
+        snprintf(why, sizeof why, "the effect is %s: it has not reached the tool", status);
+    } else if (strcmp(status, "STUCK") == 0) {
+        action = "blocked";
+        snprintf(will, sizeof will,
+                 "nothing until an operator settles it (tally resolve --effect %s ...); earlier "
+                 "steps wait for it",
+                 eid);
+        snprintf(why, sizeof why, "the effect is STUCK: whether it happened is not known");
+    } else {
+        snprintf(will, sizeof will, "nothing");
+        snprintf(why, sizeof why, "the effect is %s: it never took effect", status);
+    }
+
+    json_t *entry = json_pack("{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:s, s:s, s:s}", "step",
+                              step_json(PQgetvalue(res, row, 1), PQgetvalue(res, row, 2)[0] == 't'),
+                              "effect_id", eid, "tool", tool_name, "effect_class", cls_name,
+                              "compensation_mode", mode, "effect_status", status, "external_ref",
+                              nullable(res, row, 6), "obligation", obl, "action", action, "will",
+                              will, "why", why);
+    json_decref(obligations);
+    return entry;
+}
+
+json_t *tally_runops_plan(tally_pg_t *pg, const tally_registry_t *reg, const tally_runop_t *op,
+                          tally_error_t *err)
+{
+    const char *params[1] = {op->run_id};
+    PGresult *res = tally_pg_exec(pg, SQL_PLAN_RUN, 1, params, err);
+    if (res == NULL) {
+        return NULL;
+    }
+    bool found = PQntuples(res) == 1;
+    PQclear(res);
+    if (!found) {
+        tally_error_set(err, "not_found", false, "no run '%s' in the ledger", op->run_id);
+        return NULL;
+    }
+    res = tally_pg_exec(pg, SQL_PLAN_EFFECTS, 1, params, err);
+    if (res == NULL) {
+        return NULL;
+    }
+    json_t *plan = json_array();
+    for (int row = 0; plan != NULL && row < PQntuples(res); row++) {
+        json_t *entry = plan_entry(reg, op, res, row);
+        if (entry == NULL || json_array_append_new(plan, entry) != 0) {
+            json_decref(plan);
+            plan = NULL;
+        }
+    }
+    PQclear(res);
+    if (plan == NULL) {
+        tally_error_set(err, "oom", true, "out of memory building the plan");
+    }
+    return plan;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Approval                                                                                 */
+
+bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligation_ids, size_t n,
+                                      bool approve, const char *actor, const char *reason,
+                                      tally_audit_batch_t *ab, size_t *changed, tally_error_t *err)
+{
+    *changed = 0;
+    json_t *ids = json_array();
+    for (size_t i = 0; ids != NULL && i < n; i++) {
+        if (json_array_append_new(ids, json_string(obligation_ids[i])) != 0) {
+            json_decref(ids);
+            ids = NULL;
+        }
+    }
+    if (ids == NULL) {
+        tally_error_set(err, "oom", true, "out of memory listing the obligations");
+        return false;
+    }
+    char *text = json_dumps(ids, JSON_COMPACT);
+    json_decref(ids);
+    if (text == NULL) {
+        tally_error_set(err, "oom", true, "out of memory listing the obligations");
+        return false;
+    }
+    const char *to = approve ? "PENDING" : "SKIPPED";
+    const char *params[3] = {text, to, actor};
+    PGresult *res = tally_pg_exec(pg, SQL_APPROVE, 3, params, err);
+    free(text);
+    if (res == NULL) {
+        return false;
+    }
+    for (int row = 0; row < PQntuples(res); row++) {
+        tally_audit_event_t ev = {.run_id = PQgetvalue(res, row, 1),
+                                  .effect_id = PQgetvalue(res, row, 2),
+                                  .obligation_id = PQgetvalue(res, row, 0),
+                                  .kind = "operator",
+                                  .from_status = "AWAITING_APPROVAL",
+                                  .to_status = to,
+                                  .actor = actor,
+                                  .reason =
+                                      reason != NULL ? reason : (approve ? "approved" : "denied")};
+        tally_audit_batch_add(ab, &ev);
+    }
+    *changed = (size_t)PQntuples(res);
+    PQclear(res);
+    return true;
+}
