@@ -129,19 +129,6 @@ class FakeTool:
     def requests(self):
         return self._call("GET", "/_control/requests")
 
-    def raw_execute(self, collection, key, body_bytes, headers=None):
-        """POST /<collection> as a client of the tool would (used to simulate an upstream
-        double-apply, see scenario 3)."""
-        h = {"Idempotency-Key": key, "Content-Type": "application/json"}
-        h.update(headers or {})
-        req = urllib.request.Request(f"{self.url}/{collection}", data=body_bytes, method="POST",
-                                     headers=h)
-        try:
-            with urllib.request.urlopen(req, timeout=5) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-
 
 # ---- the agent's side of tally ----------------------------------------------------------
 
@@ -149,11 +136,6 @@ class FakeTool:
 def traceparent(trace_id):
     """A W3C traceparent for one step of a run: the run's trace, a new span."""
     return f"00-{trace_id}-{secrets.token_hex(8)}-01"
-
-
-def canonical(args):
-    """tally's canonical JSON of simple arguments (keys sorted, compact, UTF-8)."""
-    return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class Tally:
@@ -453,23 +435,11 @@ class Demo:
 
     # -- 3. a duplicate detected and reversed
 
-    def arm_duplicate(self, key, args, run):
-        """Make the hold service apply `key` twice and lose its answer (a 500).
-
-        tally-fake-tool's fault rules give one request one fault. When its `apply_twice`
-        takes a `status` (apply twice, then answer it), one rule does it. Otherwise the demo
-        has the two records made first (apply_twice on a request of its own, with the bytes
-        tally will send) and tally's own call answered 500 after the (replayed) apply."""
-        rule = self.fake.arm("holds", "apply_twice", key=key, status=500)
-        if rule.get("status") == 500:
-            return "applies the hold twice, then answers 500"
-        self.fake.clear()
-        self.fake.arm("holds", "apply_twice", key=key)
-        st = self.fake.raw_execute("holds", key, canonical(args), {"Tally-Run-Id": run})
-        if st != 201:
-            raise DemoFailed(f"setting up the double-apply: the fake answered {st}")
-        self.fake.arm("holds", "fail_after_apply", key=key, status=500)
-        return "has applied the hold twice (an upstream retry bug), and answers tally 500"
+    def arm_duplicate(self, key):
+        """Make the hold service apply `key` twice and lose its answer (a 500): an upstream
+        retry bug that created a second hold, which nobody saw."""
+        self.fake.arm("holds", "apply_twice", key=key, status=500)
+        return "applies the hold twice (an upstream retry bug), then answers 500"
 
     def scenario_duplicate(self):
         run = self.run_id("duplicate")
@@ -477,7 +447,7 @@ class Demo:
         trace = secrets.token_hex(16)
         args = {"hold_id": f"hold-{self.prefix}-3", "amount": 700}
         key = f"create_hold:{args['hold_id']}"
-        how = self.arm_duplicate(key, args, run)
+        how = self.arm_duplicate(key)
         self.out.note(f"[fake tool] the hold service {how}")
         # UNKNOWN first; the reconciler's verdict may overtake it when two workers' relays
         # publish at the same moment, so any of the three is a fine first answer.

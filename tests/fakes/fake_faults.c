@@ -22,7 +22,7 @@ static const struct {
     {"fail_after_apply", FAKE_FAULT_FAIL_AFTER_APPLY, 0, 500, 400, 599},
     {"apply_then_hang", FAKE_FAULT_APPLY_THEN_HANG, 30000, 0, 0, 0},
     {"hang_before_apply", FAKE_FAULT_HANG_BEFORE_APPLY, 30000, 503, 0, 0},
-    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 0, 0, 0},
+    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 0, 500, 599},
     {"reverse_412", FAKE_FAULT_REVERSE_412, 0, 412, 0, 0},
     {"reverse_500", FAKE_FAULT_REVERSE_500, 0, 500, 0, 0},
     {"reverse_409", FAKE_FAULT_REVERSE_409, 0, 409, 0, 0},

@@ -429,6 +429,10 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
             break;
         case FAKE_FAULT_APPLY_TWICE:
             apply(srv, op, collection, key, rq, &info, body, 2, &r);
+            if (f.status != 0) { /* an upstream duplicate whose answer never reached tally */
+                fake_reply_clear(&r);
+                fake_reply_error(&r, f.status, "injected server error after applying twice");
+            }
             break;
         case FAKE_FAULT_DROP_CONNECTION:
         case FAKE_FAULT_NONE:

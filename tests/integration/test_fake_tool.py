@@ -187,6 +187,11 @@ class ProtocolTest(FakeToolCase):
         self.assertEqual(found[0], first)
         self.assertNotEqual(found[0]["id"], found[1]["id"])
         self.assertEqual({r["idempotency_key"] for r in found}, {"s2"})
+        # With a status: applied twice, and the answer is an error (the duplicate goes unseen).
+        self.tool.fault(collection="charges", op="execute", key="s3", fault="apply_twice",
+                        status=500)
+        self.assertEqual(self.tool.execute("charges", "s3", {"x": 3})[0], 500)
+        self.assertEqual(len(self.tool.status_of("charges", "s3")[2]), 2)
 
     def test_reverse_happy_path_and_replay(self):
         _, _, rec = self.tool.execute("charges", "r1", {"x": 1})
