@@ -37,6 +37,7 @@ static const char USAGE_RESOLVE[] =
     "       tally resolve --effect ID --as failed --reason TEXT\n"
     "       tally resolve --obligation ID --as resolved|skipped [--ref REF] [--receipt JSON]\n"
     "                     --reason TEXT\n"
+    "       tally resolve --alert DEDUP_KEY --reason TEXT\n"
     "\n"
     "Settle what tally could not decide on its own, from what you verified upstream.\n"
     "An UNKNOWN or STUCK effect becomes CONFIRMED (it happened: --ref is the upstream record's\n"
@@ -45,9 +46,13 @@ static const char USAGE_RESOLVE[] =
     "loses it. The audit trail records who, why and the evidence; the outcome is published\n"
     "on <prefix>outcomes; the item's open alert is resolved (its resolve event goes to\n"
     "<prefix>alerts). Every write happens in one transaction, or none does.\n"
+    "--alert closes a page whose item needs no further state change (a destructive effect that\n"
+    "was escalated as UNCOMPENSATABLE, once you have dealt with it); it is refused while the\n"
+    "item is still STUCK, which must be resolved itself.\n"
     "\n"
     "  --effect ID        the effect (UUID, as `tally status` and the alert print it)\n"
     "  --obligation ID    the obligation\n"
+    "  --alert KEY        an open page, by its dedup key (as `tally status` prints it)\n"
     "  --as OUTCOME       confirmed | failed (effects); resolved | skipped (obligations)\n"
     "  --ref REF          the upstream record's id (required for --as confirmed); for an\n"
     "                     obligation, the reverse record's id, kept as evidence\n"
@@ -179,6 +184,7 @@ typedef struct op {
     const char *name; /* "resolve", ... */
     const char *effect_id;
     const char *obligation_id;
+    const char *alert_key; /* resolve --alert */
     const char *as;
     const char *ref;
     const char *receipt_text;
@@ -890,6 +896,81 @@ static void report(const op_t *o, const done_t *d)
     }
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Alerts                                                                                   */
+
+static const char SQL_ALERT_LOCK[] =
+    "SELECT a.status, coalesce(a.run_id, ''), a.effect_id::text, a.obligation_id::text,"
+    "       e.status, o.status"
+    "  FROM alerts a"
+    "  LEFT JOIN effects e ON e.effect_id = a.effect_id"
+    "  LEFT JOIN obligations o ON o.obligation_id = a.obligation_id"
+    " WHERE a.dedup_key = $1 FOR UPDATE OF a";
+
+/* resolve --alert: close a TRIGGERED page whose item is no longer STUCK. */
+static int alert_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                       tally_audit_batch_t *ab, done_t *d)
+{
+    tally_error_t err;
+    const char *key = o->alert_key;
+    PGresult *res = tally_pg_exec(pg, SQL_ALERT_LOCK, 1, &key, &err);
+    if (res == NULL)
+        return cli_pg_fail(o->name, "nothing was changed", &err);
+    if (PQntuples(res) == 0) {
+        PQclear(res);
+        fprintf(stderr,
+                "tally %s: no alert has the dedup key '%s' (`tally status` lists the open "
+                "ones)\n",
+                o->name, key);
+        return CLI_EXIT_REFUSED;
+    }
+    snprintf(d->from, sizeof d->from, "%s", PQgetvalue(res, 0, 0));
+    snprintf(d->run_id, sizeof d->run_id, "%s", PQgetvalue(res, 0, 1));
+    bool stuck_effect = !PQgetisnull(res, 0, 4) && strcmp(PQgetvalue(res, 0, 4), "STUCK") == 0;
+    bool stuck_obligation = !PQgetisnull(res, 0, 5) && strcmp(PQgetvalue(res, 0, 5), "STUCK") == 0;
+    char item[128] = "";
+    if (stuck_obligation)
+        snprintf(item, sizeof item, "--obligation %s", PQgetvalue(res, 0, 3));
+    else if (stuck_effect)
+        snprintf(item, sizeof item, "--effect %s", PQgetvalue(res, 0, 2));
+    PQclear(res);
+    if (strcmp(d->from, "TRIGGERED") != 0) {
+        fprintf(stderr, "tally %s: alert '%s' is already %s; nothing to do\n", o->name, key,
+                d->from);
+        return CLI_EXIT_REFUSED;
+    }
+    if (item[0] != '\0') {
+        fprintf(stderr,
+                "tally %s: alert '%s' still has a STUCK item; closing the page would hide it.\n"
+                "Resolve the item instead (that closes the page too): tally resolve %s --as ... "
+                "--reason ...\n",
+                o->name, key, item);
+        return CLI_EXIT_REFUSED;
+    }
+    char why[1024];
+    snprintf(why, sizeof why, "alert %s closed by %s: %s", key, o->actor, o->reason);
+    size_t n_resolved = 0;
+    if (!tally_alert_resolve(pg, &key, 1, o->actor, o->source, why, ob, ab, &n_resolved, &err))
+        return cli_pg_fail(o->name, "nothing was changed", &err);
+    json_t *data = json_pack("{s:s}", "dedup_key", key);
+    tally_audit_event_t ev = {.run_id = d->run_id[0] != '\0' ? d->run_id : NULL,
+                              .kind = "operator",
+                              .from_status = "TRIGGERED",
+                              .to_status = "RESOLVED",
+                              .actor = o->actor,
+                              .reason = o->reason,
+                              .data = data};
+    tally_audit_batch_add(ab, &ev);
+    json_decref(data);
+    snprintf(d->to, sizeof d->to, "RESOLVED");
+    if (json_array_append_new(d->alerts, json_string(key)) != 0 ||
+        json_array_append_new(d->events, json_string("tally.alert.resolve.v1")) != 0) {
+        fprintf(stderr, "tally %s: out of memory\n", o->name);
+        return CLI_EXIT_REFUSED;
+    }
+    return CLI_EXIT_OK;
+}
+
 static int run_op(op_t *o, tally_config_t *cfg)
 {
     tally_pg_t *pg = cli_connect(o->name, cfg);
@@ -897,8 +978,12 @@ static int run_op(op_t *o, tally_config_t *cfg)
         return CLI_EXIT_INFRA;
     tally_outbox_batch_t *ob = tally_outbox_batch_new();
     tally_audit_batch_t *ab = tally_audit_batch_new();
-    done_t d = {.kind = o->effect_id != NULL ? "effect" : "obligation",
-                .id = o->effect_id != NULL ? o->effect_id : o->obligation_id,
+    done_t d = {.kind = o->effect_id != NULL       ? "effect"
+                        : o->obligation_id != NULL ? "obligation"
+                                                   : "alert",
+                .id = o->effect_id != NULL       ? o->effect_id
+                      : o->obligation_id != NULL ? o->obligation_id
+                                                 : o->alert_key,
                 .events = json_array(),
                 .alerts = json_array()};
     int rc = CLI_EXIT_REFUSED;
@@ -911,7 +996,9 @@ static int run_op(op_t *o, tally_config_t *cfg)
         rc = cli_pg_fail(o->name, "cannot start the transaction", &err);
         goto out;
     }
-    rc = o->effect_id != NULL ? effect_move(pg, o, ob, ab, &d) : obligation_move(pg, o, ob, ab, &d);
+    rc = o->effect_id != NULL       ? effect_move(pg, o, ob, ab, &d)
+         : o->obligation_id != NULL ? obligation_move(pg, o, ob, ab, &d)
+                                    : alert_close(pg, o, ob, ab, &d);
     if (rc != CLI_EXIT_OK) {
         tally_pg_rollback(pg);
         goto out;
@@ -936,7 +1023,17 @@ out:
 /* Parse and check the options; @returns -1 to go on, or the exit code. */
 static int parse(op_t *o, int argc, char **argv)
 {
-    enum { O_EFFECT = 256, O_OBLIGATION, O_AS, O_REF, O_RECEIPT, O_REASON, O_ACTOR, O_JSON };
+    enum {
+        O_EFFECT = 256,
+        O_OBLIGATION,
+        O_AS,
+        O_REF,
+        O_RECEIPT,
+        O_REASON,
+        O_ACTOR,
+        O_JSON,
+        O_ALERT
+    };
     static const struct option all[] = {
         {"effect", required_argument, NULL, O_EFFECT},
         {"obligation", required_argument, NULL, O_OBLIGATION},
@@ -947,6 +1044,7 @@ static int parse(op_t *o, int argc, char **argv)
         {"as", required_argument, NULL, O_AS},
         {"ref", required_argument, NULL, O_REF},
         {"receipt", required_argument, NULL, O_RECEIPT},
+        {"alert", required_argument, NULL, O_ALERT},
         {NULL, 0, NULL, 0},
     };
     const struct option *opts = all;
@@ -969,6 +1067,9 @@ static int parse(op_t *o, int argc, char **argv)
             break;
         case O_REF:
             o->ref = optarg;
+            break;
+        case O_ALERT:
+            o->alert_key = optarg;
             break;
         case O_RECEIPT:
             o->receipt_text = optarg;
@@ -993,6 +1094,26 @@ static int parse(op_t *o, int argc, char **argv)
         return cli_usage_error(o->name, "unexpected argument '%s'", argv[optind]);
     if (o->verb != VERB_RESOLVE && (o->as != NULL || o->ref != NULL || o->receipt_text != NULL))
         return cli_usage_error(o->name, "--as, --ref and --receipt belong to tally resolve");
+    if (o->alert_key != NULL) {
+        if (o->verb != VERB_RESOLVE)
+            return cli_usage_error(o->name, "--alert belongs to tally resolve");
+        if (o->effect_id != NULL || o->obligation_id != NULL)
+            return cli_usage_error(o->name, "name exactly one item: --effect, --obligation or "
+                                            "--alert");
+        if (o->as != NULL || o->ref != NULL || o->receipt_text != NULL)
+            return cli_usage_error(o->name, "--alert takes no --as, --ref or --receipt: it only "
+                                            "closes the page");
+        if (!cli_check_text(o->name, "--alert", o->alert_key))
+            return CLI_EXIT_USAGE;
+        if (!cli_check_text(o->name, "--reason", o->reason))
+            return CLI_EXIT_USAGE;
+        if (o->actor == NULL)
+            o->actor = tally_cli_default_actor();
+        if (!cli_check_text(o->name, "--actor", o->actor))
+            return CLI_EXIT_USAGE;
+        snprintf(o->source, sizeof o->source, "/tally/cli/%s", tally_cli_default_actor());
+        return -1;
+    }
     if ((o->effect_id == NULL) == (o->obligation_id == NULL))
         return cli_usage_error(o->name, "name exactly one item: --effect ID or --obligation ID");
     const char *id = o->effect_id != NULL ? o->effect_id : o->obligation_id;

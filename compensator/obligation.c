@@ -718,9 +718,13 @@ static bool queue_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o)
 {
     const comp_ob_t *ob = o->ob;
     char *key = tally_alert_obligation_key(ob->obligation_id);
-    char *cmd = tally_alert_obligation_command(ob->obligation_id);
+    /* an UNCOMPENSATABLE obligation is final: the page is closed, not the obligation moved */
+    bool final = strcmp(o->to_status, "UNCOMPENSATABLE") == 0;
+    char *cmd = key == NULL ? NULL
+                : final     ? tally_alert_close_command(key)
+                            : tally_alert_obligation_command(ob->obligation_id);
     char summary[512];
-    if (strcmp(o->to_status, "UNCOMPENSATABLE") == 0) {
+    if (final) {
         snprintf(summary, sizeof summary,
                  "run %.80s step %.40s: destructive %.60s cannot be undone (ref %.60s)", ob->run_id,
                  ob->step, ob->tool_name, ob->external_ref != NULL ? ob->external_ref : "none");

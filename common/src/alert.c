@@ -348,3 +348,10 @@ char *tally_alert_obligation_command(const char *obligation_id)
                   "to be undone",
                   obligation_id, obligation_id);
 }
+
+char *tally_alert_close_command(const char *dedup_key)
+{
+    return format("tally resolve --alert %s --reason \"<what you did about it>\"  # close the "
+                  "page once the damage is dealt with%s",
+                  dedup_key, "");
+}

@@ -216,6 +216,13 @@ class CompensateFailureTest(CompensateCase):
         self.assertEqual([f["tool"] for f in run["summary"]["failed"]],
                          ["refund_manual", "delete_account"])
 
+        # closing the page of a STUCK item is refused: resolving the item closes it
+        refused = self.cli("resolve", "--alert", f"obligation:{ob['obligation_id']}",
+                           "--reason", "looked at it")
+        self.assertEqual(refused.returncode, 1, refused.stderr)
+        self.assertIn("STUCK", refused.stderr)
+        self.assertIn(f"--obligation {ob['obligation_id']}", refused.stderr)
+
         # the human refunded it by hand; the destructive step is now escalated
         self.query("UPDATE obligations SET status = 'RESOLVED' WHERE obligation_id = %s",
                    (ob["obligation_id"],))
@@ -230,6 +237,27 @@ class CompensateFailureTest(CompensateCase):
         self.assertEqual(run["summary"]["counts"], {"compensated": 1, "uncompensatable": 1,
                                                     "skipped": 0, "failed": 0})
         self.assertEqual(self.fake_requests(op="reverse"), [])
+
+        # the escalation's own command closes the page: the obligation stays UNCOMPENSATABLE
+        key = f"obligation:{d['obligation_id']}"
+        self.assertIn(f"tally resolve --alert {key}", esc["resolve_command"])
+        closed = self.cli("resolve", "--alert", key, "--reason", "account restored from backup",
+                          "--actor", "oncall")
+        self.assertEqual(closed.returncode, 0, closed.stderr)
+        self.assertEqual(self.query("SELECT status FROM alerts WHERE dedup_key = %s", (key,)),
+                         [("RESOLVED",)])
+        self.assertEqual(self.query("SELECT actor, reason FROM events WHERE kind = 'operator'"
+                                    " AND data->>'dedup_key' = %s", (key,)),
+                         [("oncall", "account restored from backup")])
+        got = self.read_until("alerts", lambda ms: any(
+            m["type"] == "tally.alert.resolve.v1" for m in ms), reader=alerts)
+        self.assertEqual([m["data"]["dedup_key"] for m in got
+                          if m["type"] == "tally.alert.resolve.v1"], [key])
+        self.assertEqual(self.obligation_of(run_id, "delete_account")["status"],
+                         "UNCOMPENSATABLE")
+        again = self.cli("resolve", "--alert", key, "--reason", "twice")
+        self.assertEqual(again.returncode, 1, again.stderr)
+        self.assertIn("already RESOLVED", again.stderr)
         self.assertEqual(comp.terminate(), 0)
         self.invariants(obligations_settled=True)
 

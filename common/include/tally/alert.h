@@ -85,4 +85,10 @@ char *tally_alert_effect_command(const char *effect_id) TALLY_WUR;
 /** @brief The same for a STUCK obligation (`--as resolved` / `--as skipped`). Malloc'd. */
 char *tally_alert_obligation_command(const char *obligation_id) TALLY_WUR;
 
+/**
+ * @brief The command that closes a page whose item needs no state change (a destructive
+ * effect escalated as UNCOMPENSATABLE): `tally resolve --alert <key> --reason ...`. Malloc'd.
+ */
+char *tally_alert_close_command(const char *dedup_key) TALLY_WUR;
+
 #endif
