@@ -1,0 +1,594 @@
+#!/usr/bin/env bash
+# tally's benchmark (bench/README.md): the embedded stack, the fake tool service and D
+# dispatchers, then four measurements in one run:
+#   1. throughput   N intents as fast as a C producer can publish them; effects/s from the first
+#                   publish to the last outcome, publish→outcome latency, outbox backlog
+#   2. ceiling      pgbench on the same PostgreSQL server: 4 clients claim 100 rows of a
+#                   one-table queue with FOR UPDATE SKIP LOCKED and delete them; tally's rate as
+#                   a ratio of it
+#   3. latency      R intents/s for S seconds: publish→outcome p50/p99/max
+#   4. memory       dispatcher VmRSS/VmHWM while it holds ~5,000 calls to a slow tool
+# and prints `bench: <name> = <value> <unit>` lines at the end. Everything it starts is stopped
+# by the EXIT trap, also on failure or Ctrl-C.
+#
+#   bench/run.sh [--intents N] [--runs R] [--dispatchers D] [--rate R] [--duration S]
+#                [--skip-ceiling] [--inflight N] [--pgbench-seconds S] [--pgbench-rows N]
+#                [--fetch-wait-ms MS] [--build-dir DIR] [--no-build] [--log-dir DIR] [--perf]
+#                [--pg-statements]
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build="$root/build-bench"
+do_build=1
+intents=50000
+runs=1000
+dispatchers=1
+rate=1000
+duration=20
+skip_ceiling=0
+inflight=5000
+pgbench_seconds=10
+pgbench_rows=1500000
+fetch_wait_ms=5
+slow_delay_ms=120000
+log_dir=""
+use_perf=0
+pg_statements=0
+
+usage() {
+    cat <<EOF
+usage: bench/run.sh [options]
+
+  --intents N          intents of the throughput run (default $intents)
+  --runs R             agent runs they are spread over (default $runs)
+  --dispatchers D      tally-dispatcher processes (default $dispatchers)
+  --rate R             intents/s of the latency run (default $rate)
+  --duration S         seconds of the latency run (default $duration)
+  --skip-ceiling       do not run the pgbench ceiling
+  --inflight N         slow calls held for the memory figure (default $inflight; 0 skips)
+  --pgbench-seconds S  length of the ceiling run (default $pgbench_seconds)
+  --pgbench-rows N     rows prefilled into the pgbench queue (default $pgbench_rows)
+  --fetch-wait-ms MS   fetch.wait.max.ms of every Kafka consumer (default $fetch_wait_ms;
+                       see bench/README.md: the mock broker holds empty fetches this long)
+  --build-dir DIR      build to use (default build-bench, RelWithDebInfo)
+  --no-build           use the build as it is
+  --log-dir DIR        keep the processes' logs here (default: a temporary directory,
+                       removed at exit)
+  --pg-statements      log every statement's duration during the throughput run (it slows
+                       the run down) and print where PostgreSQL's time went, by statement
+  --perf               profile tally's processes (perf record, cpu-clock) during the
+                       throughput run; the reports go to the log directory (use --log-dir)
+EOF
+}
+
+need_value() {
+    if [[ $# -lt 2 || -z "$2" ]]; then
+        echo "bench/run.sh: $1 needs a value" >&2
+        exit 2
+    fi
+}
+positive() {
+    if ! [[ "$2" =~ ^[0-9]+$ ]] || { [[ "$3" == pos ]] && [[ "$2" -eq 0 ]]; }; then
+        echo "bench/run.sh: $1 must be a ${3/pos/positive} integer, not '$2'" >&2
+        exit 2
+    fi
+}
+
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --intents) need_value "$@"; positive "$1" "$2" pos; intents=$2; shift ;;
+    --runs) need_value "$@"; positive "$1" "$2" pos; runs=$2; shift ;;
+    --dispatchers) need_value "$@"; positive "$1" "$2" pos; dispatchers=$2; shift ;;
+    --rate) need_value "$@"; positive "$1" "$2" pos; rate=$2; shift ;;
+    --duration) need_value "$@"; positive "$1" "$2" pos; duration=$2; shift ;;
+    --skip-ceiling) skip_ceiling=1 ;;
+    --inflight) need_value "$@"; positive "$1" "$2" non-negative; inflight=$2; shift ;;
+    --pgbench-seconds) need_value "$@"; positive "$1" "$2" pos; pgbench_seconds=$2; shift ;;
+    --pgbench-rows) need_value "$@"; positive "$1" "$2" pos; pgbench_rows=$2; shift ;;
+    --fetch-wait-ms) need_value "$@"; positive "$1" "$2" non-negative; fetch_wait_ms=$2; shift ;;
+    --build-dir) need_value "$@"; build=$(realpath -m "$2"); shift ;;
+    --no-build) do_build=0 ;;
+    --log-dir) need_value "$@"; log_dir=$(realpath -m "$2"); shift ;;
+    --perf) use_perf=1 ;;
+    --pg-statements) pg_statements=1 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "bench/run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+say() { echo "bench/run.sh: $*" >&2; }
+die() {
+    say "$*"
+    exit 1
+}
+
+if [[ $use_perf -eq 1 ]] && ! perf record -q -e cpu-clock -o /dev/null -- true 2>/dev/null; then
+    die "--perf: perf cannot record cpu-clock samples here"
+fi
+for tool in curl psql python3; do
+    command -v "$tool" >/dev/null || die "$tool is required (scripts/deps.sh installs it)"
+done
+pgbench=/usr/lib/postgresql/15/bin/pgbench
+[[ -x "$pgbench" ]] || pgbench=$(command -v pgbench || true)
+if [[ $skip_ceiling -eq 0 && -z "$pgbench" ]]; then
+    die "pgbench is not installed (Debian: postgresql-contrib / postgresql-15); or use --skip-ceiling"
+fi
+
+# ---- build --------------------------------------------------------------------------------
+targets=(tally tally-dispatcher tally-fake-tool tally-bench-client)
+if [[ $do_build -eq 1 ]]; then
+    if [[ ! -f "$build/CMakeCache.txt" ]]; then
+        cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    fi
+    cmake --build "$build" -j"$(nproc 2>/dev/null || echo 2)" --target "${targets[@]}" >&2
+fi
+tally_bin="$build/tally"
+dispatcher_bin="$build/tally-dispatcher"
+fake_bin="$build/tests/fakes/tally-fake-tool"
+client_bin="$build/bench/tally-bench-client"
+for b in "$tally_bin" "$dispatcher_bin" "$fake_bin" "$client_bin"; do
+    [[ -x "$b" ]] || die "$b is not built (run without --no-build, or build ${targets[*]})"
+done
+build_type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
+
+# ---- processes and teardown ---------------------------------------------------------------
+work=$(mktemp -d "${TMPDIR:-/tmp}/tally-bench-XXXXXX")
+[[ -n "$log_dir" ]] || log_dir="$work/logs"
+mkdir -p "$log_dir"
+dev_pid=""
+fake_pid=""
+sampler_pid=""
+sampler_psql_pid=""
+perf_pid=""
+dispatcher_pids=()
+metrics_ports=()
+
+# SIGTERM one process we started and wait for it; SIGKILL after $2 seconds.
+stop_pid() {
+    local pid=$1 grace=${2:-20}
+    [[ -n "$pid" ]] || return 0
+    kill -0 "$pid" 2>/dev/null || return 0
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 $((grace * 10))); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        say "pid $pid did not stop within ${grace}s; killing it"
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+}
+
+teardown() {
+    local status=$?
+    set +e
+    stop_pid "$sampler_pid" 5
+    stop_pid "$sampler_psql_pid" 5
+    stop_pid "$perf_pid" 30
+    # the fake tool first: its sleeping requests wake up, so the dispatchers have nothing to wait for
+    stop_pid "$fake_pid" 20
+    for pid in "${dispatcher_pids[@]}"; do
+        stop_pid "$pid" 30
+    done
+    stop_pid "$dev_pid" 60
+    if [[ $status -ne 0 ]]; then
+        say "failed (status $status); last lines of the logs:"
+        for f in "$log_dir"/*.log; do
+            [[ -f "$f" ]] || continue
+            echo "---- $f ----" >&2
+            tail -n 15 "$f" >&2
+        done
+    fi
+    if [[ "$log_dir" == "$work/logs" ]]; then
+        rm -rf "$work"
+    else
+        rm -rf "$work"
+        say "logs kept in $log_dir"
+    fi
+    exit "$status"
+}
+trap teardown EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wait_until SECONDS WHAT COMMAND...: poll COMMAND every 0.1 s
+wait_until() {
+    local seconds=$1 what=$2
+    shift 2
+    local deadline=$((SECONDS + seconds))
+    until "$@"; do
+        ((SECONDS < deadline)) || die "timed out after ${seconds}s waiting for $what"
+        sleep 0.1
+    done
+}
+
+# CPU seconds (user+system) a process and its reaped children have used so far.
+cpu_seconds() {
+    local pid=$1
+    [[ -r /proc/$pid/stat ]] || {
+        echo 0
+        return
+    }
+    # fields after the ") " that ends comm: 12=utime 13=stime 14=cutime 15=cstime (1-based)
+    awk -v hz="$(getconf CLK_TCK)" '{ sub(/^.*\) /, ""); printf "%.2f\n", ($12 + $13 + $14 + $15) / hz }' "/proc/$pid/stat"
+}
+
+# CPU seconds of the PostgreSQL server: the postmaster, its reaped children, its live children.
+pg_cpu_seconds() {
+    local total
+    total=$(cpu_seconds "$pg_pid")
+    for child in $(ps -o pid= --ppid "$pg_pid" 2>/dev/null); do
+        total=$(awk -v a="$total" -v b="$(cpu_seconds "$child")" 'BEGIN { printf "%.2f", a + b }')
+    done
+    echo "$total"
+}
+
+cpu_snapshot() { # one line: dispatchers postgres kafka-mock fake-tool
+    local d=0
+    for pid in "${dispatcher_pids[@]}"; do
+        d=$(awk -v a="$d" -v b="$(cpu_seconds "$pid")" 'BEGIN { printf "%.2f", a + b }')
+    done
+    echo "$d $(pg_cpu_seconds) $(cpu_seconds "$dev_pid") $(cpu_seconds "$fake_pid")"
+}
+
+say "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GB", $2 / 1048576}' /proc/meminfo), load average $(cut -d' ' -f1-3 /proc/loadavg)"
+say "build: $build ($build_type); logs in $log_dir"
+
+# ---- the embedded stack -------------------------------------------------------------------
+# The developer's own TALLY_PG must not redirect the benchmark to their database.
+env -u TALLY_PG -u TALLY_TOPIC_PREFIX "$tally_bin" dev --no-workers --env-file "$work/env" \
+    >"$log_dir/dev.log" 2>&1 &
+dev_pid=$!
+env_ready() {
+    kill -0 "$dev_pid" 2>/dev/null || die "tally dev exited: $(tail -n 20 "$log_dir/dev.log")"
+    [[ -s "$work/env" ]]
+}
+wait_until 120 "tally dev to start" env_ready
+# shellcheck disable=SC1091
+. "$work/env"
+export TALLY_PG TALLY_KAFKA_BROKERS TALLY_TOPIC_PREFIX
+wait_until 10 "tally dev's summary" grep -q 'running as user\|PostgreSQL  ' "$log_dir/dev.log"
+pg_log=$(sed -n 's/.*server log \(.*\)$/\1/p' "$log_dir/dev.log" | head -n 1)
+pg_pid=$(sed -n 's/.*PostgreSQL .*(.*, pid \([0-9]*\),.*/\1/p' "$log_dir/dev.log" | head -n 1)
+[[ -n "$pg_pid" ]] || die "cannot find the PostgreSQL server's pid in $log_dir/dev.log"
+"$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
+pg_settings=$(psql "$TALLY_PG" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers')")
+say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}*"
+
+# ---- the fake tool service ----------------------------------------------------------------
+"$fake_bin" --listen 127.0.0.1:0 --port-file "$work/fake.port" >"$log_dir/fake-tool.log" 2>&1 &
+fake_pid=$!
+fake_ready() {
+    kill -0 "$fake_pid" 2>/dev/null || die "tally-fake-tool exited: $(tail -n 20 "$log_dir/fake-tool.log")"
+    [[ -s "$work/fake.port" ]]
+}
+wait_until 30 "tally-fake-tool" fake_ready
+TALLY_FAKE_TOOL_URL="http://127.0.0.1:$(cat "$work/fake.port")"
+export TALLY_FAKE_TOOL_URL
+
+# ---- the dispatchers ----------------------------------------------------------------------
+export TALLY_TOOLS="$root/bench/tools.json"
+export TALLY_SESSION_TIMEOUT_MS=6000
+export TALLY_KAFKA_HEARTBEAT_INTERVAL_MS=500
+export TALLY_KAFKA_FETCH_WAIT_MAX_MS=$fetch_wait_ms
+export TALLY_MAX_INFLIGHT=$((inflight > 5000 ? inflight + 1000 : 6000))
+export TALLY_SHUTDOWN_GRACE_MS=5000
+"$tally_bin" tools check "$TALLY_TOOLS" >/dev/null || die "bench/tools.json does not pass tally tools check"
+for i in $(seq 1 "$dispatchers"); do
+    port=$(free_port)
+    TALLY_METRICS_ADDR="127.0.0.1:$port" TALLY_WORKER_ID="bench-dispatcher-$i" \
+        "$dispatcher_bin" >"$log_dir/dispatcher-$i.log" 2>&1 &
+    dispatcher_pids+=($!)
+    metrics_ports+=("$port")
+done
+dispatcher_ready() {
+    local i=$1
+    kill -0 "${dispatcher_pids[$i]}" 2>/dev/null ||
+        die "tally-dispatcher $((i + 1)) exited: $(tail -n 20 "$log_dir/dispatcher-$((i + 1)).log")"
+    [[ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:${metrics_ports[$i]}/readyz")" == 200 ]]
+}
+for i in "${!dispatcher_pids[@]}"; do
+    wait_until 60 "tally-dispatcher $((i + 1)) /readyz" dispatcher_ready "$i"
+done
+say "$dispatchers dispatcher(s) ready (pids ${dispatcher_pids[*]}), fake tool at $TALLY_FAKE_TOOL_URL"
+
+# ---- the client -----------------------------------------------------------------------------
+# kv LINE KEY: the value of key=value in a bench-client line
+kv() { sed -n "s/.* $2=\([^ ]*\).*/\1/p" <<<"$1"; }
+
+# client LABEL ARGS...: run tally-bench-client; its figures line goes to $client_line
+client_line=""
+client() {
+    local label=$1
+    shift
+    local out
+    if ! out=$("$client_bin" --brokers "$TALLY_KAFKA_BROKERS" \
+        --intents-topic "${TALLY_TOPIC_PREFIX}intents" \
+        --outcomes-topic "${TALLY_TOPIC_PREFIX}outcomes" --label "$label" \
+        --fetch-wait-ms "$fetch_wait_ms" "$@" 2> >(tee -a "$log_dir/client.log" >&2)); then
+        echo "$out" >&2
+        die "the $label run did not complete (see above)"
+    fi
+    client_line=$(grep '^bench-client:' <<<"$out" | tail -n 1)
+    echo "$client_line" >>"$log_dir/client.log"
+    [[ -n "$client_line" ]] || die "the $label run printed no figures"
+}
+fast_tools=(--tool bench_ledger:entry_id --tool "bench_charge:tenant_id,payment_id")
+
+# Warm-up: the consumer group has settled and every connection is open before anything is timed.
+client warmup --count 1000 --runs 50 "${fast_tools[@]}" --timeout 180
+say "warm-up: $(kv "$client_line" received) outcomes in $(kv "$client_line" window_s) s"
+
+# hist_sums NAME: "<sum> <count>" of a histogram over all its label sets and every dispatcher
+hist_sums() {
+    local port ps pc
+    local s=0 c=0
+    for port in "${metrics_ports[@]}"; do
+        read -r ps pc < <({ curl -s --max-time 5 "http://127.0.0.1:$port/metrics" || true; } |
+            awk -v n="$1" '$1 ~ "^" n "_sum" { s += $NF } $1 ~ "^" n "_count" { c += $NF }
+                           END { printf "%.6f %d\n", s, c }')
+        s=$(awk -v a="$s" -v b="$ps" 'BEGIN { printf "%.6f", a + b }')
+        c=$((c + pc))
+    done
+    echo "$s $c"
+}
+# mean_ms "SUM0 COUNT0" "SUM1 COUNT1": the mean in ms of what was observed in between
+mean_ms() {
+    awk -v a="$1" -v b="$2" 'BEGIN { split(a, x, " "); split(b, y, " "); n = y[2] - x[2];
+        if (n > 0) printf "%.2f", (y[1] - x[1]) / n * 1000; else printf "n/a" }'
+}
+save_metrics() {
+    local i
+    for i in "${!metrics_ports[@]}"; do
+        curl -s --max-time 5 "http://127.0.0.1:${metrics_ports[$i]}/metrics" \
+            >"$log_dir/metrics-$1-dispatcher-$((i + 1)).txt" 2>/dev/null || true
+    done
+}
+
+# ---- 1. throughput --------------------------------------------------------------------------
+# One psql session for the whole run, fed through a FIFO: a psql per sample would cost more
+# CPU (a process and a backend each) than the measurement is worth on two cores. Once a second
+# it counts the backlogs ("B|outbox|message_outbox|pending effects"); five times a second it
+# samples what each tally connection is doing ("W|app:state,..."; idle = waiting for its
+# worker, idle_in_transaction = inside a transaction waiting for its worker, WALSync/WALWrite =
+# waiting for the commit to reach the disk, CPU = executing), which says whether a slow
+# dispatcher waits for PostgreSQL or PostgreSQL waits for it.
+mkfifo "$work/sampler.fifo"
+psql "$TALLY_PG" -At -F '|' <"$work/sampler.fifo" >"$work/samples.txt" 2>/dev/null &
+sampler_psql_pid=$!
+(
+    tick=0
+    while :; do
+        if ((tick % 5 == 0)); then
+            echo "SELECT 'B', (SELECT count(*) FROM outbox), (SELECT count(*) FROM message_outbox),
+                         (SELECT count(*) FROM effects WHERE status IN ('PLANNED', 'DISPATCHING'));"
+        fi
+        echo "SELECT 'W', coalesce(string_agg(application_name || ':' || CASE WHEN state = 'active'
+                      THEN coalesce(wait_event, 'CPU') ELSE replace(state, ' ', '_') END, ','), '')
+                FROM pg_stat_activity
+               WHERE application_name LIKE 'tally-%' AND pid <> pg_backend_pid();"
+        tick=$((tick + 1))
+        sleep 0.2
+    done
+) >"$work/sampler.fifo" &
+sampler_pid=$!
+if [[ $use_perf -eq 1 ]]; then
+    # only our processes (other work on the machine would otherwise blur the picture):
+    # PostgreSQL (postmaster and backends), the dispatchers, tally dev (the mock Kafka
+    # cluster) and the fake tool
+    perf_pids="$(ps -o pid= --ppid "$pg_pid" | awk '{ printf "%s,", $1 }')"
+    perf_pids+=$(printf '%s,' "$pg_pid" "${dispatcher_pids[@]}" "$dev_pid" "$fake_pid")
+    perf record -q -g -e cpu-clock -F 499 -p "${perf_pids%,}" -o "$log_dir/perf.data" \
+        2>"$log_dir/perf.log" &
+    perf_pid=$!
+fi
+if [[ $pg_statements -eq 1 ]]; then
+    psql "$TALLY_PG" -qc "ALTER SYSTEM SET log_min_duration_statement = 0" -c "SELECT pg_reload_conf()" \
+        >/dev/null || die "--pg-statements: cannot change log_min_duration_statement"
+    sleep 0.5
+    pg_log_offset=$(stat -c %s "$pg_log")
+fi
+cpu_before=$(cpu_snapshot)
+dispatch_before=$(hist_sums tally_dispatch_seconds)
+connector_before=$(hist_sums tally_connector_seconds)
+client throughput --count "$intents" --runs "$runs" "${fast_tools[@]}" --timeout 900
+cpu_after=$(cpu_snapshot)
+dispatch_mean=$(mean_ms "$dispatch_before" "$(hist_sums tally_dispatch_seconds)")
+connector_mean=$(mean_ms "$connector_before" "$(hist_sums tally_connector_seconds)")
+save_metrics throughput
+if [[ $pg_statements -eq 1 ]]; then
+    psql "$TALLY_PG" -qc "ALTER SYSTEM RESET log_min_duration_statement" -c "SELECT pg_reload_conf()" \
+        >/dev/null || true
+    python3 "$root/bench/pg_statements.py" "$pg_log" "$pg_log_offset" --top 15 \
+        >"$log_dir/pg-statements.txt" || true
+    say "PostgreSQL statements during the throughput run, by total time:"
+    cat "$log_dir/pg-statements.txt" >&2
+fi
+if [[ -n "$perf_pid" ]]; then
+    kill -INT "$perf_pid" 2>/dev/null || true
+    wait "$perf_pid" 2>/dev/null || true
+    perf_pid=""
+    perf report -i "$log_dir/perf.data" --stdio --no-children --sort comm -g none \
+        >"$log_dir/perf-by-process.txt" 2>/dev/null || true
+    perf report -i "$log_dir/perf.data" --stdio --no-children --sort comm,dso,symbol -g none \
+        >"$log_dir/perf-by-symbol.txt" 2>/dev/null || true
+    say "perf: reports in $log_dir/perf-by-process.txt and perf-by-symbol.txt"
+fi
+stop_pid "$sampler_pid" 5
+sampler_pid=""
+for _ in $(seq 1 50); do # it exits at the end of its input, writing what it buffered
+    kill -0 "$sampler_psql_pid" 2>/dev/null || break
+    sleep 0.1
+done
+stop_pid "$sampler_psql_pid" 5
+sampler_psql_pid=""
+tp_line=$client_line
+tp_rate=$(kv "$tp_line" effects_per_s)
+grep '^B|' "$work/samples.txt" | cut -d'|' -f2- >"$work/backlog.txt" || true
+grep '^W|' "$work/samples.txt" | cut -d'|' -f2- >"$work/waits.txt" || true
+outbox_max=$(awk -F'|' 'BEGIN { m = 0 } $1 + 0 > m { m = $1 + 0 } END { print m }' "$work/backlog.txt")
+msg_outbox_max=$(awk -F'|' 'BEGIN { m = 0 } $2 + 0 > m { m = $2 + 0 } END { print m }' "$work/backlog.txt")
+pending_max=$(awk -F'|' 'BEGIN { m = 0 } $3 + 0 > m { m = $3 + 0 } END { print m }' "$work/backlog.txt")
+backlog_samples=$(wc -l <"$work/backlog.txt")
+cp "$work/samples.txt" "$log_dir/pg-samples.txt"
+# "tally-dispatcher: idle 61%, WALSync 22%, ..." per application, over every sample
+pg_waits=$(awk -F'|' '
+    { n++; split($1, conns, ","); for (i in conns) if (conns[i] != "") {
+          split(conns[i], kv, ":"); c[kv[1]] += 1; w[kv[1] SUBSEP kv[2]] += 1 } }
+    END { for (aw in w) { split(aw, k, SUBSEP); printf "%s\t%d\t%s\n", k[1], w[aw], k[2] } }' \
+    "$work/waits.txt" | sort -k1,1 -k2,2nr | awk -F'\t' '
+    { tot[$1] += $2; line[$1] = line[$1] sprintf("%s%s %d", (line[$1] == "" ? "" : ", "), $3, $2) }
+    END { for (a in tot) { n = split(line[a], parts, ", "); out = "";
+              for (i = 1; i <= n; i++) { split(parts[i], p, " ");
+                  out = out sprintf("%s%s %.0f%%", (i > 1 ? ", " : ""), p[1], 100 * p[2] / tot[a]) }
+              printf "%s%s: %s", (r++ ? "; " : ""), a, out } }')
+read -r -a cb <<<"$cpu_before"
+read -r -a ca <<<"$cpu_after"
+cpu_diff() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
+cpu_dispatcher=$(cpu_diff "${cb[0]}" "${ca[0]}")
+cpu_postgres=$(cpu_diff "${cb[1]}" "${ca[1]}")
+cpu_kafka=$(cpu_diff "${cb[2]}" "${ca[2]}")
+cpu_fake=$(cpu_diff "${cb[3]}" "${ca[3]}")
+say "throughput: $tp_rate effects/s; outbox max $outbox_max, message_outbox max $msg_outbox_max ($backlog_samples samples)"
+
+# ---- 2. the raw PostgreSQL ceiling --------------------------------------------------------------
+ceiling=""
+ceiling_note=""
+if [[ $skip_ceiling -eq 0 ]]; then
+    psql "$TALLY_PG" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null
+    psql "$TALLY_PG" -qc "CREATE DATABASE tally_bench_queue"
+    qconn="$TALLY_PG dbname=tally_bench_queue" # a later dbname wins in a conninfo string
+    say "ceiling: prefilling $pgbench_rows queue rows"
+    psql "$qconn" -q -v ON_ERROR_STOP=1 -v rows="$pgbench_rows" -f "$root/bench/queue_setup.sql"
+    "$pgbench" -n -c 4 -j 2 -T "$pgbench_seconds" -f "$root/bench/pgbench_queue.sql" "$qconn" \
+        >"$log_dir/pgbench.log" 2>&1 || die "pgbench failed: $(tail -n 5 "$log_dir/pgbench.log")"
+    ready_after=$(psql "$qconn" -Atc "SELECT count(*) FROM bench_queue WHERE state = 'ready'")
+    tps=$(sed -n 's/^tps = \([0-9.]*\) .*/\1/p' "$log_dir/pgbench.log")
+    # rows completed = rows marked done; a batch claimed but not completed when the run ended
+    # is not counted
+    done_rows=$(psql "$qconn" -Atc "SELECT count(*) FROM bench_queue WHERE state = 'done'")
+    ceiling=$(awk -v n="$done_rows" -v s="$pgbench_seconds" 'BEGIN { printf "%.0f", n / s }')
+    if [[ "$ready_after" -eq 0 ]]; then
+        ceiling_note=" (the queue ran dry: a lower bound; raise --pgbench-rows)"
+    fi
+    say "ceiling: $done_rows rows in ${pgbench_seconds}s = $ceiling rows/s (pgbench tps $tps x 100)$ceiling_note"
+    psql "$TALLY_PG" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null || true
+fi
+
+# ---- 3. latency at a fixed rate -------------------------------------------------------------
+lat_count=$((rate * duration))
+client latency --count "$lat_count" --rate "$rate" --runs 100 "${fast_tools[@]}" --timeout 600
+lat_line=$client_line
+save_metrics latency
+say "latency at $rate/s: p50 $(kv "$lat_line" p50_ms) ms, p99 $(kv "$lat_line" p99_ms) ms"
+
+# ---- 4. dispatcher memory with slow calls in flight -------------------------------------------
+metric() { # metric PORT NAME: the value of an unlabelled sample, or empty when unreadable
+    { curl -s --max-time 2 "http://127.0.0.1:$1/metrics" || true; } |
+        awk -v n="$2" '$1 == n { sub(/\..*/, "", $2); print $2; exit }'
+}
+# Requests the fake tool is holding open right now: its request log has status null while a
+# request is in progress. The tool's own count, independent of the dispatcher's metrics.
+tool_holding() {
+    { curl -s --max-time 10 "$TALLY_FAKE_TOOL_URL/_control/requests" || true; } | python3 -c '
+import json, sys
+try:
+    log = json.load(sys.stdin)
+    log = log["requests"] if isinstance(log, dict) else log
+    print(sum(1 for r in log if r.get("collection") == "bench_slow" and r.get("status") is None))
+except Exception:
+    print(0)'
+}
+status_kb() { awk -v k="$2:" '$1 == k { print $2 }' "/proc/$1/status"; }
+rss_target=""
+if [[ $inflight -gt 0 ]]; then
+    # one dispatcher holds them all: stop the others (their partitions move to the first)
+    while [[ ${#dispatcher_pids[@]} -gt 1 ]]; do
+        stop_pid "${dispatcher_pids[-1]}" 30
+        unset 'dispatcher_pids[-1]' 'metrics_ports[-1]'
+    done
+    dpid=${dispatcher_pids[0]}
+    dport=${metrics_ports[0]}
+    rss_idle_kb=$(status_kb "$dpid" VmRSS)
+    curl -s -f -X POST "$TALLY_FAKE_TOOL_URL/_control/faults" \
+        -d "{\"collection\":\"bench_slow\",\"op\":\"execute\",\"fault\":\"slow\",\"delay_ms\":$slow_delay_ms,\"times\":-1}" \
+        >/dev/null || die "cannot arm the slow fault on the fake tool"
+    client memory --count "$inflight" --runs 50 --tool bench_slow:job_id --no-wait
+    rss_target=$((inflight * 99 / 100))
+    held=0
+    deadline=$((SECONDS + 120))
+    while ((SECONDS < deadline)); do
+        kill -0 "$dpid" 2>/dev/null || die "tally-dispatcher exited while holding slow calls"
+        held=$(tool_holding)
+        ((held >= rss_target)) && break
+        sleep 0.5
+    done
+    sleep 1 # let the last claims settle before reading
+    kill -0 "$dpid" 2>/dev/null || die "tally-dispatcher exited while holding slow calls"
+    held=$(tool_holding)
+    held_metric=$(metric "$dport" tally_inflight_calls)
+    rss_kb=$(status_kb "$dpid" VmRSS)
+    hwm_kb=$(status_kb "$dpid" VmHWM)
+    threads=$(status_kb "$dpid" Threads)
+    fds=$(find "/proc/$dpid/fd" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+    # where the resident memory is: the mappings by Rss (the malloc heap, thread stacks, ...)
+    awk '/^[0-9a-f]+-[0-9a-f]+ / { name = ($6 == "" ? "[anon]" : $6) }
+         /^Rss:/ { rss[name] += $2 } END { for (n in rss) printf "%8d kB  %s\n", rss[n], n }' \
+        "/proc/$dpid/smaps" 2>/dev/null | sort -rn | head -n 15 >"$log_dir/dispatcher-smaps.txt" || true
+    curl -s -X DELETE "$TALLY_FAKE_TOOL_URL/_control/faults" >/dev/null || true
+    say "memory: $held calls in flight, VmRSS $rss_kb kB, VmHWM $hwm_kb kB (idle before: $rss_idle_kb kB)"
+    if ((${held:-0} < rss_target)); then
+        say "memory: the dispatcher held only ${held:-0} of $inflight calls within 120 s"
+    fi
+fi
+
+# ---- figures ----------------------------------------------------------------------------------
+mb() { awk -v k="$1" 'BEGIN { printf "%.1f", k / 1024 }'; }
+echo
+echo "bench: date = $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+echo "bench: commit = $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$root" status --porcelain 2>/dev/null | grep -q . && echo '+dirty')"
+echo "bench: build = ${build_type:-unknown}"
+echo "bench: machine = $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GB", $2 / 1048576}' /proc/meminfo), load $(cut -d' ' -f1 /proc/loadavg) at end"
+echo "bench: postgresql = $pg_settings"
+echo "bench: dispatchers = $dispatchers"
+if [[ $pg_statements -eq 1 || $use_perf -eq 1 ]]; then
+    echo "bench: note = the throughput run was profiled (--pg-statements / --perf): its figures are lower than an unprofiled run's"
+fi
+echo "bench: throughput_intents = $(kv "$tp_line" received) of $intents intents over $runs runs (confirmed $(kv "$tp_line" confirmed), failed $(kv "$tp_line" failed), unknown $(kv "$tp_line" unknown), other $(kv "$tp_line" other))"
+echo "bench: publish_rate = $(kv "$tp_line" publish_rate) intents/s"
+echo "bench: throughput = $tp_rate effects/s"
+echo "bench: throughput_latency_p50 = $(kv "$tp_line" p50_ms) ms"
+echo "bench: throughput_latency_p99 = $(kv "$tp_line" p99_ms) ms"
+echo "bench: throughput_latency_max = $(kv "$tp_line" max_ms) ms"
+echo "bench: outbox_backlog_max = $outbox_max rows"
+echo "bench: message_outbox_backlog_max = $msg_outbox_max rows"
+echo "bench: pending_effects_max = $pending_max effects (PLANNED or DISPATCHING, sampled once a second)"
+echo "bench: throughput_dispatch_mean = $dispatch_mean ms (claim to recorded outcome, tally_dispatch_seconds)"
+echo "bench: throughput_connector_mean = $connector_mean ms (HTTP call, tally_connector_seconds)"
+echo "bench: throughput_pg_waits = ${pg_waits:-no samples}"
+echo "bench: throughput_cpu = dispatcher $cpu_dispatcher s, postgres $cpu_postgres s, kafka-mock $cpu_kafka s, fake-tool $cpu_fake s"
+if [[ -n "$ceiling" ]]; then
+    echo "bench: pg_ceiling = $ceiling rows/s$ceiling_note"
+    echo "bench: ceiling_ratio = $(awk -v a="$tp_rate" -v b="$ceiling" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (target >= 0.15)"
+else
+    echo "bench: pg_ceiling = not measured (--skip-ceiling)"
+fi
+echo "bench: latency_rate = $(kv "$lat_line" publish_rate) intents/s for ${duration} s ($(kv "$lat_line" received) outcomes)"
+echo "bench: latency_p50 = $(kv "$lat_line" p50_ms) ms (target <= 10)"
+echo "bench: latency_p99 = $(kv "$lat_line" p99_ms) ms (target <= 50)"
+echo "bench: latency_max = $(kv "$lat_line" max_ms) ms"
+if [[ -n "$rss_target" ]]; then
+    echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
+    echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"
+    echo "bench: dispatcher_hwm = $(mb "$hwm_kb") MB (peak over the whole run)"
+    echo "bench: dispatcher_rss_idle = $(mb "$rss_idle_kb") MB (before the slow calls)"
+    echo "bench: dispatcher_threads = $threads threads, $fds fds"
+else
+    echo "bench: dispatcher_rss = not measured (--inflight 0)"
+fi

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The benchmark's smoke test (ctest -R bench.smoke): bench/run.sh at a tiny size, against the
+# given build, completes and prints every figure line. It checks no figure: timing is never
+# part of the test gate.
+#
+#   bench/smoke.sh BUILD_DIR
+set -euo pipefail
+
+build=${1:?usage: bench/smoke.sh BUILD_DIR}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+out=$(mktemp "${TMPDIR:-/tmp}/tally-bench-smoke-XXXXXX")
+trap 'rm -f "$out"' EXIT
+
+status=0
+"$here/run.sh" --build-dir "$build" --no-build --intents 300 --runs 20 --rate 100 --duration 2 \
+    --inflight 50 --pgbench-seconds 1 --pgbench-rows 20000 >"$out" || status=$?
+cat "$out"
+if [[ $status -ne 0 ]]; then
+    echo "bench/smoke.sh: bench/run.sh exited with status $status" >&2
+    exit 1
+fi
+
+missing=0
+for name in throughput throughput_latency_p50 throughput_latency_p99 throughput_latency_max \
+    outbox_backlog_max pg_ceiling ceiling_ratio latency_p50 latency_p99 latency_max \
+    inflight_held dispatcher_rss dispatcher_hwm; do
+    if ! grep -Eq "^bench: $name = [0-9][0-9.]* " "$out"; then
+        echo "bench/smoke.sh: no figure line 'bench: $name = <number> ...'" >&2
+        missing=1
+    fi
+done
+if ! grep -Eq "^bench: throughput_intents = 300 of 300 " "$out"; then
+    echo "bench/smoke.sh: not every intent of the throughput run got its outcome" >&2
+    missing=1
+fi
+exit $missing
