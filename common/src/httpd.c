@@ -174,7 +174,9 @@ tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tal
     h->health = health;
     h->ready = ready;
     h->opaque = opaque;
-    unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG;
+    /* poll/epoll, not select(): a dispatcher holding thousands of connector sockets has
+     * descriptors above FD_SETSIZE, and select() would refuse every probe exactly then */
+    unsigned int flags = MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) {
         flags |= MHD_USE_IPv6;
     }
