@@ -14,16 +14,16 @@
 typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);
 
 int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg); /* cmd_migrate.c */
-int tally_cmd_tools(int argc, char **argv, tally_config_t *cfg);   /* cmd_tools.c: tools check FILE */
-int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg); /* cmd_publish.c */
-int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);     /* cmd_dev.c */
-int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);  /* main.c */
-int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);  /* cmd_status.c */
-int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);  /* cmd_doctor.c */
-int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg); /* cmd_doctor.c */
-int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg); /* cmd_resolve.c */
-int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg); /* cmd_resolve.c */
-int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg);    /* cmd_resolve.c */
+int tally_cmd_tools(int argc, char **argv, tally_config_t *cfg); /* cmd_tools.c: tools check FILE */
+int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg);    /* cmd_publish.c */
+int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);        /* cmd_dev.c */
+int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);     /* main.c */
+int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);     /* cmd_status.c */
+int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);     /* cmd_doctor.c */
+int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg);    /* cmd_doctor.c */
+int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg);    /* cmd_resolve.c */
+int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg);    /* cmd_resolve.c */
+int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg);       /* cmd_resolve.c */
 int tally_cmd_compensate(int argc, char **argv, tally_config_t *cfg); /* cmd_run.c */
 int tally_cmd_cancel(int argc, char **argv, tally_config_t *cfg);     /* cmd_run.c */
 

@@ -13,13 +13,13 @@ typedef struct tally_audit_event {
     const char *run_id;
     const char *effect_id;
     const char *obligation_id;
-    const char *kind;        /**< "intent", "transition", "conflict", "connector_call", "lease",
-                                  "duplicate", "obligation", "alert", "operator", ... */
+    const char *kind; /**< "intent", "transition", "conflict", "connector_call", "lease",
+                           "duplicate", "obligation", "alert", "operator", ... */
     const char *from_status;
     const char *to_status;
-    const char *actor;       /**< worker id, or the operator for CLI actions */
+    const char *actor; /**< worker id, or the operator for CLI actions */
     const char *reason;
-    const json_t *data;      /**< borrowed; serialised when added */
+    const json_t *data; /**< borrowed; serialised when added */
 } tally_audit_event_t;
 
 typedef struct tally_audit_batch tally_audit_batch_t;

@@ -21,14 +21,14 @@ json_t *tally_ce_new(const char *type, const char *source, const char *subject, 
 /** Why an intent message was refused; the names are the DLQ's machine-readable reasons. */
 typedef enum {
     TALLY_DLQ_NONE = 0,
-    TALLY_DLQ_TOO_LARGE,          /* "too_large" */
-    TALLY_DLQ_INVALID_UTF8,       /* "invalid_utf8" */
-    TALLY_DLQ_NOT_JSON,           /* "not_json" */
-    TALLY_DLQ_NOT_CLOUDEVENT,     /* "not_cloudevent": missing/invalid specversion, id, source, type */
-    TALLY_DLQ_UNKNOWN_TYPE,       /* "unknown_type" */
-    TALLY_DLQ_MISSING_FIELD,      /* "missing_field" */
-    TALLY_DLQ_INVALID_FIELD,      /* "invalid_field" */
-    TALLY_DLQ_UNKNOWN_TOOL,       /* "unknown_tool" */
+    TALLY_DLQ_TOO_LARGE,      /* "too_large" */
+    TALLY_DLQ_INVALID_UTF8,   /* "invalid_utf8" */
+    TALLY_DLQ_NOT_JSON,       /* "not_json" */
+    TALLY_DLQ_NOT_CLOUDEVENT, /* "not_cloudevent": missing/invalid specversion, id, source, type */
+    TALLY_DLQ_UNKNOWN_TYPE,   /* "unknown_type" */
+    TALLY_DLQ_MISSING_FIELD,  /* "missing_field" */
+    TALLY_DLQ_INVALID_FIELD,  /* "invalid_field" */
+    TALLY_DLQ_UNKNOWN_TOOL,   /* "unknown_tool" */
     TALLY_DLQ_MISSING_OPERATION_KEY, /* "missing_operation_key" */
 } tally_dlq_reason_t;
 
@@ -42,19 +42,19 @@ typedef enum {
 
 /** @brief A parsed message from the intents topic. Strings point into @p doc. */
 typedef struct tally_intent {
-    json_t *doc;             /**< the whole CloudEvent (owned) */
+    json_t *doc; /**< the whole CloudEvent (owned) */
     tally_msg_type_t type;
-    const char *id;          /**< CloudEvents id */
+    const char *id; /**< CloudEvents id */
     const char *run_id;
-    char step[128];          /**< step as text ("3" for integer 3) */
+    char step[128]; /**< step as text ("3" for integer 3) */
     bool step_is_number;
-    const char *tool;        /**< intents only */
-    json_t *args;            /**< intents only; borrowed from doc */
+    const char *tool;          /**< intents only */
+    json_t *args;              /**< intents only; borrowed from doc */
     const char *operation_key; /**< optional */
-    const char *tenant;      /**< optional */
-    const char *traceparent; /**< optional; validated as W3C when present */
-    const char *reason;      /**< compensate/cancel */
-    bool compensate;         /**< cancel_run only */
+    const char *tenant;        /**< optional */
+    const char *traceparent;   /**< optional; validated as W3C when present */
+    const char *reason;        /**< compensate/cancel */
+    bool compensate;           /**< cancel_run only */
 } tally_intent_t;
 
 /**

@@ -20,32 +20,33 @@ typedef struct tally_kv {
  * Strings are owned by the config and freed by tally_config_free().
  */
 typedef struct tally_config {
-    char *pg;              /**< TALLY_PG: libpq conninfo or URI; "" lets PG* variables decide */
-    char *kafka_brokers;   /**< TALLY_KAFKA_BROKERS: bootstrap.servers */
-    char *tools_path;      /**< TALLY_TOOLS: the tool registry JSON file */
-    char *topic_prefix;    /**< TALLY_TOPIC_PREFIX: default "tally." */
-    char *metrics_addr;    /**< TALLY_METRICS_ADDR: host:port for /metrics, /healthz, /readyz;
-                                "" disables; port 0 picks a free port */
-    char *worker_id;       /**< TALLY_WORKER_ID: default <hostname>:<pid> */
-    char *log_level;       /**< TALLY_LOG_LEVEL: debug, info, warn, error */
-    char *consumer_group;  /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
-    char *pager_url;       /**< TALLY_PAGER_URL: PagerDuty Events API v2 endpoint, or "" */
+    char *pg;                /**< TALLY_PG: libpq conninfo or URI; "" lets PG* variables decide */
+    char *kafka_brokers;     /**< TALLY_KAFKA_BROKERS: bootstrap.servers */
+    char *tools_path;        /**< TALLY_TOOLS: the tool registry JSON file */
+    char *topic_prefix;      /**< TALLY_TOPIC_PREFIX: default "tally." */
+    char *metrics_addr;      /**< TALLY_METRICS_ADDR: host:port for /metrics, /healthz, /readyz;
+                                  "" disables; port 0 picks a free port */
+    char *worker_id;         /**< TALLY_WORKER_ID: default <hostname>:<pid> */
+    char *log_level;         /**< TALLY_LOG_LEVEL: debug, info, warn, error */
+    char *consumer_group;    /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
+    char *pager_url;         /**< TALLY_PAGER_URL: PagerDuty Events API v2 endpoint, or "" */
     char *pager_routing_key; /**< TALLY_PAGER_ROUTING_KEY */
-    int batch_size;        /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
-    int lease_ms;          /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
-    int poll_ms;           /**< TALLY_POLL_MS: longest idle wait before sweeping again */
-    int sweep_ms;          /**< TALLY_SWEEP_MS: interval of the PostgreSQL sweep for due work */
-    int max_message_bytes; /**< TALLY_MAX_MESSAGE_BYTES: larger intents go to the DLQ */
+    int batch_size;          /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
+    int lease_ms;            /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
+    int poll_ms;             /**< TALLY_POLL_MS: longest idle wait before sweeping again */
+    int sweep_ms;            /**< TALLY_SWEEP_MS: interval of the PostgreSQL sweep for due work */
+    int max_message_bytes;   /**< TALLY_MAX_MESSAGE_BYTES: larger intents go to the DLQ */
     int backlog_limit;     /**< TALLY_BACKLOG_LIMIT: stop fetching intents above this outbox size */
     int max_inflight;      /**< TALLY_MAX_INFLIGHT: connector calls in flight per dispatcher */
     int relay_batch;       /**< TALLY_RELAY_BATCH: message outbox rows per relay round */
-    int shutdown_grace_ms; /**< TALLY_SHUTDOWN_GRACE_MS: how long SIGTERM waits for in-flight work */
+    int shutdown_grace_ms; /**< TALLY_SHUTDOWN_GRACE_MS: how long SIGTERM waits for in-flight work
+                            */
     int unknown_age_s;     /**< TALLY_UNKNOWN_AGE_S: an UNKNOWN older than this is "aging" */
-    int session_timeout_ms; /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
+    int session_timeout_ms;  /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
     tally_kv_t *kafka_props; /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
     size_t n_kafka_props;
-    char **unknown_vars;   /**< TALLY_* names that are neither settings nor Kafka properties;
-                                ignored, but listed as warnings by tally_config_describe */
+    char **unknown_vars; /**< TALLY_* names that are neither settings nor Kafka properties;
+                              ignored, but listed as warnings by tally_config_describe */
     size_t n_unknown_vars;
 } tally_config_t;
 

@@ -18,9 +18,9 @@ typedef bool (*tally_health_fn)(void *opaque, char *why, size_t whysz);
  * @brief Serve on @p addr ("host:port"; port 0 picks a free one) in libmicrohttpd's own
  * thread. @returns NULL with the reason in @p errstr.
  */
-tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics,
-                                 tally_health_fn health, tally_ready_fn ready, void *opaque,
-                                 char *errstr, size_t errsz) TALLY_WUR;
+tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tally_health_fn health,
+                                 tally_ready_fn ready, void *opaque, char *errstr,
+                                 size_t errsz) TALLY_WUR;
 
 /** @brief The port actually bound. */
 int tally_httpd_port(const tally_httpd_t *h);

@@ -30,7 +30,8 @@ size_t tally_outbox_batch_len(const tally_outbox_batch_t *b);
 
 /** @brief INSERT every queued message in one statement (json_to_recordset), then empty the
  * batch. A batch of 0 is a no-op. */
-bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
+bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg,
+                              tally_error_t *err) TALLY_WUR;
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b);
 

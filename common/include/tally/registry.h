@@ -36,7 +36,7 @@ typedef struct tally_tool {
     tally_effect_class_t effect_class;
     char **operation_key; /**< argument names the key is built from; may be empty */
     size_t n_operation_key;
-    char *base_url;       /**< no trailing slash */
+    char *base_url; /**< no trailing slash */
     tally_endpoint_t execute;
     tally_endpoint_t status;
     tally_endpoint_t compensate;
@@ -45,13 +45,13 @@ typedef struct tally_tool {
     char *receipt_ref;        /**< JSON pointer into the receipt, default "/id" */
     char *secret_env;         /**< env var holding the HMAC secret, or NULL */
     tally_comp_mode_t comp_mode;
-    char *runbook;            /**< may be NULL */
-    int max_attempts;         /**< default 5 */
-    int backoff_ms;           /**< default 200 */
-    int max_backoff_ms;       /**< default 60000 */
-    int settle_ms;            /**< default 2000 */
-    bool requires_approval;   /**< forced true for destructive */
-    int max_concurrency;      /**< default 64 */
+    char *runbook;          /**< may be NULL */
+    int max_attempts;       /**< default 5 */
+    int backoff_ms;         /**< default 200 */
+    int max_backoff_ms;     /**< default 60000 */
+    int settle_ms;          /**< default 2000 */
+    bool requires_approval; /**< forced true for destructive */
+    int max_concurrency;    /**< default 64 */
 } tally_tool_t;
 
 typedef struct tally_registry tally_registry_t;
@@ -92,7 +92,8 @@ const char *tally_effect_class_name(tally_effect_class_t c);
 bool tally_effect_class_parse(const char *s, tally_effect_class_t *out);
 const char *tally_comp_mode_name(tally_comp_mode_t m);
 
-void tally_problems_add(tally_problems_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void tally_problems_add(tally_problems_t *p, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 void tally_problems_clear(tally_problems_t *p);
 
 /** @brief Frees the registry. NULL is allowed. */
