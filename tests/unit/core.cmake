@@ -2,3 +2,4 @@
 tally_unit_test(test_json SOURCES json.c error.c)
 tally_unit_test(test_config SOURCES config.c error.c)
 tally_unit_test(test_ledger SOURCES ledger.c)
+tally_unit_test(test_log SOURCES log.c id.c)
