@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Everything, as CI runs it: install missing dependencies, build, start ONE embedded stack
+# (`tally dev --no-workers`: a throwaway PostgreSQL and the mock Kafka) for the whole run,
+# run every test with ctest against it, and tear the stack down even when tests fail.
+#
+#   scripts/test.sh                 build into build/ (RelWithDebInfo) and run the suite
+#   scripts/test.sh --sanitize      the same with ASan+UBSan, built into build-asan/
+#   scripts/test.sh [--sanitize] -- CTEST-ARGS   e.g. -- -R integration.dev
+#
+# Exits with ctest's status; ctest's summary is the last thing printed.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+build="build"
+cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo)
+ctest_args=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+    --sanitize)
+        build="build-asan"
+        cmake_args+=(-DTALLY_SANITIZE=ON)
+        ;;
+    -h | --help)
+        sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    --)
+        shift
+        ctest_args=("$@")
+        break
+        ;;
+    *)
+        echo "scripts/test.sh: unknown argument '$1' (see --help)" >&2
+        exit 2
+        ;;
+    esac
+    shift
+done
+
+scripts/deps.sh
+
+jobs=$(nproc 2>/dev/null || echo 2)
+cmake -S . -B "$build" "${cmake_args[@]}" >/dev/null
+cmake --build "$build" -j"$jobs"
+
+stackdir=$(mktemp -d "${TMPDIR:-/tmp}/tally-test-run-XXXXXX")
+dev_pid=""
+
+# shellcheck disable=SC2317  # invoked by the EXIT trap
+stop_stack() {
+    local status=$?
+    if [[ -n "$dev_pid" ]] && kill -0 "$dev_pid" 2>/dev/null; then
+        kill -TERM "$dev_pid" 2>/dev/null || true
+        for _ in $(seq 1 600); do
+            kill -0 "$dev_pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        if kill -0 "$dev_pid" 2>/dev/null; then
+            echo "scripts/test.sh: tally dev (pid $dev_pid) did not stop within 60 s; killing it" >&2
+            kill -KILL "$dev_pid" 2>/dev/null || true
+        fi
+        wait "$dev_pid" 2>/dev/null || true
+    fi
+    if [[ $status -ne 0 && -f "$stackdir/dev.log" ]]; then
+        cp "$stackdir/dev.log" "$build/tally-dev.log" 2>/dev/null || true
+    fi
+    rm -rf "$stackdir"
+}
+trap stop_stack EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# The developer's own TALLY_PG must not redirect the test stack to their database.
+env -u TALLY_PG -u TALLY_TOPIC_PREFIX "$build/tally" dev --no-workers \
+    --env-file "$stackdir/env" >"$stackdir/dev.log" 2>&1 &
+dev_pid=$!
+
+for _ in $(seq 1 1200); do
+    [[ -s "$stackdir/env" ]] && break
+    if ! kill -0 "$dev_pid" 2>/dev/null; then
+        break
+    fi
+    sleep 0.1
+done
+if [[ ! -s "$stackdir/env" ]]; then
+    echo "scripts/test.sh: tally dev did not start; its output:" >&2
+    cat "$stackdir/dev.log" >&2
+    exit 1
+fi
+
+# shellcheck disable=SC1091,SC2153  # the env file tally dev wrote defines these
+tally_pg=$(. "$stackdir/env" && printf '%s' "$TALLY_PG")
+# shellcheck disable=SC1091
+tally_kafka=$(. "$stackdir/env" && printf '%s' "$TALLY_KAFKA_BROKERS")
+# The maintenance database: tests CREATE DATABASE their own from it (user tally is superuser).
+export TALLY_TEST_PG="${tally_pg/dbname=tally/dbname=postgres}"
+export TALLY_TEST_KAFKA="$tally_kafka"
+
+status=0
+ctest --test-dir "$build" --output-on-failure -j2 "${ctest_args[@]}" || status=$?
+exit "$status"
