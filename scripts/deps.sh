@@ -8,7 +8,8 @@ packages=(
     librdkafka-dev libpq-dev libjansson-dev uuid-dev libcurl4-openssl-dev
     libmicrohttpd-dev libcmocka-dev libssl-dev
     postgresql kcat
-    python3 python3-psycopg2 python3-confluent-kafka python3-jsonschema
+    python3 python3-psycopg2 python3-confluent-kafka python3-jsonschema python3-yaml
+    python3-kubernetes systemd
     prometheus
 )
 
