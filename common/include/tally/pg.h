@@ -36,8 +36,8 @@ bool tally_pg_ok(const tally_pg_t *pg);
  * and marks the connection for reconnect when it was lost.
  * @returns a PGresult the caller frees with PQclear (status TUPLES_OK or COMMAND_OK).
  */
-PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams,
-                        const char *const *params, tally_error_t *err) TALLY_WUR;
+PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                        tally_error_t *err) TALLY_WUR;
 
 /** @brief Run a statement and discard its result. */
 bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
