@@ -2,6 +2,7 @@
  * the blast radius of what cannot be undone, the reverse call's body and If-Match, the retry
  * backoff, and a run's compensation summary (DESIGN §7). */
 #include "compensator.h"
+#include "tally/backoff.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,24 +91,9 @@ bool comp_if_match(const json_t *receipt, char *out, size_t outsz)
 long long comp_backoff_ms(const tally_tool_t *tool, int attempts, long retry_after_ms,
                           unsigned *rand_state)
 {
-    long long base = tool != NULL && tool->backoff_ms > 0 ? tool->backoff_ms : 200;
-    long long cap = tool != NULL && tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
-    if (cap < base) {
-        cap = base;
-    }
-    long long d = base;
-    for (int i = 1; i < attempts && d < cap; i++) {
-        d *= 2;
-    }
-    if (d > cap) {
-        d = cap;
-    }
-    long long half = d / 2;
-    d = half + (long long)(rand_r(rand_state) % (unsigned)(half + 1));
-    if (retry_after_ms > d) {
-        d = retry_after_ms;
-    }
-    return d;
+    int base = tool != NULL && tool->backoff_ms > 0 ? tool->backoff_ms : 200;
+    int cap = tool != NULL && tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
+    return tally_backoff_ms(attempts, base, cap, retry_after_ms, (uint32_t)rand_r(rand_state));
 }
 
 /* ---- the run summary ----------------------------------------------------------------------- */

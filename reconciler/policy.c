@@ -2,6 +2,7 @@
  * status check, how long to wait before the next one, and which upstream record is kept when
  * there are several. DESIGN §3 is the contract; tests/unit/test_reconcile.c reads it back. */
 #include "reconciler.h"
+#include "tally/backoff.h"
 
 #include <ctype.h>
 #include <stdio.h>
@@ -28,21 +29,7 @@ const char *tally_recon_action_name(tally_recon_action_t a)
 
 long long tally_recon_backoff_ms(int n, int base_ms, int max_ms, uint32_t random)
 {
-    long long base = base_ms > 0 ? base_ms : 1;
-    long long cap = max_ms > 0 ? max_ms : base;
-    if (cap < base) {
-        cap = base;
-    }
-    long long d = base;
-    for (int i = 1; i < n && d < cap; i++) {
-        d *= 2;
-    }
-    if (d > cap) {
-        d = cap;
-    }
-    long long half = d / 2;
-    long long delay = (d - half) + (long long)(random % (uint32_t)(half + 1));
-    return delay > 0 ? delay : 1;
+    return tally_backoff_ms(n, base_ms, max_ms, -1, random);
 }
 
 /* Not found, or no way to look: re-dispatching is allowed while attempts remain. */

@@ -1,0 +1,19 @@
+/* backoff.c — exponential backoff with equal jitter (backoff.h). */
+#include "tally/backoff.h"
+
+long long tally_backoff_ms(int attempt, int base_ms, int max_ms, long retry_after_ms,
+                           uint32_t random)
+{
+    long long base = base_ms > 0 ? base_ms : 1;
+    long long cap = max_ms > base ? max_ms : base;
+    long long d = base;
+    for (int i = 1; i < attempt && d < cap; i++)
+        d *= 2;
+    if (d > cap)
+        d = cap;
+    long long half = d / 2;
+    long long delay = (d - half) + (long long)(random % (uint64_t)(half + 1));
+    if (retry_after_ms > delay)
+        delay = retry_after_ms;
+    return delay > 0 ? delay : 1;
+}
