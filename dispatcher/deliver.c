@@ -37,10 +37,15 @@ static const char SQL_CLAIM[] =
     "     e.lease_until),"
     " ev AS (INSERT INTO events (event_id, run_id, effect_id, kind, from_status, to_status,"
     "   actor, data)"
-    "   SELECT gen_random_uuid(), u.run_id, u.effect_id, 'transition', 'PLANNED', 'DISPATCHING',"
+    /* event ids time-ordered like audit.c's (UUID version 7 layout): appends to the event_id
+     * index stay on its last pages */
+    "   SELECT (substr(ts.hex, 1, 8) || '-' || substr(ts.hex, 9, 4) || '-7'"
+    "       || substr(gen_random_uuid()::text, 16))::uuid,"
+    "     u.run_id, u.effect_id, 'transition', 'PLANNED', 'DISPATCHING',"
     "     $2::text, jsonb_build_object('lease_owner', $2::text, 'lease_epoch', u.lease_epoch,"
     "       'lease_until', u.lease_until, 'attempt', u.attempts)"
-    "   FROM u)"
+    "   FROM u, (SELECT lpad(to_hex((extract(epoch FROM now()) * 1000)::bigint), 12, '0')"
+    "     AS hex) ts)"
     " SELECT effect_id::text, run_id, step, step_num IS NOT NULL, tool, operation_key,"
     "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
 

@@ -15,7 +15,9 @@
 #include "tally/ledger.h"
 #include "tally/log.h"
 
-static const char SQL_BACKLOG[] = "SELECT count(*) FROM outbox";
+/* Backpressure only needs to know whether the backlog passed the limit: counting stops one
+ * row past it ($1), so a large backlog does not cost a full scan every second. */
+static const char SQL_BACKLOG[] = "SELECT count(*) FROM (SELECT 1 FROM outbox LIMIT $1) b";
 /* Live states only: they are few and indexed (effects_status_idx), while counting the
  * terminal ones would scan a table that only grows, from every dispatcher, every few seconds.
  * Terminal outcomes are counted by tally_connector_calls_total and the relay's counters. */
@@ -67,7 +69,10 @@ static void refresh_backlog(dispatcher_t *d, double now)
     d->backlog_at = now;
     tally_error_t err;
     tally_error_clear(&err);
-    PGresult *res = tally_pg_exec(d->pg, SQL_BACKLOG, 0, NULL, &err);
+    char cap[24];
+    snprintf(cap, sizeof cap, "%lld", (long long)d->cfg->backlog_limit + 1);
+    const char *params[1] = {cap};
+    PGresult *res = tally_pg_exec(d->pg, SQL_BACKLOG, 1, params, &err);
     if (!res) {
         TALLY_DEBUG("outbox backlog not refreshed: %s", err.message);
         return;
@@ -168,8 +173,10 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
                                        "Connector calls by tool and verdict", "tool,outcome");
     d->m_inflight =
         tally_metrics_gauge(m, "tally_inflight_calls", "Connector calls in flight", NULL);
-    d->m_backlog = tally_metrics_gauge(m, "tally_dispatch_backlog",
-                                       "Effects waiting in the dispatch outbox (due or not)", NULL);
+    d->m_backlog = tally_metrics_gauge(
+        m, "tally_dispatch_backlog",
+        "Effects waiting in the dispatch outbox (due or not), counted up to the backlog limit + 1",
+        NULL);
     d->m_lease_lost = tally_metrics_counter(
         m, "tally_lease_lost_total", "Results dropped because the lease was taken over", NULL);
     d->m_lag = tally_metrics_gauge(m, "tally_kafka_consumer_lag",

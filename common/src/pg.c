@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -13,6 +14,16 @@
 
 #define PG_BACKOFF_MIN_MS 100
 #define PG_BACKOFF_MAX_MS 5000
+/* Statements with parameters are prepared once per connection (parse and plan once, not per
+ * batch); past this many distinct texts they run unprepared. */
+#define PG_MAX_PREPARED 64
+
+/* One prepared statement of the current connection. The name is a hash of the text, so the
+ * same name always means the same SQL, whoever prepared it on a shared (pooled) backend. */
+typedef struct pg_stmt {
+    char *sql;
+    char name[24];
+} pg_stmt_t;
 
 struct tally_pg {
     char *conninfo;
@@ -23,11 +34,18 @@ struct tally_pg {
     /* BEGIN succeeded and neither COMMIT nor ROLLBACK has run: a lost connection must not be
      * replaced silently, or the caller's next statement would run outside its transaction */
     bool in_tx;
+    /* tally_pg_begin was called and BEGIN not yet sent: it travels in one pipeline with the
+     * transaction's first statement, which saves a round trip per transaction */
+    bool begin_pending;
     /* the last connection attempt failed: warn once per outage, not once per attempt */
     bool failing;
     char **channels;
     size_t n_channels;
     unsigned int seed;
+    pg_stmt_t stmts[PG_MAX_PREPARED];
+    size_t n_stmts;
+    /* a server that lost our prepared statements (a transaction-pooling proxy): stop preparing */
+    bool no_prepare;
 };
 
 static int64_t now_ms(void)
@@ -82,13 +100,22 @@ tally_pg_t *tally_pg_new(const char *conninfo, const char *application_name)
     return pg;
 }
 
+static void forget_statements(tally_pg_t *pg)
+{
+    for (size_t i = 0; i < pg->n_stmts; i++)
+        free(pg->stmts[i].sql);
+    pg->n_stmts = 0;
+}
+
 static void drop_conn(tally_pg_t *pg)
 {
+    forget_statements(pg);
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     pg->conn = NULL;
     pg->broken = false;
     pg->in_tx = false;
+    pg->begin_pending = false;
 }
 
 bool tally_pg_ok(const tally_pg_t *pg)
@@ -96,8 +123,13 @@ bool tally_pg_ok(const tally_pg_t *pg)
     return pg != NULL && pg->conn != NULL && !pg->broken && PQstatus(pg->conn) == CONNECTION_OK;
 }
 
+static bool send_pending_begin(tally_pg_t *pg, tally_error_t *err);
+
 PGconn *tally_pg_conn(tally_pg_t *pg)
 {
+    /* A caller that talks to libpq directly must find the transaction it asked for open. */
+    if (tally_pg_ok(pg) && pg->begin_pending && !send_pending_begin(pg, NULL))
+        return NULL;
     return tally_pg_ok(pg) ? pg->conn : NULL;
 }
 
@@ -249,12 +281,106 @@ static bool ensure_connected(tally_pg_t *pg, tally_error_t *err)
 {
     if (tally_pg_ok(pg))
         return true;
-    if (pg->in_tx) {
+    if (pg->in_tx && !pg->begin_pending) {
         tally_error_set(err, "08006", true,
                         "PostgreSQL connection lost inside a transaction; roll back and retry");
         return false;
     }
+    /* nothing of a pending transaction has run yet: a new connection is as good */
     return tally_pg_connect(pg, 0, NULL, err);
+}
+
+/* The deferred BEGIN on its own (a caller about to use the raw connection). */
+static bool send_pending_begin(tally_pg_t *pg, tally_error_t *err)
+{
+    pg->begin_pending = false;
+    PGresult *res = PQexec(pg->conn, "BEGIN");
+    bool ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+    if (!ok) {
+        tally_error_t local;
+        result_error(pg, res, err ? err : &local);
+    }
+    PQclear(res);
+    return ok;
+}
+
+/* The name of @p sql prepared on this connection: prepares it the first time. NULL means
+ * "run it unprepared" (no parameters, cache full, or the server refused: the unprepared
+ * execution then reports any real error itself). */
+static const char *prepared_name(tally_pg_t *pg, const char *sql, int nparams)
+{
+    if (nparams == 0 || pg->no_prepare)
+        return NULL;
+    for (size_t i = 0; i < pg->n_stmts; i++)
+        if (strcmp(pg->stmts[i].sql, sql) == 0)
+            return pg->stmts[i].name;
+    if (pg->n_stmts == PG_MAX_PREPARED)
+        return NULL;
+    pg_stmt_t *st = &pg->stmts[pg->n_stmts];
+    uint64_t h = 1469598103934665603ULL; /* FNV-1a */
+    for (const unsigned char *c = (const unsigned char *)sql; *c; c++)
+        h = (h ^ *c) * 1099511628211ULL;
+    snprintf(st->name, sizeof(st->name), "tally_%016llx", (unsigned long long)h);
+    PGresult *res = PQprepare(pg->conn, st->name, sql, nparams, NULL);
+    const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
+    /* 42P05: a pooled backend has it already — same name, same text */
+    bool ok =
+        PQresultStatus(res) == PGRES_COMMAND_OK || (state != NULL && strcmp(state, "42P05") == 0);
+    PQclear(res);
+    if (!ok)
+        return NULL;
+    st->sql = strdup(sql);
+    if (st->sql == NULL)
+        return NULL; /* prepared but not remembered: preparing it again answers 42P05 */
+    pg->n_stmts++;
+    return st->name;
+}
+
+/* BEGIN and @p sql in one pipeline: one round trip. @returns the statement's result (or the
+ * first error's) like PQexecParams, or NULL when the connection failed. */
+static PGresult *exec_with_begin(tally_pg_t *pg, const char *sql, const char *name, int nparams,
+                                 const char *const *params)
+{
+    PGconn *conn = pg->conn;
+    pg->begin_pending = false;
+    if (!PQenterPipelineMode(conn))
+        return NULL;
+    PGresult *out = NULL;
+    if (PQsendQueryParams(conn, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) &&
+        (name ? PQsendQueryPrepared(conn, name, nparams, params, NULL, NULL, 0)
+              : PQsendQueryParams(conn, sql, nparams, NULL, params, NULL, NULL, 0)) &&
+        PQpipelineSync(conn)) {
+        /* results: BEGIN's, the statement's, then the sync; keep the first error, or the
+         * statement's result */
+        int seen = 0;
+        for (;;) {
+            PGresult *res = PQgetResult(conn);
+            if (res == NULL) {
+                if (PQstatus(conn) != CONNECTION_OK)
+                    break;
+                continue; /* the end of one query's results */
+            }
+            ExecStatusType st = PQresultStatus(res);
+            if (st == PGRES_PIPELINE_SYNC) {
+                PQclear(res);
+                break;
+            }
+            seen++;
+            bool error = st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK;
+            if (out == NULL && (error || seen == 2)) {
+                out = res;
+            } else if (out != NULL && PQresultStatus(out) == PGRES_PIPELINE_ABORTED && error &&
+                       st != PGRES_PIPELINE_ABORTED) {
+                PQclear(out);
+                out = res;
+            } else {
+                PQclear(res);
+            }
+        }
+    }
+    if (PQstatus(conn) == CONNECTION_OK && !PQexitPipelineMode(conn))
+        pg->broken = true;
+    return out;
 }
 
 PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
@@ -262,11 +388,34 @@ PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char
 {
     if (!ensure_connected(pg, err))
         return NULL;
-    PGresult *res = PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+    const char *name = prepared_name(pg, sql, nparams);
+    PGresult *res;
+    if (pg->begin_pending)
+        res = exec_with_begin(pg, sql, name, nparams, params);
+    else if (name != NULL)
+        res = PQexecPrepared(pg->conn, name, nparams, params, NULL, NULL, 0);
+    else
+        res = PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
     ExecStatusType st = PQresultStatus(res);
     if (res != NULL && (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK))
         return res;
+    const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+    bool replan = name != NULL && state != NULL && strcmp(state, "0A000") == 0;
+    if (name != NULL && state != NULL && strcmp(state, "26000") == 0) {
+        /* our statement is gone from the backend: a pooler moved us; stop preparing */
+        TALLY_WARN("PostgreSQL lost a prepared statement (a transaction-pooling proxy?); "
+                   "running statements unprepared from now on");
+        forget_statements(pg);
+        pg->no_prepare = true;
+    }
     result_error(pg, res, err);
+    if (replan) {
+        /* "cached plan must not change result type" (a migration changed a table under a
+         * prepared statement): a new session prepares everything afresh */
+        pg->broken = true;
+        if (err != NULL)
+            err->retriable = true;
+    }
     PQclear(res);
     return NULL;
 }
@@ -285,14 +434,21 @@ bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err)
 {
     if (pg->in_tx)
         tally_pg_rollback(pg); /* a caller that lost track: never nest silently */
-    if (!tally_pg_run(pg, "BEGIN", 0, NULL, err))
+    if (!ensure_connected(pg, err))
         return false;
+    /* BEGIN goes out with the transaction's first statement (exec_with_begin) */
     pg->in_tx = true;
+    pg->begin_pending = true;
     return true;
 }
 
 bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err)
 {
+    if (pg->begin_pending) { /* nothing ran: nothing to commit */
+        pg->begin_pending = false;
+        pg->in_tx = false;
+        return true;
+    }
     if (!tally_pg_ok(pg)) {
         pg->in_tx = false;
         tally_error_set(err, "08006", true, "PostgreSQL connection lost before COMMIT");
@@ -318,6 +474,7 @@ void tally_pg_rollback(tally_pg_t *pg)
     if (pg == NULL)
         return;
     pg->in_tx = false;
+    pg->begin_pending = false;
     if (!tally_pg_ok(pg))
         return;
     if (PQtransactionStatus(pg->conn) == PQTRANS_IDLE)
@@ -422,6 +579,7 @@ void tally_pg_free(tally_pg_t *pg)
 {
     if (pg == NULL)
         return;
+    forget_statements(pg);
     if (pg->conn != NULL)
         PQfinish(pg->conn);
     for (size_t i = 0; i < pg->n_channels; i++)

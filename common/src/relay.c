@@ -1,11 +1,14 @@
 /* relay.c — publishes the message outbox to Kafka; deletes a row only after its delivery report.
  *
- * A round leases rows with one UPDATE (FOR UPDATE SKIP LOCKED, lease from now()), produces
- * them with the idempotent producer, waits for every delivery report, then DELETEs the
- * delivered rows and releases the failed ones with a backoff, one statement each. A relay
- * that dies mid-round leaves leased rows that another relay publishes once the lease ends:
- * a message may be published twice (consumers deduplicate by the CloudEvent id, which the
- * "ce_id" header also carries) but is never lost.
+ * A round opens a transaction and takes a batch with one DELETE ... RETURNING (FOR UPDATE
+ * SKIP LOCKED, so relays never wait on each other), produces it with the idempotent producer
+ * and waits for every delivery report. All delivered: COMMIT, and the rows are gone. Anything
+ * else: ROLLBACK (every row is back), then one statement deletes the delivered rows and puts
+ * the failed ones back with a backoff. Until COMMIT the deletion is invisible to everyone, so
+ * a relay that dies mid-round (its connection closes) or hangs (the session's
+ * idle_in_transaction_session_timeout ends it) gives its rows back at once: a message may be
+ * published twice (consumers deduplicate by the CloudEvent id, which the "ce_id" header also
+ * carries) but is never lost. No lease UPDATE per row: one statement and one commit per round.
  */
 #include "tally/relay.h"
 
@@ -33,30 +36,42 @@
 static const char *const RELAY_TOPICS[] = {"outcomes", "obligations", "alerts", "dlq"};
 #define N_RELAY_TOPICS (sizeof(RELAY_TOPICS) / sizeof(RELAY_TOPICS[0]))
 
-/* Lease up to $2 due rows for $1 until now() + $3 ms; attempts counts publications tried. */
-static const char SQL_LEASE[] =
-    "UPDATE message_outbox SET lease_owner = $1,"
-    " lease_until = now() + $3::int * interval '1 millisecond', attempts = attempts + 1"
-    " WHERE id IN (SELECT id FROM message_outbox"
+/* Take up to $1 due rows, in id order, inside the round's transaction. lease_until is only
+ * set on rows waiting out a backoff (or leased by a relay of an older version). The session
+ * ends itself ($2 ms) if this relay ever stops between here and its COMMIT. */
+static const char SQL_TAKE[] =
+    "WITH t AS (SELECT set_config('idle_in_transaction_session_timeout', $2, true))"
+    " DELETE FROM message_outbox m USING t"
+    " WHERE m.id IN (SELECT id FROM message_outbox"
     "  WHERE lease_until IS NULL OR lease_until < now()"
-    "  ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
-    " RETURNING id, topic, msg_key, event_id, payload";
+    "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
+    " RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload";
 
-/* Delivered: gone. Only while still ours; a row re-leased by another relay is its business. */
-static const char SQL_DELETE[] =
-    "DELETE FROM message_outbox WHERE id = ANY($1::bigint[]) AND lease_owner = $2";
+/* Delivered after their round gave up on them: gone. */
+static const char SQL_DELETE[] = "DELETE FROM message_outbox WHERE id = ANY($1::bigint[])";
 
-/* Not delivered: back in the queue after 1 s, 2 s, 4 s ... 30 s, with the reason. */
-static const char SQL_RELEASE[] =
-    "UPDATE message_outbox m SET lease_owner = NULL, last_error = f.err,"
-    " lease_until = now() + least(interval '30 seconds',"
-    "  interval '1 second' * power(2, least(greatest(m.attempts, 1), 6) - 1))"
-    " FROM json_to_recordset($1::json) AS f(id bigint, err text)"
-    " WHERE m.id = f.id AND m.lease_owner = $2";
+/* After a ROLLBACK: the delivered rows go; the failed ones wait 1 s, 2 s, 4 s ... 30 s, with
+ * the reason; those without a report yet wait out the lease ($1 ms), deleted by a late report.
+ * A row another relay took meanwhile is waited for; if it deleted it, nothing happens. */
+static const char SQL_SETTLE[] =
+    "WITH f AS (SELECT * FROM json_to_recordset($2::json) AS f(id bigint, st text, err text)),"
+    " d AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st = 'delivered')"
+    " UPDATE message_outbox m SET attempts = m.attempts + 1, last_error = f.err,"
+    " lease_owner = CASE WHEN f.st = 'pending' THEN $3 END,"
+    " lease_until = CASE WHEN f.st = 'pending' THEN now() + $1::int * interval '1 millisecond'"
+    "  ELSE now() + least(interval '30 seconds',"
+    "   interval '1 second' * power(2, least(m.attempts, 5))) END"
+    " FROM f WHERE m.id = f.id AND f.st <> 'delivered'";
 
+/* Exact up to 10,000 rows; beyond that the id span (an upper bound), so a large backlog costs
+ * two index probes instead of a scan. The lag is the age of the first row. */
 static const char SQL_BACKLOG[] =
-    "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8"
-    " FROM message_outbox";
+    "WITH head AS (SELECT id, created_at FROM message_outbox ORDER BY id LIMIT 1),"
+    " n AS (SELECT count(*) AS n FROM (SELECT 1 FROM message_outbox LIMIT 10000) x)"
+    " SELECT CASE WHEN n.n < 10000 THEN n.n"
+    "  ELSE (SELECT max(id) FROM message_outbox) - head.id + 1 END,"
+    " coalesce(extract(epoch FROM now() - head.created_at), 0)::float8"
+    " FROM n LEFT JOIN head ON true";
 
 typedef enum {
     RELAY_ROW_PENDING = 0,
@@ -83,7 +98,7 @@ typedef struct id_list {
 
 struct tally_relay {
     char *prefix;
-    char *owner; /* lease_owner written on leased rows */
+    char *owner; /* lease_owner of rows held after a round without every report */
     char *worker_id;
     int batch;
     int poll_ms;
@@ -102,7 +117,6 @@ struct tally_relay {
     tally_metric_t *m_backlog;
     tally_metric_t *m_lag;
     int64_t gauges_at_ms;
-    bool gauges_stale; /* rows moved since the last refresh */
 
     /* the current round: delivery reports are matched to rows by id */
     relay_row_t *rows;
@@ -293,16 +307,17 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
     return r;
 }
 
-/* At most once a second, or now (@p force) so an idle relay does not show a stale backlog. */
-static void refresh_gauges(tally_relay_t *r, bool force)
+/* At most once a second. An idle relay wakes at least every poll interval, so the gauges
+ * never lag by more than that; refreshing after every small round would cost a statement per
+ * round at low rates. */
+static void refresh_gauges(tally_relay_t *r)
 {
     if (r->metrics == NULL)
         return;
     int64_t now = mono_ms();
-    if (!force && r->gauges_at_ms != 0 && now - r->gauges_at_ms < GAUGE_REFRESH_MS)
+    if (r->gauges_at_ms != 0 && now - r->gauges_at_ms < GAUGE_REFRESH_MS)
         return;
     r->gauges_at_ms = now;
-    r->gauges_stale = false;
     tally_error_t err;
     PGresult *res = tally_pg_exec(r->pg, SQL_BACKLOG, 0, NULL, &err);
     if (res == NULL) {
@@ -330,14 +345,10 @@ static char *bigint_array(const int64_t *ids, size_t n)
     return s;
 }
 
-/* DELETE the delivered rows of this round plus any delivered late; keeps them for the next
- * round when PostgreSQL is unreachable (otherwise they would only be published again). */
-static void delete_delivered(tally_relay_t *r)
+/* DELETE rows whose report came after their round settled them; kept for the next round
+ * when PostgreSQL is unreachable (otherwise they would only be published again). */
+static void delete_late(tally_relay_t *r)
 {
-    for (size_t i = 0; i < r->n_rows; i++)
-        if (r->rows[i].state == RELAY_ROW_DELIVERED && !id_list_push(&r->late, r->rows[i].id))
-            TALLY_WARN("relay: out of memory; row %" PRId64 " will be published again",
-                       r->rows[i].id);
     if (r->late.n == 0)
         return;
     char *arr = bigint_array(r->late.ids, r->late.n);
@@ -345,9 +356,9 @@ static void delete_delivered(tally_relay_t *r)
         TALLY_WARN("relay: out of memory deleting %zu delivered rows; retrying", r->late.n);
         return;
     }
-    const char *params[2] = {arr, r->owner};
+    const char *params[1] = {arr};
     tally_error_t err;
-    bool ok = tally_pg_run(r->pg, SQL_DELETE, 2, params, &err);
+    bool ok = tally_pg_run(r->pg, SQL_DELETE, 1, params, &err);
     free(arr);
     if (!ok) {
         TALLY_WARN("relay: cannot delete %zu delivered message_outbox rows (%s: %s); retrying",
@@ -357,18 +368,19 @@ static void delete_delivered(tally_relay_t *r)
     r->late.n = 0;
 }
 
-/* Release the failed rows with a backoff and their reason, in one statement. */
-static void release_failed(tally_relay_t *r, size_t n_failed)
+static const char *const ROW_STATE_NAMES[] = {"pending", "delivered", "failed"};
+
+/* After the round's ROLLBACK: delete what was delivered, back off what failed, hold what has
+ * no report yet until the lease ends, in one statement. */
+static void settle_round(tally_relay_t *r)
 {
-    if (n_failed == 0)
-        return;
     json_t *arr = json_array();
     for (size_t i = 0; arr != NULL && i < r->n_rows; i++) {
         relay_row_t *row = &r->rows[i];
-        if (row->state != RELAY_ROW_FAILED)
-            continue;
-        if (json_array_append_new(
-                arr, json_pack("{s:I, s:s}", "id", (json_int_t)row->id, "err", row->error)) != 0) {
+        json_t *item = json_pack("{s:I, s:s, s:s?}", "id", (json_int_t)row->id, "st",
+                                 ROW_STATE_NAMES[row->state], "err",
+                                 row->state == RELAY_ROW_FAILED ? row->error : NULL);
+        if (json_array_append_new(arr, item) != 0) {
             json_decref(arr);
             arr = NULL;
         }
@@ -376,17 +388,19 @@ static void release_failed(tally_relay_t *r, size_t n_failed)
     char *text = arr ? json_dumps(arr, JSON_COMPACT) : NULL;
     json_decref(arr);
     if (text == NULL) {
-        TALLY_WARN("relay: out of memory releasing %zu failed rows; they retry when their lease "
-                   "ends",
-                   n_failed);
+        TALLY_WARN("relay: out of memory settling %zu message_outbox rows; they are published "
+                   "again",
+                   r->n_rows);
         return;
     }
-    const char *params[2] = {text, r->owner};
+    char lease[16];
+    snprintf(lease, sizeof(lease), "%d", r->lease_ms);
+    const char *params[3] = {lease, text, r->owner};
     tally_error_t err;
-    if (!tally_pg_run(r->pg, SQL_RELEASE, 2, params, &err))
-        TALLY_WARN("relay: cannot release %zu failed message_outbox rows (%s: %s); they retry "
-                   "when their lease ends",
-                   n_failed, err.code, err.message);
+    if (!tally_pg_run(r->pg, SQL_SETTLE, 3, params, &err))
+        TALLY_WARN("relay: cannot settle %zu message_outbox rows (%s: %s); they are published "
+                   "again",
+                   r->n_rows, err.code, err.message);
     free(text);
 }
 
@@ -444,28 +458,33 @@ int tally_relay_round(tally_relay_t *r)
         }
     }
     rd_kafka_poll(r->rk, 0); /* late reports from an earlier round */
-    refresh_gauges(r, false);
+    refresh_gauges(r);
+    delete_late(r);
 
     char batch[16], lease[16];
     snprintf(batch, sizeof(batch), "%d", r->batch);
     snprintf(lease, sizeof(lease), "%d", r->lease_ms);
-    const char *params[3] = {r->owner, batch, lease};
+    const char *params[2] = {batch, lease};
     tally_error_t err;
-    PGresult *res = tally_pg_exec(r->pg, SQL_LEASE, 3, params, &err);
+    PGresult *res = NULL;
+    if (tally_pg_begin(r->pg, &err))
+        res = tally_pg_exec(r->pg, SQL_TAKE, 2, params, &err);
     if (res == NULL) {
-        TALLY_WARN("relay: cannot lease message_outbox rows (%s: %s)", err.code, err.message);
+        tally_pg_rollback(r->pg);
+        TALLY_WARN("relay: cannot take message_outbox rows (%s: %s)", err.code, err.message);
         return -1;
     }
     int n = PQntuples(res);
     if (n == 0) {
         PQclear(res);
-        delete_delivered(r);
+        tally_pg_rollback(r->pg);
         return 0;
     }
     r->rows = calloc((size_t)n, sizeof(*r->rows));
     if (r->rows == NULL) {
         PQclear(res);
-        TALLY_ERROR("relay: out of memory for %d rows; they retry when their lease ends", n);
+        tally_pg_rollback(r->pg);
+        TALLY_ERROR("relay: out of memory for %d rows; they stay in the outbox", n);
         return -1;
     }
     for (int i = 0; i < n; i++) {
@@ -492,7 +511,9 @@ int tally_relay_round(tally_relay_t *r)
             deadline = now + STOP_WAIT_CAP_MS;
         if (now >= deadline)
             break;
-        rd_kafka_poll(r->rk, 100);
+        /* flush, not poll: it sends at once instead of after linger.ms, and serves reports */
+        int64_t left = deadline - now;
+        rd_kafka_flush(r->rk, left < 100 ? (int)left : 100);
     }
 
     size_t delivered = 0, failed = 0, unknown = 0;
@@ -517,14 +538,25 @@ int tally_relay_round(tally_relay_t *r)
             break;
         }
     }
-    if (unknown > 0)
-        TALLY_WARN("relay: no delivery report for %zu message%s within %d ms; %s when the lease "
-                   "ends unless the report still arrives",
-                   unknown, unknown == 1 ? "" : "s", r->wait_ms,
-                   unknown == 1 ? "it is retried" : "they are retried");
-    delete_delivered(r);
-    release_failed(r, failed);
-    r->gauges_stale = true;
+    int result = (int)delivered;
+    if (failed == 0 && unknown == 0) {
+        /* every row was acknowledged: now, and only now, their deletion becomes visible */
+        if (!tally_pg_commit(r->pg, &err)) {
+            tally_pg_rollback(r->pg);
+            TALLY_WARN("relay: %zu messages published but their rows not deleted (%s: %s); "
+                       "they will be published again",
+                       delivered, err.code, err.message);
+            result = -1;
+        }
+    } else {
+        tally_pg_rollback(r->pg);
+        if (unknown > 0)
+            TALLY_WARN("relay: no delivery report for %zu message%s within %d ms; %s when the "
+                       "lease ends unless the report still arrives",
+                       unknown, unknown == 1 ? "" : "s", r->wait_ms,
+                       unknown == 1 ? "it is retried" : "they are retried");
+        settle_round(r);
+    }
     if (delivered > 0)
         TALLY_DEBUG("relay: published %zu message%s in %lld ms", delivered,
                     delivered == 1 ? "" : "s", (long long)(mono_ms() - start));
@@ -535,7 +567,7 @@ int tally_relay_round(tally_relay_t *r)
     r->pending = 0;
     PQclear(res);
     check_fatal(r);
-    return (int)delivered;
+    return result;
 }
 
 void tally_relay_run(tally_relay_t *r, volatile const int *stop)
@@ -560,8 +592,6 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
             continue;
         }
         idle_backoff = 100;
-        if (r->gauges_stale)
-            refresh_gauges(r, true);
         tally_pg_wait_notify(r->pg, r->poll_ms);
     }
 }
@@ -595,7 +625,7 @@ void tally_relay_free(tally_relay_t *r)
     /* reports served here for earlier rounds only queue ids; rows are no longer current */
     drop_producer(r);
     if (r->late.n > 0 && r->pg != NULL)
-        delete_delivered(r);
+        delete_late(r);
     tally_pg_free(r->pg);
     free(r->late.ids);
     free(r->rows);

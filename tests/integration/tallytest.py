@@ -247,6 +247,9 @@ class TallyCase(unittest.TestCase):
             "TALLY_TOOLS": self.tools_file,
             "TALLY_SESSION_TIMEOUT_MS": "6000",
             "TALLY_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
+            # the mock broker holds an empty fetch for the whole fetch.wait.max.ms (500 ms by
+            # default) even when data arrives meanwhile; keep the embedded stack's latency low
+            "TALLY_KAFKA_FETCH_WAIT_MAX_MS": "10",
             "TALLY_LOG_LEVEL": "debug",
         })
         env.update({k: str(v) for k, v in extra.items()})

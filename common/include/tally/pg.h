@@ -43,7 +43,12 @@ PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char
 bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                   tally_error_t *err) TALLY_WUR;
 
-/** @brief BEGIN / COMMIT / ROLLBACK. Rollback is safe to call on a broken connection. */
+/**
+ * @brief BEGIN / COMMIT / ROLLBACK. Rollback is safe to call on a broken connection.
+ * @remark BEGIN is sent in one pipeline with the transaction's first statement (one round
+ * trip less per transaction), so a failure to start the transaction surfaces there;
+ * tally_pg_conn() sends it at once for callers that use the libpq connection directly.
+ */
 bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
 bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
 void tally_pg_rollback(tally_pg_t *pg);
