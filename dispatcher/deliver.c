@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "dispatcher.h"
+#include "tally/backoff.h"
 #include "tally/audit.h"
 #include "tally/log.h"
 
@@ -127,21 +128,13 @@ static void done_clear(dispatch_done_t *x)
     memset(x, 0, sizeof *x);
 }
 
-/* Full jitter (AWS): a uniform delay in [0, min(max, base * 2^(attempt-1))], never shorter
- * than the tool's Retry-After. */
+/* The tool's backoff for this attempt (backoff.h: doubling, equal jitter, Retry-After). */
 static long long backoff_ms(dispatcher_t *d, const tally_tool_t *tool, int attempts,
                             long retry_after_ms)
 {
-    long long cap = tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
-    long long base = tool->backoff_ms > 0 ? tool->backoff_ms : 200;
-    for (int i = 1; i < attempts && base < cap; i++)
-        base *= 2;
-    if (base > cap)
-        base = cap;
-    long long delay = (long long)(rand_r(&d->rand_state) % (unsigned long long)(base + 1));
-    if (retry_after_ms > delay)
-        delay = retry_after_ms;
-    return delay;
+    int base = tool->backoff_ms > 0 ? tool->backoff_ms : 200;
+    int cap = tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
+    return tally_backoff_ms(attempts, base, cap, retry_after_ms, (uint32_t)rand_r(&d->rand_state));
 }
 
 static void set_error(dispatch_done_t *x, const char *code, const char *fmt, const char *msg)

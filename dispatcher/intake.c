@@ -118,24 +118,6 @@ static const char SQL_OBLIGATIONS[] =
 /* ---------------------------------------------------------------------------------------- */
 /* The batch in memory                                                                      */
 
-/* A time-ordered effect id (the UUID version 7 layout: 48 bits of Unix milliseconds, then
- * random bits from tally_uuid, unique by its 74 random bits). New effects, their outbox rows
- * and their events then go to the last pages of the indexes on effect_id, and the claim and
- * the outcome find recent effects on a few hot pages instead of all over the index. */
-static void effect_uuid(char out[37])
-{
-    tally_uuid(out);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    unsigned long long ms =
-        (unsigned long long)ts.tv_sec * 1000ULL + (unsigned long long)ts.tv_nsec / 1000000ULL;
-    char hex[13];
-    snprintf(hex, sizeof hex, "%012llx", ms & 0xffffffffffffULL);
-    memcpy(out, hex, 8);
-    memcpy(out + 9, hex + 8, 4);
-    out[14] = '7'; /* the version nibble */
-}
-
 static void msg_clear(intake_msg_t *m)
 {
     if (m->rkm)
@@ -227,7 +209,7 @@ static void parse_msg(dispatcher_t *d, intake_msg_t *m)
         m->op_key = m->canonical = NULL;
         return;
     }
-    effect_uuid(m->effect_id);
+    tally_uuid_v7(m->effect_id);
 }
 
 /* ---------------------------------------------------------------------------------------- */

@@ -30,24 +30,6 @@ static const char SQL_INSERT[] =
     " reason text, data jsonb)"
     " ORDER BY r.n";
 
-/* A time-ordered event id (the UUID version 7 layout: 48 bits of Unix milliseconds, then
- * random bits from tally_uuid). Consecutive events land on the same leaf page of the
- * event_id index, instead of a random page each, which keeps appending cheap as the audit
- * trail grows. Still unique by its 74 random bits. */
-static void event_uuid(char out[37])
-{
-    tally_uuid(out);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    unsigned long long ms =
-        (unsigned long long)ts.tv_sec * 1000ULL + (unsigned long long)ts.tv_nsec / 1000000ULL;
-    char hex[13];
-    snprintf(hex, sizeof hex, "%012llx", ms & 0xffffffffffffULL);
-    memcpy(out, hex, 8);         /* "tttttttt-" */
-    memcpy(out + 9, hex + 8, 4); /* "tttt-" */
-    out[14] = '7';               /* the version nibble */
-}
-
 tally_audit_batch_t *tally_audit_batch_new(void)
 {
     return calloc(1, sizeof(tally_audit_batch_t));
@@ -113,7 +95,7 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
         return;
     }
     char event_id[37];
-    event_uuid(event_id);
+    tally_uuid_v7(event_id);
     /* serialised now: the caller may change or free its data after this returns */
     char *data = ev->data ? json_dumps(ev->data, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
     size_t mark = b->len;

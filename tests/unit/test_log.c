@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -165,6 +166,21 @@ static void test_uuids_are_random_v4_and_distinct(void **st)
             assert_string_not_equal(ids[i], ids[j]);
 }
 
+static void test_time_ordered_uuids_sort_by_creation(void **st)
+{
+    (void)st;
+    char a[37], b[37];
+    tally_uuid_v7(a);
+    struct timespec pause = {.tv_sec = 0, .tv_nsec = 3 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+    tally_uuid_v7(b);
+    assert_int_equal(strlen(a), 36);
+    assert_int_equal(a[14], '7');
+    assert_non_null(strchr("89ab", a[19]));
+    assert_true(strcmp(a, b) < 0); /* later ids sort after earlier ones */
+    assert_string_not_equal(a + 15, b + 15);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -172,6 +188,7 @@ int main(void)
         cmocka_unit_test(test_threads_never_interleave_lines),
         cmocka_unit_test(test_level_names_parse),
         cmocka_unit_test(test_uuids_are_random_v4_and_distinct),
+        cmocka_unit_test(test_time_ordered_uuids_sort_by_creation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
