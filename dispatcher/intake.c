@@ -10,6 +10,7 @@
 #include <openssl/evp.h>
 
 #include "dispatcher.h"
+#include "tally/runops.h"
 #include "tally/audit.h"
 #include "tally/id.h"
 #include "tally/json.h"
@@ -65,55 +66,6 @@ static const char SQL_EXISTING[] =
     "   run_id text, step text)"
     " LEFT JOIN effects e ON e.tool = k.tool AND e.operation_key = k.operation_key"
     " LEFT JOIN effects s ON s.run_id = k.run_id AND s.step = k.step";
-
-/* Outbox rows first, then the effects: the claim path locks outbox then effects, so taking
- * the locks in the same order cannot deadlock. A row a dispatcher already claimed is
- * DISPATCHING by the time this sees it and is left to finish. */
-static const char SQL_CANCEL_OUTBOX[] =
-    "DELETE FROM outbox o USING effects e"
-    " WHERE o.effect_id = e.effect_id AND e.status = 'PLANNED'"
-    "   AND e.run_id IN (SELECT run_id FROM json_to_recordset($1::json) AS r(run_id text))";
-
-static const char SQL_CANCEL_EFFECTS[] =
-    "WITH req AS (SELECT DISTINCT ON (run_id) run_id, reason"
-    "   FROM json_to_recordset($1::json) AS r(run_id text, reason text) ORDER BY run_id),"
-    " old AS (SELECT e.effect_id, e.status FROM effects e JOIN req USING (run_id)"
-    "   WHERE e.status IN ('PLANNED', 'AWAITING_APPROVAL'))"
-    " UPDATE effects e SET status = 'CANCELLED',"
-    "   status_reason = 'cancel_run: ' || coalesce(req.reason, ''),"
-    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
-    " FROM old, req"
-    " WHERE e.effect_id = old.effect_id AND e.run_id = req.run_id"
-    "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
-    " RETURNING e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
-    "   e.operation_key, e.attempts, e.intent_id, old.status";
-
-static const char SQL_CANCEL_RUNS[] =
-    "UPDATE runs SET status = 'CANCELLED', status_reason = r.reason, updated_at = now()"
-    " FROM (SELECT DISTINCT ON (run_id) run_id, reason"
-    "   FROM json_to_recordset($1::json) AS x(run_id text, reason text) ORDER BY run_id) r"
-    " WHERE runs.run_id = r.run_id AND runs.status = 'ACTIVE'";
-
-/* One obligation per CONFIRMED effect of each run; asking twice creates nothing new
- * (UNIQUE NULLS NOT DISTINCT (effect_id, external_ref)). The run turns COMPENSATING when
- * this created work for it. */
-static const char SQL_OBLIGATIONS[] =
-    "WITH req AS (SELECT DISTINCT ON (run_id) run_id, kind, reason"
-    "   FROM json_to_recordset($1::json) AS r(run_id text, kind text, reason text)"
-    "   ORDER BY run_id),"
-    " ins AS ("
-    "  INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
-    "  SELECT gen_random_uuid(), e.run_id, e.effect_id, req.kind, e.external_ref, e.receipt"
-    "  FROM effects e JOIN req USING (run_id)"
-    "  WHERE e.status = 'CONFIRMED'"
-    "  ORDER BY e.run_id, e.step_num DESC NULLS LAST, e.seq DESC"
-    "  ON CONFLICT (effect_id, external_ref) DO NOTHING"
-    "  RETURNING obligation_id, run_id, effect_id, reason, external_ref),"
-    " ru AS (UPDATE runs SET status = 'COMPENSATING', status_reason = req.reason,"
-    "   updated_at = now() FROM req"
-    "   WHERE runs.run_id = req.run_id AND runs.status IN ('ACTIVE', 'CANCELLED')"
-    "     AND EXISTS (SELECT 1 FROM ins WHERE ins.run_id = req.run_id))"
-    " SELECT obligation_id::text, run_id, effect_id::text, reason, external_ref FROM ins";
 
 /* ---------------------------------------------------------------------------------------- */
 /* The batch in memory                                                                      */
@@ -515,72 +467,20 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
     return true;
 }
 
-static bool record_cancelled(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
-                             tally_outbox_batch_t *ob)
-{
-    for (int row = 0; row < PQntuples(res); row++) {
-        const char *eid = PQgetvalue(res, row, 0);
-        effect_view_t v = {.effect_id = eid,
-                           .run_id = PQgetvalue(res, row, 1),
-                           .step = PQgetvalue(res, row, 2),
-                           .step_is_number = PQgetvalue(res, row, 3)[0] == 't',
-                           .tool = PQgetvalue(res, row, 4),
-                           .operation_key = PQgetvalue(res, row, 5),
-                           .status = "CANCELLED",
-                           .attempts = atoll(PQgetvalue(res, row, 6)),
-                           .intent_id = PQgetvalue(res, row, 7)};
-        audit_add(ab, v.run_id, eid, "transition", PQgetvalue(res, row, 8), "CANCELLED",
-                  d->worker_id, "cancel_run", NULL);
-        if (!dispatch_publish_effect(d, ob, &v, NULL))
-            return false;
-    }
-    return true;
-}
-
-static bool record_obligations(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
-                               tally_outbox_batch_t *ob)
-{
-    for (int row = 0; row < PQntuples(res); row++) {
-        const char *oid = PQgetvalue(res, row, 0);
-        const char *run_id = PQgetvalue(res, row, 1);
-        const char *eid = PQgetvalue(res, row, 2);
-        const char *reason = PQgetvalue(res, row, 3);
-        const char *ref = val(res, row, 4);
-        json_t *data = json_pack("{s:s, s:s, s:s, s:s, s:o}", "obligation_id", oid, "run_id",
-                                 run_id, "effect_id", eid, "reason", reason, "external_ref",
-                                 ref ? json_string(ref) : json_null());
-        if (!data)
-            return false;
-        tally_audit_event_t ev = {.run_id = run_id,
-                                  .effect_id = eid,
-                                  .obligation_id = oid,
-                                  .kind = "obligation",
-                                  .to_status = "PENDING",
-                                  .actor = d->worker_id,
-                                  .reason = reason,
-                                  .data = data};
-        tally_audit_batch_add(ab, &ev);
-        json_t *ce = tally_ce_new("tally.obligation.v1", d->source, oid, data, NULL);
-        if (!ce)
-            return false;
-        tally_outbox_batch_add(ob, "obligations", run_id, ce);
-        json_decref(ce);
-    }
-    return true;
-}
-
 /* Everything the batch says, in one transaction. The caller commits or rolls back. */
 static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
                          intake_counts_t *c, tally_error_t *err)
 {
     bool ok = false;
-    json_t *runs = json_array(), *effects = json_array(), *cancels = json_array();
-    json_t *comps = json_array(), *existing = json_array();
+    json_t *runs = json_array(), *effects = json_array(), *existing = json_array();
     intake_msg_t **sorted = calloc(d->n_batch ? d->n_batch : 1, sizeof *sorted);
     bool *created = calloc(d->n_batch ? d->n_batch : 1, sizeof *created);
+    /* compensate_run / cancel_run: the same run-level SQL as `tally compensate|cancel` */
+    tally_runop_t *ops = calloc(d->n_batch ? d->n_batch : 1, sizeof *ops);
+    tally_runop_result_t *op_results = calloc(d->n_batch ? d->n_batch : 1, sizeof *op_results);
     PGresult *res = NULL;
-    size_t n_sorted = 0;
-    if (!runs || !effects || !cancels || !comps || !existing || !sorted || !created) {
+    size_t n_sorted = 0, n_ops = 0;
+    if (!runs || !effects || !existing || !sorted || !created || !ops || !op_results) {
         tally_error_set(err, "oom", true, "out of memory building the intake batch");
         goto out;
     }
@@ -600,7 +500,6 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
         const tally_intent_t *in = &m->in;
         json_array_append_new(runs,
                               json_pack("{s:s, s:s?}", "run_id", in->run_id, "tenant", in->tenant));
-        json_t *data = NULL;
         switch (in->type) {
         case TALLY_MSG_INTENT: {
             bool gated =
@@ -619,27 +518,20 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
             break;
         }
         case TALLY_MSG_CANCEL_RUN:
-            c->cancel++;
-            json_array_append_new(
-                cancels, json_pack("{s:s, s:s?}", "run_id", in->run_id, "reason", in->reason));
-            if (in->compensate)
-                json_array_append_new(comps, json_pack("{s:s, s:s, s:s?}", "run_id", in->run_id,
-                                                       "kind", "cancel_run", "reason", in->reason));
-            data = json_pack("{s:s, s:s?, s:b}", "intent_id", in->id, "reason", in->reason,
-                             "compensate", in->compensate);
-            audit_add(ab, in->run_id, NULL, "cancel_run", NULL, NULL, d->worker_id, in->reason,
-                      data);
-            break;
         case TALLY_MSG_COMPENSATE_RUN:
-            c->compensate++;
-            json_array_append_new(comps, json_pack("{s:s, s:s, s:s?}", "run_id", in->run_id, "kind",
-                                                   "compensate_run", "reason", in->reason));
-            data = json_pack("{s:s, s:s?}", "intent_id", in->id, "reason", in->reason);
-            audit_add(ab, in->run_id, NULL, "compensate_run", NULL, NULL, d->worker_id, in->reason,
-                      data);
+            if (in->type == TALLY_MSG_CANCEL_RUN)
+                c->cancel++;
+            else
+                c->compensate++;
+            ops[n_ops++] =
+                (tally_runop_t){.kind = in->type == TALLY_MSG_CANCEL_RUN ? TALLY_RUNOP_CANCEL
+                                                                         : TALLY_RUNOP_COMPENSATE,
+                                .run_id = in->run_id,
+                                .compensate = in->type == TALLY_MSG_CANCEL_RUN && in->compensate,
+                                .reason = in->reason,
+                                .intent_id = in->id};
             break;
         }
-        json_decref(data);
     }
     qsort(sorted, n_sorted, sizeof *sorted, cmp_effect_id);
 
@@ -673,25 +565,9 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
             res = NULL;
         }
     }
-    if (json_array_size(cancels) > 0) {
-        if (!exec_json(d, SQL_CANCEL_OUTBOX, cancels, NULL, err) ||
-            !exec_json(d, SQL_CANCEL_EFFECTS, cancels, &res, err))
-            goto out;
-        if (!record_cancelled(d, res, ab, ob))
-            goto oom;
-        PQclear(res);
-        res = NULL;
-        if (!exec_json(d, SQL_CANCEL_RUNS, cancels, NULL, err))
-            goto out;
-    }
-    if (json_array_size(comps) > 0) {
-        if (!exec_json(d, SQL_OBLIGATIONS, comps, &res, err))
-            goto out;
-        if (!record_obligations(d, res, ab, ob))
-            goto oom;
-        PQclear(res);
-        res = NULL;
-    }
+    if (n_ops > 0 &&
+        !tally_runops_apply(d->pg, ops, n_ops, d->worker_id, d->source, ob, ab, op_results, err))
+        goto out;
     if (!tally_audit_batch_flush(ab, d->pg, err) || !tally_outbox_batch_flush(ob, d->pg, err))
         goto out;
     ok = true;
@@ -702,9 +578,9 @@ out:
     PQclear(res);
     json_decref(runs);
     json_decref(effects);
-    json_decref(cancels);
-    json_decref(comps);
     json_decref(existing);
+    free(ops);
+    free(op_results);
     free(sorted);
     free(created);
     return ok;

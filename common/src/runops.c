@@ -188,7 +188,8 @@ static const char SQL_CANCEL_EFFECTS[] =
     " FROM old, req"
     " WHERE e.effect_id = old.effect_id AND e.run_id = req.run_id"
     "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
-    " RETURNING e.effect_id::text, e.run_id, old.status";
+    " RETURNING e.effect_id::text, e.run_id, old.status, e.step, e.step_num IS NOT NULL, e.tool,"
+    "   e.operation_key, e.attempts, e.intent_id";
 
 /* One obligation per CONFIRMED effect, last step first; asking twice creates nothing new
  * (UNIQUE NULLS NOT DISTINCT (effect_id, external_ref)). */
@@ -427,9 +428,34 @@ static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_er
     return true;
 }
 
+/* tally.effect.cancelled.v1 for one cancelled effect (DESIGN §5 effect event fields), so the
+ * agent waiting on that intent hears that it will never run. Row layout of SQL_CANCEL_EFFECTS. */
+static bool queue_cancelled_event(PGresult *res, int row, const char *source,
+                                  tally_outbox_batch_t *ob)
+{
+    const char *run_id = PQgetvalue(res, row, 1);
+    const char *step = PQgetvalue(res, row, 3);
+    json_t *step_json = PQgetvalue(res, row, 4)[0] == 't' ? json_integer(strtoll(step, NULL, 10))
+                                                          : json_string(step);
+    json_t *data =
+        json_pack("{s:s, s:s, s:o, s:s, s:s, s:s, s:n, s:n, s:n, s:I, s:s, s:s}", "effect_id",
+                  PQgetvalue(res, row, 0), "run_id", run_id, "step", step_json, "tool",
+                  PQgetvalue(res, row, 5), "operation_key", PQgetvalue(res, row, 6), "status",
+                  "CANCELLED", "receipt", "external_ref", "error", "attempts",
+                  (json_int_t)strtoll(PQgetvalue(res, row, 7), NULL, 10), "intent_id",
+                  PQgetvalue(res, row, 8), "previous_status", PQgetvalue(res, row, 2));
+    json_t *ce =
+        data != NULL ? tally_ce_new("tally.effect.cancelled.v1", source, run_id, data, NULL) : NULL;
+    if (ce == NULL)
+        return false;
+    tally_outbox_batch_add(ob, "outcomes", run_id, ce);
+    json_decref(ce);
+    return true;
+}
+
 static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, run_state_t *runs,
-                           size_t n_runs, const char *actor, tally_audit_batch_t *ab,
-                           tally_error_t *err)
+                           size_t n_runs, const char *actor, const char *source,
+                           tally_outbox_batch_t *ob, tally_audit_batch_t *ab, tally_error_t *err)
 {
     json_t *req = json_array();
     if (req == NULL) {
@@ -466,6 +492,10 @@ static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, r
                                       .actor = actor,
                                       .reason = "cancel_run"};
             tally_audit_batch_add(ab, &ev);
+            if (!queue_cancelled_event(res, row, source, ob)) {
+                tally_error_set(err, "oom", true, "out of memory building a cancelled event");
+                ok = false;
+            }
         }
         PQclear(res);
     }
@@ -548,7 +578,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         }
     }
     if (!lock_runs(pg, runs, n_runs, err) ||
-        !cancel_effects(pg, ops, n, runs, n_runs, actor, ab, err) ||
+        !cancel_effects(pg, ops, n, runs, n_runs, actor, source, ob, ab, err) ||
         !create_obligations(pg, ops, n, runs, n_runs, actor, source, ob, ab, err)) {
         goto out;
     }

@@ -92,6 +92,24 @@ class DispatchRunsTest(DispatchCase):
         self.assertEqual(len(obl), 3)
         self.invariants()
 
+    def test_compensate_run_while_the_only_effect_is_in_flight_still_compensates_it(self):
+        # Nothing is CONFIRMED yet when the request arrives: the run must still turn
+        # COMPENSATING, so the effect gets its obligation once it is confirmed.
+        self.dispatcher()
+        run = run_id()
+        self.fault("slow", collection="holds", times=1, delay_ms=1500)
+        self.publish(self.intent(run, 1, "create_hold", {"hold_id": f"{run}-h"}))
+        self.wait_status("create_hold", f"create_hold:{run}-h", "DISPATCHING")
+        self.publish(run_message(self, "compensate_run", run))
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'COMPENSATING'",
+                        1, (run,))
+        self.assertEqual(self.scalar("SELECT count(*) FROM obligations WHERE run_id = %s",
+                                     (run,)), 0)
+        self.wait_status("create_hold", f"create_hold:{run}-h", "CONFIRMED")
+        self.assertEqual(self.scalar("SELECT count(*) FROM events WHERE run_id = %s"
+                                     " AND kind = 'compensate_run'", (run,)), 1)
+        self.invariants()
+
     def test_sigterm_lets_calls_in_flight_finish_and_records_them(self):
         d = self.dispatcher(TALLY_SHUTDOWN_GRACE_MS=10000)
         run = run_id()

@@ -109,7 +109,8 @@ typedef struct tally_runop_result {
  * Every statement handles the whole batch. Queues on @p ab an audit event per cancelled effect,
  * per new obligation, per run status change and per request (kind "compensate_run" /
  * "cancel_run", by @p actor), and on @p ob a tally.obligation.v1 (topic "obligations", key run_id,
- * CloudEvents source @p source) per new obligation; the caller flushes both before COMMIT.
+ * CloudEvents source @p source) per new obligation and a tally.effect.cancelled.v1 (topic
+ * "outcomes") per cancelled effect; the caller flushes both before COMMIT.
  * @param results @p n entries, filled in request order.
  */
 bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, const char *actor,
