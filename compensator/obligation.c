@@ -11,6 +11,7 @@
 #include "tally/alert.h"
 #include "tally/audit.h"
 #include "tally/cloudevent.h"
+#include "tally/crashpoint.h"
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/outbox.h"
@@ -545,6 +546,7 @@ int comp_lease(compensator_t *c)
     }
     n = PQntuples(res);
     for (int row = 0; row < n; row++) {
+        TALLY_CRASHPOINT("compensate.after_lease_commit");
         comp_ob_t *ob = ob_from_row(c, res, row);
         if (ob == NULL) {
             TALLY_ERROR("out of memory reading leased obligation %s; its lease will expire",
@@ -582,6 +584,7 @@ void comp_on_done(const tally_conn_result_t *res, void *opaque)
 {
     compensator_t *c = opaque;
     comp_ob_t *ob = res->opaque;
+    TALLY_CRASHPOINT("compensate.after_reverse_answer");
     tally_conn_verdict_t v;
     tally_conn_classify_compensate(res, &v);
     tally_metric_observe(c->m_reverse, res->seconds, ob->tool_name);

@@ -9,6 +9,7 @@
 #include "dispatcher.h"
 #include "tally/backoff.h"
 #include "tally/audit.h"
+#include "tally/crashpoint.h"
 #include "tally/log.h"
 
 /* ---------------------------------------------------------------------------------------- */
@@ -206,6 +207,7 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
 {
     dispatcher_t *d = opaque;
     dispatch_call_t *call = res->opaque;
+    TALLY_CRASHPOINT("dispatch.after_call_answer");
     dispatch_done_t *x = done_push(d);
     if (!x) {
         /* Nothing recorded: the lease expires and the reconciler resolves the effect. */
@@ -334,6 +336,7 @@ int deliver_claim(dispatcher_t *d)
     }
     int n = PQntuples(res);
     for (int row = 0; row < n; row++) {
+        TALLY_CRASHPOINT("dispatch.after_claim_commit");
         const char *tool_name = PQgetvalue(res, row, 4);
         const tally_tool_t *tool = tally_registry_find(d->reg, tool_name);
         dispatch_call_t *call = calloc(1, sizeof *call);
@@ -628,6 +631,7 @@ out:
         tally_worker_set_ready(d->w, false, err.message);
         return -1;
     }
+    TALLY_CRASHPOINT("dispatch.after_record_commit");
     if (d->record_backoff_ms)
         tally_worker_set_ready(d->w, true, NULL);
     d->record_backoff_ms = 0;

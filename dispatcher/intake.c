@@ -12,6 +12,7 @@
 #include "dispatcher.h"
 #include "tally/runops.h"
 #include "tally/audit.h"
+#include "tally/crashpoint.h"
 #include "tally/id.h"
 #include "tally/json.h"
 #include "tally/log.h"
@@ -692,6 +693,7 @@ int intake_step(dispatcher_t *d)
         tally_worker_set_ready(d->w, true, NULL);
     }
     d->intake_backoff_ms = 0;
+    TALLY_CRASHPOINT("dispatch.after_intake_commit");
     store_offsets(d);
     int n = (int)d->n_batch;
     intake_discard(d);

@@ -19,6 +19,7 @@
 
 #include <librdkafka/rdkafka.h>
 
+#include "tally/crashpoint.h"
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/metrics.h"
@@ -239,6 +240,7 @@ static void on_check_done(const tally_conn_result_t *res, void *opaque)
 {
     reconciler_t *rc = opaque;
     tally_recon_item_t *it = res->opaque;
+    TALLY_CRASHPOINT("reconcile.after_status_answer");
     rc->inflight--;
     it->checked = true;
     it->http_status = res->http_status;
@@ -314,6 +316,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     size_t n_release = 0;
     for (int i = 0; i < n; i++) {
         tally_recon_item_t *it = items[i];
+        TALLY_CRASHPOINT("reconcile.after_lease_commit");
         if (it->tool->status.path == NULL) {
             /* nothing to ask: the decision needs no call */
             it->verdict.verdict = TALLY_VERDICT_INCONCLUSIVE;

@@ -23,6 +23,7 @@
 
 #include <jansson.h>
 
+#include "tally/crashpoint.h"
 #include "tally/kafka.h"
 #include "tally/log.h"
 #include "tally/pg.h"
@@ -540,6 +541,7 @@ int tally_relay_round(tally_relay_t *r)
     }
     int result = (int)delivered;
     if (failed == 0 && unknown == 0) {
+        TALLY_CRASHPOINT("relay.after_delivery");
         /* every row was acknowledged: now, and only now, their deletion becomes visible */
         if (!tally_pg_commit(r->pg, &err)) {
             tally_pg_rollback(r->pg);

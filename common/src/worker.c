@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/crashpoint.h"
 #include "tally/httpd.h"
 #include "tally/kafka.h"
 #include "tally/log.h"
@@ -715,6 +716,7 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
         goto out;
     }
     prepare_exit_line(ops->name, w->id);
+    tally_crashpoint_init(); /* a test build's TALLY_CRASH_AT, before any thread starts */
     install_signals();
     if ((rc = setup_registry(w)) != 0 || (rc = setup_metrics(w)) != 0) {
         goto out;
