@@ -9,7 +9,6 @@ fixture's (its own database and topic prefix), so this runs beside the other tes
 
 import json
 import os
-import re
 import subprocess
 import sys
 import urllib.request
@@ -24,44 +23,7 @@ SECRET = "whsec_demo_test"
 # Debian's interpreter sees python3-confluent-kafka; the test itself may run under another.
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
-# A worker whose main.c still says this is the lifecycle skeleton, not the worker.
-SKELETON_MARK = "without acting on it"
-CLI_VERBS = ("status", "summary", "resolve")
-
-
-def not_ready():
-    """Why the story cannot run yet (a part it needs is not implemented), or None."""
-    for worker in ("dispatcher", "reconciler", "compensator"):
-        main_c = os.path.join(SOURCE_DIR, worker, "main.c")
-        try:
-            with open(main_c) as f:
-                if SKELETON_MARK in f.read():
-                    return f"tally-{worker} is still the lifecycle skeleton ({worker}/main.c)"
-        except OSError:
-            return f"{main_c} is missing"
-        try:
-            binary(f"tally-{worker}")
-        except FileNotFoundError as e:
-            return str(e)
-    try:
-        out = subprocess.run([binary("tally"), "--help"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except FileNotFoundError as e:
-        return str(e)
-    listed = set(re.findall(r"^  (\S+)", out, re.M))
-    missing = [v for v in CLI_VERBS if v not in listed]
-    if missing:
-        return f"tally has no {', '.join(missing)} verb yet"
-    return None
-
-
 class DemoStoryTest(TallyCase):
-
-    def setUp(self):
-        why = not_ready()
-        if why:
-            self.skipTest(why)
-        super().setUp()
 
     def start_fake(self):
         port_file = os.path.join(self.tmp, "fake.port")
