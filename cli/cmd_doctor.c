@@ -138,7 +138,10 @@ typedef struct run_opts {
     bool as_json;
 } run_opts_t;
 
-static int parse_run_opts(run_opts_t *o, const char *usage, int argc, char **argv)
+/* Parse the options and connect. @returns the connection, or NULL with *@p rc the exit code
+ * (--help, a usage error, PostgreSQL out of reach). */
+static tally_pg_t *open_run(run_opts_t *o, const char *usage, int argc, char **argv,
+                            const tally_config_t *cfg, int *rc)
 {
     static const struct option opts[] = {
         {"run", required_argument, NULL, 'r'},
@@ -146,10 +149,9 @@ static int parse_run_opts(run_opts_t *o, const char *usage, int argc, char **arg
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    optind = 1;
-    opterr = 0; /* cli_bad_option says it, naming the verb */
     int c;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    cli_options_begin();
+    while ((c = cli_next_option(o->verb, usage, argc, argv, opts, rc)) != -1) {
         switch (c) {
         case 'r':
             o->run = optarg;
@@ -157,20 +159,22 @@ static int parse_run_opts(run_opts_t *o, const char *usage, int argc, char **arg
         case 'j':
             o->as_json = true;
             break;
-        case 'h':
-            fputs(usage, stdout);
-            return CLI_EXIT_OK;
-        default:
-            return cli_bad_option(o->verb, c, argv);
         }
     }
-    if (optind < argc)
-        return cli_usage_error(o->verb, "unexpected argument '%s'", argv[optind]);
-    if (o->run == NULL)
-        return cli_usage_error(o->verb, "--run R is required");
-    if (!cli_check_text(o->verb, "--run", o->run))
-        return CLI_EXIT_USAGE;
-    return -1;
+    if (*rc >= 0)
+        return NULL;
+    if (o->run == NULL) {
+        *rc = cli_usage_error(o->verb, "--run R is required");
+        return NULL;
+    }
+    if (!cli_check_text(o->verb, "--run", o->run)) {
+        *rc = CLI_EXIT_USAGE;
+        return NULL;
+    }
+    tally_pg_t *pg = cli_connect(o->verb, cfg);
+    if (pg == NULL)
+        *rc = CLI_EXIT_INFRA;
+    return pg;
 }
 
 /* "HH:MM:SS.mmm" of an ISO timestamp as PostgreSQL writes it in UTC. */
@@ -265,11 +269,6 @@ static const json_t *find_by(const json_t *rows, const char *key, const char *id
             return row;
     }
     return NULL;
-}
-
-static bool read_snapshot_begin(tally_pg_t *pg, tally_error_t *err)
-{
-    return tally_pg_run(pg, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", 0, NULL, err);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -502,17 +501,15 @@ static bool print_doctor(const json_t *doc)
 int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg)
 {
     run_opts_t o = {.verb = "doctor"};
-    int rc = parse_run_opts(&o, USAGE_DOCTOR, argc, argv);
-    if (rc >= 0)
-        return rc;
-    tally_pg_t *pg = cli_connect(o.verb, cfg);
+    int rc;
+    tally_pg_t *pg = open_run(&o, USAGE_DOCTOR, argc, argv, cfg, &rc);
     if (pg == NULL)
-        return CLI_EXIT_INFRA;
+        return rc;
     const char *params[1] = {o.run};
     tally_error_t err;
     json_t *run = NULL, *events = NULL, *effects = NULL, *obligations = NULL, *alerts = NULL;
     json_t *waiting = NULL, *doc = NULL;
-    if (!read_snapshot_begin(pg, &err) ||
+    if (!cli_begin_snapshot(pg, &err) ||
         (run = cli_query_json(pg, SQL_RUN, 1, params, &err)) == NULL) {
         rc = cli_pg_fail(o.verb, "cannot read the run", &err);
         goto out;
@@ -534,17 +531,7 @@ int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg)
     doc = json_pack("{s:O, s:O, s:O, s:O, s:O, s:O}", "run", run, "events", events, "effects",
                     effects, "obligations", obligations, "alerts", alerts, "messages_waiting",
                     waiting);
-    if (doc == NULL) {
-        fprintf(stderr, "tally doctor: out of memory\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    if (!(o.as_json ? cli_print_json(doc) : print_doctor(doc))) {
-        fprintf(stderr, "tally doctor: cannot write the report to stdout\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    rc = CLI_EXIT_OK;
+    rc = cli_print_report(o.verb, doc, o.as_json, print_doctor);
 out:
     json_decref(doc);
     json_decref(run);
@@ -866,16 +853,14 @@ static bool print_summary(const json_t *doc)
 int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg)
 {
     run_opts_t o = {.verb = "summary"};
-    int rc = parse_run_opts(&o, USAGE_SUMMARY, argc, argv);
-    if (rc >= 0)
-        return rc;
-    tally_pg_t *pg = cli_connect(o.verb, cfg);
+    int rc;
+    tally_pg_t *pg = open_run(&o, USAGE_SUMMARY, argc, argv, cfg, &rc);
     if (pg == NULL)
-        return CLI_EXIT_INFRA;
+        return rc;
     const char *params[1] = {o.run};
     tally_error_t err;
     json_t *stored = NULL, *items = NULL, *doc = NULL;
-    if (!read_snapshot_begin(pg, &err)) {
+    if (!cli_begin_snapshot(pg, &err)) {
         rc = cli_pg_fail(o.verb, "cannot read the ledger", &err);
         goto out;
     }
@@ -901,17 +886,7 @@ int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg)
     }
     tally_pg_rollback(pg);
     doc = build_summary(o.run, stored, items);
-    if (doc == NULL) {
-        fprintf(stderr, "tally summary: out of memory\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    if (!(o.as_json ? cli_print_json(doc) : print_summary(doc))) {
-        fprintf(stderr, "tally summary: cannot write the report to stdout\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    rc = CLI_EXIT_OK;
+    rc = cli_print_report(o.verb, doc, o.as_json, print_summary);
 out:
     json_decref(doc);
     json_decref(items);

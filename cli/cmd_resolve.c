@@ -262,6 +262,40 @@ static void appendf(char *buf, size_t sz, const char *fmt, ...)
     va_end(ap);
 }
 
+static const char *state_name(bool effect, int state)
+{
+    return effect ? tally_effect_state_name((tally_effect_state_t)state)
+                  : tally_obligation_state_name((tally_obligation_state_t)state);
+}
+
+/* The state an item's status column names; false for one the ledger does not know. */
+static bool parse_state(bool effect, const char *text, int *state)
+{
+    tally_effect_state_t effect_state = TALLY_EFFECT_PLANNED;
+    tally_obligation_state_t obligation_state = TALLY_OBLIGATION_PENDING;
+    bool known = effect ? tally_effect_state_parse(text, &effect_state)
+                        : tally_obligation_state_parse(text, &obligation_state);
+    *state = effect ? (int)effect_state : (int)obligation_state;
+    return known;
+}
+
+/* Where the verb moves an effect (@p effect) or an obligation. */
+static int target_state(const op_t *o, bool effect)
+{
+    switch (o->verb) {
+    case VERB_APPROVE:
+        return effect ? (int)TALLY_EFFECT_PLANNED : (int)TALLY_OBLIGATION_PENDING;
+    case VERB_DENY:
+        return effect ? (int)TALLY_EFFECT_REJECTED : (int)TALLY_OBLIGATION_SKIPPED;
+    case VERB_RESOLVE:
+    default:
+        if (effect)
+            return strcmp(o->as, "confirmed") == 0 ? TALLY_EFFECT_CONFIRMED : TALLY_EFFECT_FAILED;
+        return strcmp(o->as, "resolved") == 0 ? TALLY_OBLIGATION_RESOLVED
+                                              : TALLY_OBLIGATION_SKIPPED;
+    }
+}
+
 /*
  * Print why a move is refused, from the transition tables alone: which states
  * this command applies to, and what an operator can do from the current one.
@@ -271,18 +305,15 @@ static void explain_refusal(const op_t *o, bool effect, const char *id, int from
     const tally_transition_t *table =
         effect ? tally_effect_transitions : tally_obligation_transitions;
     const char *kind = effect ? "effect" : "obligation";
-    const char *from_name = effect ? tally_effect_state_name((tally_effect_state_t)from)
-                                   : tally_obligation_state_name((tally_obligation_state_t)from);
-    const char *to_name = effect ? tally_effect_state_name((tally_effect_state_t)to)
-                                 : tally_obligation_state_name((tally_obligation_state_t)to);
+    const char *from_name = state_name(effect, from);
+    const char *to_name = state_name(effect, to);
     char sources[256] = "", moves[512] = "";
     size_t n_sources = 0, n_moves = 0;
     for (const tally_transition_t *t = table; t->by != NULL; t++) {
         if (strcmp(t->by, "operator") != 0)
             continue;
         if (t->to == to) {
-            const char *name = effect ? tally_effect_state_name((tally_effect_state_t)t->from)
-                                      : tally_obligation_state_name(t->from);
+            const char *name = state_name(effect, t->from);
             if (strstr(sources, name) == NULL) {
                 appendf(sources, sizeof sources, "%s%s", n_sources ? " or " : "", name);
                 n_sources++;
@@ -434,11 +465,29 @@ static void add_transition(tally_audit_batch_t *ab, const char *kind, const char
     tally_audit_batch_add(ab, &ev);
 }
 
-/* Resolve the pages the item kept open, in this transaction. */
-static bool resolve_alerts(tally_pg_t *pg, const op_t *o, const char *kind, const char *id,
-                           const char *to, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
-                           done_t *d, tally_error_t *err)
+/* The "operator" event: the move in @p d, who decided it, why, and on what evidence
+ * (@p evidence, borrowed). */
+static void add_decision(tally_audit_batch_t *ab, const op_t *o, const done_t *d,
+                         const char *run_id, const char *effect_id, const char *obligation_id,
+                         const json_t *evidence)
 {
+    tally_audit_event_t ev = {.run_id = run_id,
+                              .effect_id = effect_id,
+                              .obligation_id = obligation_id,
+                              .kind = "operator",
+                              .from_status = d->from,
+                              .to_status = d->to,
+                              .actor = o->actor,
+                              .reason = o->reason,
+                              .data = evidence};
+    tally_audit_batch_add(ab, &ev);
+}
+
+/* Resolve the pages the item moved in @p d kept open, in this transaction. */
+static bool resolve_alerts(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                           tally_audit_batch_t *ab, done_t *d, tally_error_t *err)
+{
+    const char *kind = d->kind, *id = d->id, *to = d->to;
     char *key =
         strcmp(kind, "effect") == 0 ? tally_alert_effect_key(id) : tally_alert_obligation_key(id);
     if (key == NULL) {
@@ -474,78 +523,103 @@ static bool resolve_alerts(tally_pg_t *pg, const op_t *o, const char *kind, cons
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Effects                                                                                  */
+/* Effects and obligations                                                                  */
 
-/* The move, in the open transaction. @returns an exit code; CLI_EXIT_OK means
- * commit. */
-static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
-                       tally_audit_batch_t *ab, done_t *d)
+/*
+ * Lock the row of the item named in @p d (SQL_EFFECT_LOCK when @p effect, else
+ * SQL_OBLIGATION_LOCK) and check that an operator may make the verb's move from its state.
+ * @returns CLI_EXIT_OK with the row in *@p cur (the caller clears it), the state to move to in
+ * *@p to, and d->from, d->to, d->run_id and d->warn filled; otherwise the exit code, said on
+ * stderr.
+ */
+static int lock_item(tally_pg_t *pg, const op_t *o, bool effect, PGresult **cur, int *to, done_t *d)
 {
+    const int lease_col = effect ? 13 : 9; /* lease_owner, then whether the lease is live */
     tally_error_t err;
-    const char *id = o->effect_id;
-    const char *p_lock[1] = {id};
-    PGresult *cur = tally_pg_exec(pg, SQL_EFFECT_LOCK, 1, p_lock, &err);
-    if (cur == NULL)
-        return cli_pg_fail(o->name, "cannot read the effect", &err);
-    if (PQntuples(cur) == 0) {
-        fprintf(stderr, "tally %s: no effect %s in this ledger. Nothing was changed.\n", o->name,
-                id);
-        PQclear(cur);
+    char what[64];
+    snprintf(what, sizeof what, "cannot read the %s", d->kind);
+    PGresult *res =
+        tally_pg_exec(pg, effect ? SQL_EFFECT_LOCK : SQL_OBLIGATION_LOCK, 1, &d->id, &err);
+    if (res == NULL)
+        return cli_pg_fail(o->name, what, &err);
+    if (PQntuples(res) == 0) {
+        fprintf(stderr, "tally %s: no %s %s in this ledger. Nothing was changed.\n", o->name,
+                d->kind, d->id);
+        PQclear(res);
         return CLI_EXIT_REFUSED;
     }
-    tally_effect_state_t from, to;
-    if (!tally_effect_state_parse(col(cur, 0, 0), &from)) {
-        fprintf(stderr, "tally %s: effect %s has the unknown status '%s'\n", o->name, id,
-                col(cur, 0, 0));
-        PQclear(cur);
+    int from;
+    if (!parse_state(effect, col(res, 0, 0), &from)) {
+        fprintf(stderr, "tally %s: %s %s has the unknown status '%s'\n", o->name, d->kind, d->id,
+                col(res, 0, 0));
+        PQclear(res);
         return CLI_EXIT_REFUSED;
     }
-    switch (o->verb) {
-    case VERB_APPROVE:
-        to = TALLY_EFFECT_PLANNED;
-        break;
-    case VERB_DENY:
-        to = TALLY_EFFECT_REJECTED;
-        break;
-    case VERB_RESOLVE:
-    default:
-        to = strcmp(o->as, "confirmed") == 0 ? TALLY_EFFECT_CONFIRMED : TALLY_EFFECT_FAILED;
-        break;
-    }
-    if (!operator_may(true, (int)from, (int)to)) {
-        explain_refusal(o, true, id, (int)from, (int)to);
-        PQclear(cur);
+    *to = target_state(o, effect);
+    if (!operator_may(effect, from, *to)) {
+        explain_refusal(o, effect, d->id, from, *to);
+        PQclear(res);
         return CLI_EXIT_REFUSED;
     }
-
-    const char *from_name = tally_effect_state_name(from);
-    const char *to_name = tally_effect_state_name(to);
-    snprintf(d->from, sizeof d->from, "%s", from_name);
-    snprintf(d->to, sizeof d->to, "%s", to_name);
-    snprintf(d->run_id, sizeof d->run_id, "%s", col(cur, 0, 2));
-    if (col(cur, 0, 13) != NULL && strcmp(col(cur, 0, 14), "t") == 0)
+    snprintf(d->from, sizeof d->from, "%s", state_name(effect, from));
+    snprintf(d->to, sizeof d->to, "%s", state_name(effect, *to));
+    snprintf(d->run_id, sizeof d->run_id, "%s", col(res, 0, 2));
+    if (col(res, 0, lease_col) != NULL && strcmp(col(res, 0, lease_col + 1), "t") == 0)
         snprintf(d->warn, sizeof d->warn,
                  "%s held a lease on it until now; that lease is void (epoch %s -> next)",
-                 col(cur, 0, 13), col(cur, 0, 1));
+                 col(res, 0, lease_col), col(res, 0, 1));
+    *cur = res;
+    return CLI_EXIT_OK;
+}
+
+/* The item's new status_reason: "resolved by ACTOR: REASON" (or approved, denied). */
+static void decision_reason(const op_t *o, char *out, size_t outsz)
+{
+    const char *decided = o->verb == VERB_RESOLVE   ? "resolved"
+                          : o->verb == VERB_APPROVE ? "approved"
+                                                    : "denied";
+    snprintf(out, outsz, "%s by %s: %s", decided, o->actor, o->reason);
+}
+
+/* The receipt a settled item keeps: --receipt, or who resolved it, the ref and why. Compact
+ * JSON with sorted keys, malloc'd; NULL when out of memory. */
+static char *decision_receipt(const op_t *o)
+{
+    json_t *receipt = o->receipt != NULL ? json_incref(o->receipt)
+                                         : json_pack("{s:s, s:s?, s:s}", "resolved_by", o->actor,
+                                                     "external_ref", o->ref, "reason", o->reason);
+    char *text = receipt != NULL ? json_dumps(receipt, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    json_decref(receipt);
+    return text;
+}
+
+/* The compare-and-set found no row: cannot happen under FOR UPDATE; said plainly if it does. */
+static int changed_meanwhile(const op_t *o, const done_t *d)
+{
+    fprintf(stderr,
+            "tally %s: %s %s changed while this ran; nothing was changed, run `tally "
+            "doctor --run %s` and try again\n",
+            o->name, d->kind, d->id, d->run_id);
+    return CLI_EXIT_REFUSED;
+}
+
+/* The move of an effect, in the open transaction; @p cur is its row, locked (lock_item). The
+ * obligation's below is the same. @returns an exit code; CLI_EXIT_OK means commit. */
+static int effect_move(tally_pg_t *pg, const op_t *o, const PGresult *cur, tally_effect_state_t to,
+                       tally_outbox_batch_t *ob, tally_audit_batch_t *ab, done_t *d)
+{
+    const char *id = d->id, *from_name = d->from, *to_name = d->to;
+    tally_error_t err;
 
     /* The new values. */
     char status_reason[1024], error_message[1024];
     const char *error_code = NULL, *receipt_text = NULL, *ref = NULL;
     char *receipt_owned = NULL;
-    const char *decided = o->verb == VERB_RESOLVE   ? "resolved"
-                          : o->verb == VERB_APPROVE ? "approved"
-                                                    : "denied";
-    snprintf(status_reason, sizeof status_reason, "%s by %s: %s", decided, o->actor, o->reason);
+    decision_reason(o, status_reason, sizeof status_reason);
     error_message[0] = '\0';
     if (to == TALLY_EFFECT_CONFIRMED) {
-        json_t *receipt = o->receipt != NULL
-                              ? json_incref(o->receipt)
-                              : json_pack("{s:s, s:s, s:s}", "resolved_by", o->actor,
-                                          "external_ref", o->ref, "reason", o->reason);
-        receipt_owned = receipt != NULL ? json_dumps(receipt, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
-        json_decref(receipt);
+        receipt_owned = decision_receipt(o);
         if (receipt_owned == NULL) {
-            PQclear(cur);
             fprintf(stderr, "tally %s: out of memory\n", o->name);
             return CLI_EXIT_REFUSED;
         }
@@ -565,18 +639,11 @@ static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
                              ref,     error_code,    error_code != NULL ? error_message : NULL};
     PGresult *moved = tally_pg_exec(pg, SQL_EFFECT_MOVE, 9, p_move, &err);
     free(receipt_owned);
-    if (moved == NULL) {
-        PQclear(cur);
+    if (moved == NULL)
         return cli_pg_fail(o->name, "cannot update the effect", &err);
-    }
-    if (PQntuples(moved) != 1) { /* cannot happen under FOR UPDATE; said plainly if it does */
-        fprintf(stderr,
-                "tally %s: effect %s changed while this ran; nothing was changed, run `tally "
-                "doctor --run %s` and try again\n",
-                o->name, id, d->run_id);
+    if (PQntuples(moved) != 1) {
         PQclear(moved);
-        PQclear(cur);
-        return CLI_EXIT_REFUSED;
+        return changed_meanwhile(o, d);
     }
 
     const char *p_outbox[2] = {id, col(cur, 0, 5)};
@@ -584,7 +651,6 @@ static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
                            to == TALLY_EFFECT_PLANNED ? 2 : 1, p_outbox, &err);
     if (!ok) {
         PQclear(moved);
-        PQclear(cur);
         return cli_pg_fail(o->name, "cannot update the dispatch outbox", &err);
     }
 
@@ -599,15 +665,7 @@ static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
                   o->receipt, "lease_epoch", PQgetvalue(moved, 0, 0), "previous", previous);
     if (evidence != NULL && o->ref != NULL)
         json_object_set_new(evidence, "external_ref", json_string(o->ref));
-    tally_audit_event_t ev = {.run_id = d->run_id,
-                              .effect_id = id,
-                              .kind = "operator",
-                              .from_status = from_name,
-                              .to_status = to_name,
-                              .actor = o->actor,
-                              .reason = o->reason,
-                              .data = evidence};
-    tally_audit_batch_add(ab, &ev);
+    add_decision(ab, o, d, d->run_id, id, NULL, evidence);
     json_decref(evidence);
 
     /* The outcome: what agents waiting on this effect learn. Approval is not an
@@ -640,87 +698,30 @@ static int effect_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
                  "It is due for dispatch now; a running tally-dispatcher picks it up at once.");
     }
     PQclear(moved);
-    PQclear(cur);
     if (!ok) {
         fprintf(stderr, "tally %s: out of memory building the outcome event\n", o->name);
         return CLI_EXIT_REFUSED;
     }
-    if (!resolve_alerts(pg, o, "effect", id, to_name, ob, ab, d, &err))
-        return cli_pg_fail(o->name, "cannot resolve the effect's alert", &err);
     return CLI_EXIT_OK;
 }
 
-/* ---------------------------------------------------------------------------------------- */
-/* Obligations                                                                              */
-
-static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+static int obligation_move(tally_pg_t *pg, const op_t *o, const PGresult *cur,
+                           tally_obligation_state_t to, tally_outbox_batch_t *ob,
                            tally_audit_batch_t *ab, done_t *d)
 {
-    tally_error_t err;
-    const char *id = o->obligation_id;
-    const char *p_lock[1] = {id};
-    PGresult *cur = tally_pg_exec(pg, SQL_OBLIGATION_LOCK, 1, p_lock, &err);
-    if (cur == NULL)
-        return cli_pg_fail(o->name, "cannot read the obligation", &err);
-    if (PQntuples(cur) == 0) {
-        fprintf(stderr, "tally %s: no obligation %s in this ledger. Nothing was changed.\n",
-                o->name, id);
-        PQclear(cur);
-        return CLI_EXIT_REFUSED;
-    }
-    tally_obligation_state_t from, to;
-    if (!tally_obligation_state_parse(col(cur, 0, 0), &from)) {
-        fprintf(stderr, "tally %s: obligation %s has the unknown status '%s'\n", o->name, id,
-                col(cur, 0, 0));
-        PQclear(cur);
-        return CLI_EXIT_REFUSED;
-    }
-    switch (o->verb) {
-    case VERB_APPROVE:
-        to = TALLY_OBLIGATION_PENDING;
-        break;
-    case VERB_DENY:
-        to = TALLY_OBLIGATION_SKIPPED;
-        break;
-    case VERB_RESOLVE:
-    default:
-        to = strcmp(o->as, "resolved") == 0 ? TALLY_OBLIGATION_RESOLVED : TALLY_OBLIGATION_SKIPPED;
-        break;
-    }
-    if (!operator_may(false, (int)from, (int)to)) {
-        explain_refusal(o, false, id, (int)from, (int)to);
-        PQclear(cur);
-        return CLI_EXIT_REFUSED;
-    }
-    const char *from_name = tally_obligation_state_name(from);
-    const char *to_name = tally_obligation_state_name(to);
-    snprintf(d->from, sizeof d->from, "%s", from_name);
-    snprintf(d->to, sizeof d->to, "%s", to_name);
-    snprintf(d->run_id, sizeof d->run_id, "%s", col(cur, 0, 2));
+    const char *id = d->id, *from_name = d->from, *to_name = d->to;
     const char *effect_id = col(cur, 0, 3);
-    if (col(cur, 0, 9) != NULL && strcmp(col(cur, 0, 10), "t") == 0)
-        snprintf(d->warn, sizeof d->warn,
-                 "%s held a lease on it until now; that lease is void (epoch %s -> next)",
-                 col(cur, 0, 9), col(cur, 0, 1));
+    tally_error_t err;
 
     char status_reason[1024];
-    const char *decided = o->verb == VERB_RESOLVE   ? "resolved"
-                          : o->verb == VERB_APPROVE ? "approved"
-                                                    : "denied";
-    snprintf(status_reason, sizeof status_reason, "%s by %s: %s", decided, o->actor, o->reason);
+    decision_reason(o, status_reason, sizeof status_reason);
     bool ok = true;
     char *reverse_text = NULL;
 
     if (o->verb == VERB_RESOLVE) {
         if (to == TALLY_OBLIGATION_RESOLVED) {
-            json_t *rr = o->receipt != NULL
-                             ? json_incref(o->receipt)
-                             : json_pack("{s:s, s:s?, s:s}", "resolved_by", o->actor,
-                                         "external_ref", o->ref, "reason", o->reason);
-            reverse_text = rr != NULL ? json_dumps(rr, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
-            json_decref(rr);
+            reverse_text = decision_receipt(o);
             if (reverse_text == NULL) {
-                PQclear(cur);
                 fprintf(stderr, "tally %s: out of memory\n", o->name);
                 return CLI_EXIT_REFUSED;
             }
@@ -730,7 +731,6 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
         PGresult *moved = tally_pg_exec(pg, SQL_OBLIGATION_SETTLE, 6, params, &err);
         if (moved == NULL) {
             free(reverse_text);
-            PQclear(cur);
             return cli_pg_fail(o->name, "cannot update the obligation", &err);
         }
         ok = PQntuples(moved) == 1;
@@ -740,16 +740,7 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
                       o->as, "external_ref", o->ref, "receipt", o->receipt, "previous", "status",
                       from_name, "status_reason", col(cur, 0, 11), "error_code", col(cur, 0, 7),
                       "error_message", col(cur, 0, 8));
-        tally_audit_event_t ev = {.run_id = d->run_id,
-                                  .effect_id = effect_id,
-                                  .obligation_id = id,
-                                  .kind = "operator",
-                                  .from_status = from_name,
-                                  .to_status = to_name,
-                                  .actor = o->actor,
-                                  .reason = o->reason,
-                                  .data = evidence};
-        tally_audit_batch_add(ab, &ev);
+        add_decision(ab, o, d, d->run_id, effect_id, id, evidence);
         json_decref(evidence);
     } else {
         /* The shared approval SQL (runops.h) sets approved_at/approved_by, which
@@ -757,31 +748,22 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
         size_t changed = 0;
         const char *ids[1] = {id};
         if (!tally_runops_approve_obligations(pg, ids, 1, o->verb == VERB_APPROVE, o->actor,
-                                              o->reason, ab, &changed, &err)) {
-            PQclear(cur);
+                                              o->reason, ab, &changed, &err))
             return cli_pg_fail(o->name, "cannot update the obligation", &err);
-        }
         ok = changed == 1;
         if (ok) {
             const char *params[4] = {id, to_name, col(cur, 0, 1),
                                      o->verb == VERB_DENY ? status_reason : NULL};
             PGresult *moved = tally_pg_exec(pg, SQL_OBLIGATION_AFTER_APPROVAL, 4, params, &err);
-            if (moved == NULL) {
-                PQclear(cur);
+            if (moved == NULL)
                 return cli_pg_fail(o->name, "cannot update the obligation", &err);
-            }
             ok = PQntuples(moved) == 1;
             PQclear(moved);
         }
     }
     if (!ok) {
         free(reverse_text);
-        fprintf(stderr,
-                "tally %s: obligation %s changed while this ran; nothing was changed, run `tally "
-                "doctor --run %s` and try again\n",
-                o->name, id, d->run_id);
-        PQclear(cur);
-        return CLI_EXIT_REFUSED;
+        return changed_meanwhile(o, d);
     }
 
     add_transition(ab, "obligation", d->run_id, effect_id, id, from_name, to_name, o->actor,
@@ -802,10 +784,8 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
             ok = json_array_append_new(d->events, json_string("tally.obligation.v1")) == 0;
         }
         json_decref(ce);
-        if (ok && !tally_pg_run(pg, SQL_WAKE_COMPENSATOR, 0, NULL, &err)) {
-            PQclear(cur);
+        if (ok && !tally_pg_run(pg, SQL_WAKE_COMPENSATOR, 0, NULL, &err))
             return cli_pg_fail(o->name, "cannot wake the compensator", &err);
-        }
         snprintf(d->note, sizeof d->note,
                  "The compensator runs it next (in the run's reverse step order).");
     } else {
@@ -838,15 +818,35 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
         snprintf(d->note, sizeof d->note,
                  "The compensator settles the run (its summary) on its next sweep.");
     }
-    PQclear(cur);
     free(reverse_text);
     if (!ok) {
         fprintf(stderr, "tally %s: out of memory building the events\n", o->name);
         return CLI_EXIT_REFUSED;
     }
-    if (!resolve_alerts(pg, o, "obligation", id, to_name, ob, ab, d, &err))
-        return cli_pg_fail(o->name, "cannot resolve the obligation's alert", &err);
     return CLI_EXIT_OK;
+}
+
+/* resolve, approve or deny an effect or an obligation: lock it, move it, then resolve the pages
+ * it kept open. */
+static int item_move(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                     tally_audit_batch_t *ab, done_t *d)
+{
+    bool effect = o->effect_id != NULL;
+    PGresult *cur = NULL;
+    int to = 0;
+    int rc = lock_item(pg, o, effect, &cur, &to, d);
+    if (rc != CLI_EXIT_OK)
+        return rc;
+    rc = effect ? effect_move(pg, o, cur, (tally_effect_state_t)to, ob, ab, d)
+                : obligation_move(pg, o, cur, (tally_obligation_state_t)to, ob, ab, d);
+    PQclear(cur);
+    tally_error_t err;
+    if (rc == CLI_EXIT_OK && !resolve_alerts(pg, o, ob, ab, d, &err)) {
+        char what[64];
+        snprintf(what, sizeof what, "cannot resolve the %s's alert", d->kind);
+        rc = cli_pg_fail(o->name, what, &err);
+    }
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -952,17 +952,10 @@ static int alert_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
     size_t n_resolved = 0;
     if (!tally_alert_resolve(pg, &key, 1, o->actor, o->source, why, ob, ab, &n_resolved, &err))
         return cli_pg_fail(o->name, "nothing was changed", &err);
-    json_t *data = json_pack("{s:s}", "dedup_key", key);
-    tally_audit_event_t ev = {.run_id = d->run_id[0] != '\0' ? d->run_id : NULL,
-                              .kind = "operator",
-                              .from_status = "TRIGGERED",
-                              .to_status = "RESOLVED",
-                              .actor = o->actor,
-                              .reason = o->reason,
-                              .data = data};
-    tally_audit_batch_add(ab, &ev);
-    json_decref(data);
     snprintf(d->to, sizeof d->to, "RESOLVED");
+    json_t *data = json_pack("{s:s}", "dedup_key", key);
+    add_decision(ab, o, d, d->run_id[0] != '\0' ? d->run_id : NULL, NULL, NULL, data);
+    json_decref(data);
     if (json_array_append_new(d->alerts, json_string(key)) != 0 ||
         json_array_append_new(d->events, json_string("tally.alert.resolve.v1")) != 0) {
         fprintf(stderr, "tally %s: out of memory\n", o->name);
@@ -996,9 +989,7 @@ static int run_op(op_t *o, tally_config_t *cfg)
         rc = cli_pg_fail(o->name, "cannot start the transaction", &err);
         goto out;
     }
-    rc = o->effect_id != NULL       ? effect_move(pg, o, ob, ab, &d)
-         : o->obligation_id != NULL ? obligation_move(pg, o, ob, ab, &d)
-                                    : alert_close(pg, o, ob, ab, &d);
+    rc = o->alert_key != NULL ? alert_close(pg, o, ob, ab, &d) : item_move(pg, o, ob, ab, &d);
     if (rc != CLI_EXIT_OK) {
         tally_pg_rollback(pg);
         goto out;
@@ -1047,14 +1038,12 @@ static int parse(op_t *o, int argc, char **argv)
         {"alert", required_argument, NULL, O_ALERT},
         {NULL, 0, NULL, 0},
     };
-    const struct option *opts = all;
     const char *usage = o->verb == VERB_RESOLVE   ? USAGE_RESOLVE
                         : o->verb == VERB_APPROVE ? USAGE_APPROVE
                                                   : USAGE_DENY;
-    optind = 1;
-    opterr = 0; /* cli_bad_option says it, naming the verb */
-    int c;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    int c, rc;
+    cli_options_begin();
+    while ((c = cli_next_option(o->name, usage, argc, argv, all, &rc)) != -1) {
         switch (c) {
         case O_EFFECT:
             o->effect_id = optarg;
@@ -1083,15 +1072,10 @@ static int parse(op_t *o, int argc, char **argv)
         case O_JSON:
             o->as_json = true;
             break;
-        case 'h':
-            fputs(usage, stdout);
-            return CLI_EXIT_OK;
-        default:
-            return cli_bad_option(o->name, c, argv);
         }
     }
-    if (optind < argc)
-        return cli_usage_error(o->name, "unexpected argument '%s'", argv[optind]);
+    if (rc >= 0)
+        return rc;
     if (o->verb != VERB_RESOLVE && (o->as != NULL || o->ref != NULL || o->receipt_text != NULL))
         return cli_usage_error(o->name, "--as, --ref and --receipt belong to tally resolve");
     if (o->alert_key != NULL) {
@@ -1105,14 +1089,9 @@ static int parse(op_t *o, int argc, char **argv)
                                             "closes the page");
         if (!cli_check_text(o->name, "--alert", o->alert_key))
             return CLI_EXIT_USAGE;
-        if (!cli_check_text(o->name, "--reason", o->reason))
-            return CLI_EXIT_USAGE;
-        if (o->actor == NULL)
-            o->actor = tally_cli_default_actor();
-        if (!cli_check_text(o->name, "--actor", o->actor))
-            return CLI_EXIT_USAGE;
-        snprintf(o->source, sizeof o->source, "/tally/cli/%s", tally_cli_default_actor());
-        return -1;
+        return cli_check_decision(o->name, o->reason, true, &o->actor, o->source, sizeof o->source)
+                   ? -1
+                   : CLI_EXIT_USAGE;
     }
     if ((o->effect_id == NULL) == (o->obligation_id == NULL))
         return cli_usage_error(o->name, "name exactly one item: --effect ID or --obligation ID");
@@ -1156,14 +1135,9 @@ static int parse(op_t *o, int argc, char **argv)
                     o->name, "--receipt must be a JSON object, as the tool's own response is");
         }
     }
-    if (!cli_check_text(o->name, "--reason", o->reason))
-        return CLI_EXIT_USAGE;
-    if (o->actor == NULL)
-        o->actor = tally_cli_default_actor();
-    if (!cli_check_text(o->name, "--actor", o->actor))
-        return CLI_EXIT_USAGE;
-    snprintf(o->source, sizeof o->source, "/tally/cli/%s", tally_cli_default_actor());
-    return -1;
+    return cli_check_decision(o->name, o->reason, true, &o->actor, o->source, sizeof o->source)
+               ? -1
+               : CLI_EXIT_USAGE;
 }
 
 static int cmd(verb_t verb, int argc, char **argv, tally_config_t *cfg)

@@ -88,11 +88,9 @@ static int parse(run_op_t *o, const char *usage, int argc, char **argv)
         {"compensate", no_argument, NULL, O_COMPENSATE},
         {NULL, 0, NULL, 0},
     };
-    const struct option *opts = all;
-    optind = 1;
-    opterr = 0; /* cli_bad_option says it, naming the verb */
-    int c;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    int c, rc;
+    cli_options_begin();
+    while ((c = cli_next_option(o->verb, usage, argc, argv, all, &rc)) != -1) {
         switch (c) {
         case O_RUN:
             o->run = optarg;
@@ -112,15 +110,10 @@ static int parse(run_op_t *o, const char *usage, int argc, char **argv)
         case O_JSON:
             o->as_json = true;
             break;
-        case 'h':
-            fputs(usage, stdout);
-            return CLI_EXIT_OK;
-        default:
-            return cli_bad_option(o->verb, c, argv);
         }
     }
-    if (optind < argc)
-        return cli_usage_error(o->verb, "unexpected argument '%s'", argv[optind]);
+    if (rc >= 0)
+        return rc;
     if (o->kind == TALLY_RUNOP_COMPENSATE && o->compensate)
         return cli_usage_error(o->verb, "--compensate belongs to tally cancel (tally compensate "
                                         "always compensates)");
@@ -128,15 +121,9 @@ static int parse(run_op_t *o, const char *usage, int argc, char **argv)
         return cli_usage_error(o->verb, "--run R is required");
     if (!cli_check_text(o->verb, "--run", o->run))
         return CLI_EXIT_USAGE;
-    if (!o->dry_run || o->reason != NULL) {
-        if (!cli_check_text(o->verb, "--reason", o->reason))
-            return CLI_EXIT_USAGE;
-    }
-    if (o->actor == NULL)
-        o->actor = tally_cli_default_actor();
-    if (!cli_check_text(o->verb, "--actor", o->actor))
+    if (!cli_check_decision(o->verb, o->reason, !o->dry_run, &o->actor, o->source,
+                            sizeof o->source))
         return CLI_EXIT_USAGE;
-    snprintf(o->source, sizeof o->source, "/tally/cli/%s", tally_cli_default_actor());
     return -1;
 }
 
@@ -327,8 +314,7 @@ static int run_verb(run_op_t *o, tally_config_t *cfg)
         fprintf(stderr, "tally %s: out of memory\n", o->verb);
         goto out;
     }
-    if (!tally_pg_run(pg, o->dry_run ? "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" : "BEGIN",
-                      0, NULL, &err) ||
+    if (!(o->dry_run ? cli_begin_snapshot(pg, &err) : tally_pg_run(pg, "BEGIN", 0, NULL, &err)) ||
         (status = cli_query_json(pg, SQL_RUN_STATUS, 1, params, &err)) == NULL) {
         rc = cli_pg_fail(o->verb, "cannot read the run", &err);
         goto out;

@@ -357,8 +357,10 @@ static bool print_by_tool(const json_t *by_tool)
     return ok;
 }
 
-static bool print_human(const json_t *doc, const char *threshold)
+static bool print_human(const json_t *doc)
 {
+    char threshold[32];
+    cli_age(cli_num(doc, "unknown_age_s", 0), threshold, sizeof threshold);
     const json_t *c = json_object_get(doc, "counts");
     long long stuck = count_of(c, "stuck_effects") + count_of(c, "stuck_obligations");
     long long unknown = count_of(c, "unknown"), aging = count_of(c, "unknown_aging");
@@ -419,10 +421,9 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
     };
     long age_s = cfg->unknown_age_s;
     bool as_json = false;
-    optind = 1;
-    opterr = 0; /* cli_bad_option says it, naming the verb */
-    int c;
-    while ((c = getopt_long(argc, argv, ":h", opts, NULL)) != -1) {
+    int c, rc;
+    cli_options_begin();
+    while ((c = cli_next_option(VERB, USAGE, argc, argv, opts, &rc)) != -1) {
         switch (c) {
         case 'a': {
             char *end = NULL;
@@ -435,15 +436,10 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
         case 'j':
             as_json = true;
             break;
-        case 'h':
-            fputs(USAGE, stdout);
-            return CLI_EXIT_OK;
-        default:
-            return cli_bad_option(VERB, c, argv);
         }
     }
-    if (optind < argc)
-        return cli_usage_error(VERB, "unexpected argument '%s'", argv[optind]);
+    if (rc >= 0)
+        return rc;
 
     tally_pg_t *pg = cli_connect(VERB, cfg);
     if (pg == NULL)
@@ -452,12 +448,11 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
     snprintf(age_text, sizeof age_text, "%ld", age_s);
     const char *params[1] = {age_text};
     tally_error_t err;
-    int rc = CLI_EXIT_OK;
     json_t *doc = NULL;
     json_t *counts = NULL, *stuck = NULL, *unknown = NULL, *approvals = NULL, *alerts = NULL;
 
     /* One snapshot: every list and count agrees with the others. */
-    if (!tally_pg_run(pg, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", 0, NULL, &err) ||
+    if (!cli_begin_snapshot(pg, &err) ||
         (counts = cli_query_json(pg, SQL_COUNTS, 1, params, &err)) == NULL ||
         (stuck = cli_query_json(pg, SQL_STUCK, 0, NULL, &err)) == NULL ||
         (unknown = cli_query_json(pg, SQL_UNKNOWN, 1, params, &err)) == NULL ||
@@ -481,20 +476,9 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
                     "exit_code", verdict, "unknown_age_s", (json_int_t)age_s, "counts", counts,
                     "stuck", stuck, "unknown", unknown, "awaiting_approval", approvals, "alerts",
                     alerts);
-    if (doc == NULL) {
-        fprintf(stderr, "tally status: out of memory\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    char threshold[32];
-    cli_age((double)age_s, threshold, sizeof threshold);
-    bool printed = as_json ? cli_print_json(doc) : print_human(doc, threshold);
-    if (!printed) {
-        fprintf(stderr, "tally status: cannot write the report to stdout\n");
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    rc = verdict;
+    rc = cli_print_report(VERB, doc, as_json, print_human);
+    if (rc == CLI_EXIT_OK)
+        rc = verdict;
 out:
     json_decref(doc);
     json_decref(counts);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "tally/json.h"
 
 /* ---------------------------------------------------------------------------------------- */
@@ -38,6 +39,11 @@ tally_pg_t *cli_connect(const char *verb, const tally_config_t *cfg)
         return NULL;
     }
     return pg;
+}
+
+bool cli_begin_snapshot(tally_pg_t *pg, tally_error_t *err)
+{
+    return tally_pg_run(pg, "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY", 0, NULL, err);
 }
 
 int cli_pg_rc(const tally_error_t *err)
@@ -148,6 +154,43 @@ int cli_bad_option(const char *verb, int c, char *const *argv)
     return cli_usage_error(verb, "unknown option '%s'", arg);
 }
 
+void cli_options_begin(void)
+{
+    optind = 1;
+    opterr = 0; /* cli_bad_option says it, naming the verb */
+}
+
+int cli_next_option(const char *verb, const char *usage, int argc, char **argv,
+                    const struct option *opts, int *rc)
+{
+    *rc = -1;
+    int c = getopt_long(argc, argv, ":h", opts, NULL);
+    if (c == 'h') {
+        fputs(usage, stdout);
+        *rc = CLI_EXIT_OK;
+    } else if (c == '?' || c == ':') {
+        *rc = cli_bad_option(verb, c, argv);
+    } else if (c == -1 && optind < argc) {
+        *rc = cli_usage_error(verb, "unexpected argument '%s'", argv[optind]);
+    } else {
+        return c;
+    }
+    return -1;
+}
+
+bool cli_check_decision(const char *verb, const char *reason, bool reason_required,
+                        const char **actor, char *source, size_t sourcesz)
+{
+    if ((reason_required || reason != NULL) && !cli_check_text(verb, "--reason", reason))
+        return false;
+    if (*actor == NULL)
+        *actor = tally_cli_default_actor();
+    if (!cli_check_text(verb, "--actor", *actor))
+        return false;
+    snprintf(source, sourcesz, "/tally/cli/%s", tally_cli_default_actor());
+    return true;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Output                                                                                   */
 
@@ -157,6 +200,20 @@ bool cli_print_json(const json_t *doc)
         return false;
     fputc('\n', stdout);
     return fflush(stdout) == 0;
+}
+
+int cli_print_report(const char *verb, const json_t *doc, bool as_json,
+                     bool (*print_human)(const json_t *doc))
+{
+    if (doc == NULL) {
+        fprintf(stderr, "tally %s: out of memory\n", verb);
+        return CLI_EXIT_REFUSED;
+    }
+    if (!(as_json ? cli_print_json(doc) : print_human(doc))) {
+        fprintf(stderr, "tally %s: cannot write the report to stdout\n", verb);
+        return CLI_EXIT_REFUSED;
+    }
+    return CLI_EXIT_OK;
 }
 
 void cli_age(double seconds, char *out, size_t outsz)

@@ -1,8 +1,8 @@
 /* format.h — what the operator verbs (status, doctor, summary, resolve,
  * approve, deny, compensate, cancel) share: the PostgreSQL session and the exit
- * codes it implies, reading query results as JSON, and human output that fits
- * an 80-column terminal (tables, ages such as "3m12s", wrapped text,
- * copy-pasteable commands and the ✓ ⚠ ○ ✗ symbols). */
+ * codes it implies, reading query results as JSON, reading and checking their
+ * options, and human output that fits an 80-column terminal (tables, ages such
+ * as "3m12s", wrapped text, copy-pasteable commands and the ✓ ⚠ ○ ✗ symbols). */
 #ifndef TALLY_CLI_FORMAT_H
 #define TALLY_CLI_FORMAT_H
 
@@ -39,6 +39,10 @@
  * to stderr (the caller exits CLI_EXIT_INFRA).
  */
 tally_pg_t *cli_connect(const char *verb, const tally_config_t *cfg) TALLY_WUR;
+
+/** @brief BEGIN a read-only transaction at REPEATABLE READ: every query after it reads one
+ * snapshot, so lists and counts agree. */
+bool cli_begin_snapshot(tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
 
 /** @brief CLI_EXIT_INFRA when @p err says PostgreSQL could not be reached or
  * was lost, CLI_EXIT_REFUSED otherwise. */
@@ -81,12 +85,45 @@ int cli_usage_error(const char *verb, const char *fmt, ...) __attribute__((forma
  */
 int cli_bad_option(const char *verb, int c, char *const *argv);
 
+struct option;
+
+/** @brief Start reading a verb's options with cli_next_option (getopt_long from argv[1], with
+ * its own messages off). */
+void cli_options_begin(void);
+
+/**
+ * @brief The next of the verb's own options (getopt_long over @p opts, optstring ":h"), or -1
+ * when the loop ends; then *@p rc says how: -1 to go on, CLI_EXIT_OK after printing @p usage
+ * for -h/--help, CLI_EXIT_USAGE after saying what is wrong (cli_bad_option, or an operand:
+ * "unexpected argument 'x'").
+ */
+int cli_next_option(const char *verb, const char *usage, int argc, char **argv,
+                    const struct option *opts, int *rc);
+
+/**
+ * @brief The checks a deciding verb (resolve, approve, deny, compensate, cancel) ends with:
+ * --reason when @p reason_required or given, --actor (NULL becomes the OS user), and the
+ * CloudEvents source of what it publishes, "/tally/cli/<OS user>", written to @p source.
+ * @returns false after saying what is wrong (the verb exits CLI_EXIT_USAGE).
+ */
+bool cli_check_decision(const char *verb, const char *reason, bool reason_required,
+                        const char **actor, char *source, size_t sourcesz);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Output                                                                                   */
 
 /** @brief Write @p doc to stdout as indented JSON with a final newline.
  * @returns false when stdout could not be written. */
 bool cli_print_json(const json_t *doc);
+
+/**
+ * @brief The end of a verb that reports: @p doc (NULL: it could not be built, out of memory)
+ * printed as JSON when @p as_json, else by @p print_human.
+ * @returns CLI_EXIT_OK, or CLI_EXIT_REFUSED after "tally <verb>: out of memory" or
+ * "tally <verb>: cannot write the report to stdout".
+ */
+int cli_print_report(const char *verb, const json_t *doc, bool as_json,
+                     bool (*print_human)(const json_t *doc));
 
 /** @brief @p seconds as a short age: "45s", "3m12s", "2h05m", "3d04h"; "0s"
  * below a second,

@@ -1,6 +1,8 @@
-# The core library modules: canonical JSON and hashing, configuration, the ledger state machines.
+# The core library modules: canonical JSON and hashing, configuration, the ledger state machines,
+# the recordset text the audit and outbox batches are built in.
 tally_unit_test(test_json SOURCES json.c error.c)
 tally_unit_test(test_config SOURCES config.c error.c)
 tally_unit_test(test_ledger SOURCES ledger.c)
 tally_unit_test(test_log SOURCES log.c id.c)
 tally_unit_test(test_backoff SOURCES backoff.c)
+tally_unit_test(test_recordset SOURCES recordset.c json.c error.c pg.c log.c id.c)

@@ -1,0 +1,59 @@
+/* recordset.h — the text of a json_to_recordset($1::json) parameter, built row by row, and the
+ * one statement that writes it (the batches of audit.h and outbox.h). */
+#ifndef TALLY_RECORDSET_H
+#define TALLY_RECORDSET_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "tally/error.h"
+#include "tally/pg.h"
+
+/**
+ * @brief Rows kept as the text of their JSON parameter, built as they are added: each value is
+ * serialised once, with no jansson object kept in between. Every row starts with "n", its place
+ * in the batch, for the statement to ORDER BY.
+ * @remark Embedded in the batch that uses it and zeroed to start (calloc); callers read @c n
+ * and @c failed, the rest is this module's. Sticky failure, as in pgbouncer's pktbuf: a row
+ * that could not be added is taken back out, and flush reports the first reason.
+ */
+typedef struct tally_recordset {
+    char *text; /* "[{...},{...}" — the closing bracket is added by flush */
+    size_t len, cap;
+    size_t row_start; /* where the open row began; == len when no row is open */
+    size_t n;         /* complete rows */
+    bool failed;
+    char why[200];
+} tally_recordset_t;
+
+/** @brief Open a row: `{"n":<n>` after "[" or ",". false when out of memory. */
+bool tally_recordset_row_begin(tally_recordset_t *rs) TALLY_WUR;
+
+/** @brief Add `,"key":` and @p s as a JSON string, or null for NULL. false when out of memory
+ * or @p s is not UTF-8. */
+bool tally_recordset_text(tally_recordset_t *rs, const char *key, const char *s) TALLY_WUR;
+
+/** @brief Add `,"key":` and @p json, text that already is JSON (copied as is), or null for
+ * NULL. false when out of memory. */
+bool tally_recordset_json(tally_recordset_t *rs, const char *key, const char *json) TALLY_WUR;
+
+/** @brief Close the open row when @p ok, counting it; otherwise (or when out of memory) take
+ * it back out, which is a no-op when no row is open. @returns whether the row was kept. */
+bool tally_recordset_row_end(tally_recordset_t *rs, bool ok);
+
+/** @brief Mark the batch failed; printf-style reason. Only the first reason is kept. */
+void tally_recordset_fail(tally_recordset_t *rs, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/**
+ * @brief Run @p sql with the rows as $1 (one statement), then empty the batch. No rows is a
+ * no-op. A failed batch is not written: the error has code @p what and says
+ * "<what> batch not written: <reason>"; the batch is emptied all the same.
+ */
+bool tally_recordset_flush(tally_recordset_t *rs, tally_pg_t *pg, const char *sql, const char *what,
+                           tally_error_t *err) TALLY_WUR;
+
+/** @brief Free the text; @p rs itself belongs to the caller. */
+void tally_recordset_release(tally_recordset_t *rs);
+
+#endif
