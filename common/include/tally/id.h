@@ -1,8 +1,9 @@
-/* id.h — identifiers (libuuid). */
+/* id.h — identifiers: random and time-ordered UUIDs (RFC 9562), thread- and fork-safe. */
 #ifndef TALLY_ID_H
 #define TALLY_ID_H
 
-/** @brief A fresh random UUID in canonical lowercase form ("xxxxxxxx-xxxx-...") in @p out. */
+/** @brief A fresh random (version 4) UUID in canonical lowercase form ("xxxxxxxx-xxxx-...") in
+ * @p out: 122 bits from the kernel's random source (getrandom), read in blocks per thread. */
 void tally_uuid(char out[37]);
 
 /**
