@@ -57,8 +57,9 @@ bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const ef
     rc |= json_object_set_new(data, "tool", str_or_null(v->tool));
     rc |= json_object_set_new(data, "operation_key", str_or_null(v->operation_key));
     rc |= json_object_set_new(data, "status", json_string(v->status));
-    rc |=
-        json_object_set_new(data, "receipt", v->receipt ? json_deep_copy(v->receipt) : json_null());
+    /* shared, not copied: data lives only until the event is serialised below */
+    rc |= json_object_set_new(data, "receipt",
+                              v->receipt ? json_incref((json_t *)v->receipt) : json_null());
     rc |= json_object_set_new(data, "external_ref", str_or_null(v->external_ref));
     rc |= json_object_set_new(data, "error", error ? error : json_null());
     rc |= json_object_set_new(data, "attempts", json_integer((json_int_t)v->attempts));

@@ -18,12 +18,7 @@ struct tally_outbox_batch {
  * serialisation made in tally_outbox_batch_add. A payload holding \u0000 (a dead letter's
  * original bytes) comes as a JSON string instead, payload_text: json_to_recordset cannot
  * take that escape inside a nested value. */
-static const char SQL_INSERT[] =
-    "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"
-    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, r.payload::text)"
-    " FROM json_to_recordset($1::json) AS r(n int, topic text, msg_key text, event_id text,"
-    " payload json, payload_text text)"
-    " ORDER BY r.n";
+static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "");
 
 tally_outbox_batch_t *tally_outbox_batch_new(void)
 {
@@ -46,6 +41,9 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
                              topic);
         return;
     }
+    /* the effect the message is about, when its data names one (TALLY_OUTBOX_INSERT) */
+    const char *about =
+        json_string_value(json_object_get(json_object_get(event, "data"), "effect_id"));
     char *payload = json_dumps(event, JSON_COMPACT);
     if (payload == NULL) {
         tally_recordset_fail(rs, "out of memory while serialising an outbox message");
@@ -55,6 +53,7 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
         tally_recordset_row_begin(rs) && tally_recordset_text(rs, "topic", topic) &&
         tally_recordset_text(rs, "msg_key", key) &&
         tally_recordset_text(rs, "event_id", event_id) &&
+        tally_recordset_text(rs, "effect_id", about) &&
         (strstr(payload, "\\u0000") == NULL ? tally_recordset_json(rs, "payload", payload)
                                             : tally_recordset_text(rs, "payload_text", payload));
     free(payload);
@@ -73,6 +72,13 @@ size_t tally_outbox_batch_len(const tally_outbox_batch_t *b)
 bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg, tally_error_t *err)
 {
     return tally_recordset_flush(&b->rows, pg, SQL_INSERT, "outbox", err);
+}
+
+const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why)
+{
+    if (why)
+        *why = b->rows.failed ? b->rows.why : "";
+    return tally_recordset_close(&b->rows);
 }
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b)

@@ -102,6 +102,15 @@ static void reset(tally_recordset_t *rs)
     rs->why[0] = '\0';
 }
 
+const char *tally_recordset_close(tally_recordset_t *rs)
+{
+    if (rs->failed || rs->n == 0)
+        return NULL;
+    rs->text[rs->len] = ']'; /* put() always leaves room for these two */
+    rs->text[rs->len + 1] = '\0';
+    return rs->text;
+}
+
 bool tally_recordset_flush(tally_recordset_t *rs, tally_pg_t *pg, const char *sql, const char *what,
                            tally_error_t *err)
 {
@@ -112,9 +121,7 @@ bool tally_recordset_flush(tally_recordset_t *rs, tally_pg_t *pg, const char *sq
     }
     if (rs->n == 0)
         return true;
-    rs->text[rs->len] = ']'; /* put() always leaves room for these two */
-    rs->text[rs->len + 1] = '\0';
-    const char *params[1] = {rs->text};
+    const char *params[1] = {tally_recordset_close(rs)};
     bool ok = tally_pg_run(pg, sql, 1, params, err);
     reset(rs);
     return ok;

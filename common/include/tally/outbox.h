@@ -33,6 +33,21 @@ size_t tally_outbox_batch_len(const tally_outbox_batch_t *b);
 bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg,
                               tally_error_t *err) TALLY_WUR;
 
+/**
+ * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM,
+ * keeping the rows that pass @p WHERE ("" for all; the rows are "r"; r.effect_id is the
+ * "effect_id" of the message's data, as text, or NULL); see TALLY_AUDIT_INSERT.
+ */
+#define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
+    "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"                               \
+    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, r.payload::text)"            \
+    " FROM json_to_recordset(" PARAM "::json) AS r(n int, topic text, msg_key text,"               \
+    " event_id text, payload json, payload_text text, effect_id text) " WHERE " ORDER BY r.n"
+
+/** @brief The batch as the text of its parameter for TALLY_OUTBOX_INSERT; see
+ * tally_audit_batch_text. */
+const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why);
+
 void tally_outbox_batch_free(tally_outbox_batch_t *b);
 
 #endif

@@ -46,6 +46,13 @@ void tally_recordset_fail(tally_recordset_t *rs, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
 /**
+ * @brief The rows as the text of a json_to_recordset parameter ("[{...},...]"), for a statement
+ * that needs more than flush offers (more parameters, its result). NULL when the batch failed
+ * or has no rows. Valid until @p rs changes; adding a row afterwards continues the batch.
+ */
+const char *tally_recordset_close(tally_recordset_t *rs);
+
+/**
  * @brief Run @p sql with the rows as $1 (one statement), then empty the batch. No rows is a
  * no-op. A failed batch is not written: the error has code @p what and says
  * "<what> batch not written: <reason>"; the batch is emptied all the same.

@@ -1,0 +1,142 @@
+/* test_audit.c — the audit batch's parameter: an event's data given as members is the same
+ * object its jansson form would be, strings escaped, absent members left out, numbers kept as
+ * numbers; data that cannot be queued fails the batch with a reason. PostgreSQL is stubbed:
+ * the statement's $1 is captured and parsed back. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "tally/audit.h"
+
+static char *sent; /* the last $1, as flush sent it */
+
+bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                  tally_error_t *err)
+{
+    (void)pg;
+    (void)sql;
+    (void)err;
+    assert_int_equal(nparams, 1);
+    free(sent);
+    sent = strdup(params[0]);
+    return true;
+}
+
+/* Flush @p b and return its rows, parsed (the caller decrefs). */
+static json_t *flushed_rows(tally_audit_batch_t *b)
+{
+    tally_error_t err;
+    assert_true(tally_audit_batch_flush(b, NULL, &err));
+    assert_non_null(sent);
+    json_error_t jerr;
+    json_t *rows = json_loads(sent, 0, &jerr);
+    if (rows == NULL)
+        fail_msg("not JSON (%s): %s", jerr.text, sent);
+    return rows;
+}
+
+static void test_members_are_the_object_jansson_would_build(void **st)
+{
+    (void)st;
+    tally_audit_batch_t *b = tally_audit_batch_new();
+    assert_non_null(b);
+    const char *odd = "say \"hi\"\\\n\x01 caf\xc3\xa9 \xe2\x80\xa8/";
+    const tally_audit_member_t members[] = {
+        {"intent_id", odd, false},   {"traceparent", NULL, false}, /* absent: left out */
+        {"lease_epoch", "42", true}, {"attempt", "1", true},       {"tool", "fake.charge", false},
+    };
+    tally_audit_event_t ev = {.kind = "transition",
+                              .actor = "w1",
+                              .to_status = "PLANNED",
+                              .members = members,
+                              .n_members = sizeof members / sizeof members[0]};
+    tally_audit_batch_add(b, &ev);
+    /* the same data as jansson: the form every other caller uses */
+    json_t *data = json_pack("{s:s, s:I, s:i, s:s}", "intent_id", odd, "lease_epoch",
+                             (json_int_t)42, "attempt", 1, "tool", "fake.charge");
+    assert_non_null(data);
+    tally_audit_event_t ev2 = {.kind = "transition", .actor = "w1", .data = data};
+    tally_audit_batch_add(b, &ev2);
+    /* no data at all, and an empty member list */
+    tally_audit_event_t ev3 = {.kind = "lease", .actor = "w1"};
+    tally_audit_batch_add(b, &ev3);
+    tally_audit_event_t ev4 = {.kind = "lease", .actor = "w1", .members = members, .n_members = 0};
+    tally_audit_batch_add(b, &ev4);
+    assert_int_equal(tally_audit_batch_len(b), 4);
+
+    json_t *rows = flushed_rows(b);
+    assert_int_equal(json_array_size(rows), 4);
+    json_t *got = json_object_get(json_array_get(rows, 0), "data");
+    assert_true(json_equal(got, data));
+    assert_true(json_equal(json_object_get(json_array_get(rows, 1), "data"), data));
+    assert_true(json_is_null(json_object_get(json_array_get(rows, 2), "data")));
+    json_t *empty = json_object_get(json_array_get(rows, 3), "data");
+    assert_true(json_is_object(empty) && json_object_size(empty) == 0);
+    /* in the order given, and compact */
+    assert_non_null(strstr(sent, "\"data\":{\"intent_id\":\"say \\\"hi\\\"\\\\\\u000a\\u0001 caf"
+                                 "\xc3\xa9 \xe2\x80\xa8/\",\"lease_epoch\":42,\"attempt\":1,"
+                                 "\"tool\":\"fake.charge\"}"));
+    assert_string_equal(json_string_value(json_object_get(json_array_get(rows, 0), "kind")),
+                        "transition");
+    json_decref(rows);
+    json_decref(data);
+    assert_int_equal(tally_audit_batch_len(b), 0);
+    tally_audit_batch_free(b);
+}
+
+static void test_members_that_are_not_utf8_fail_the_batch(void **st)
+{
+    (void)st;
+    tally_audit_batch_t *b = tally_audit_batch_new();
+    assert_non_null(b);
+    const tally_audit_member_t members[] = {{"intent_id", "\xff\xfe", false}};
+    tally_audit_event_t ev = {
+        .kind = "transition", .actor = "w1", .members = members, .n_members = 1};
+    tally_audit_batch_add(b, &ev);
+    tally_error_t err;
+    assert_false(tally_audit_batch_flush(b, NULL, &err));
+    assert_string_equal(err.code, "audit");
+    assert_non_null(strstr(err.message, "not UTF-8"));
+    tally_audit_batch_free(b);
+}
+
+static void test_long_members_grow_the_scratch_space(void **st)
+{
+    (void)st;
+    tally_audit_batch_t *b = tally_audit_batch_new();
+    assert_non_null(b);
+    size_t n = 20000;
+    char *big = malloc(n + 1);
+    assert_non_null(big);
+    for (size_t i = 0; i < n; i++)
+        big[i] = i % 7 == 0 ? '"' : (char)('a' + i % 26);
+    big[n] = '\0';
+    const tally_audit_member_t members[] = {{"big", big, false}};
+    tally_audit_event_t ev = {
+        .kind = "transition", .actor = "w1", .members = members, .n_members = 1};
+    tally_audit_batch_add(b, &ev);
+    json_t *rows = flushed_rows(b);
+    json_t *data = json_object_get(json_array_get(rows, 0), "data");
+    assert_string_equal(json_string_value(json_object_get(data, "big")), big);
+    json_decref(rows);
+    free(big);
+    tally_audit_batch_free(b);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_members_are_the_object_jansson_would_build),
+        cmocka_unit_test(test_members_that_are_not_utf8_fail_the_batch),
+        cmocka_unit_test(test_long_members_grow_the_scratch_space),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    free(sent);
+    return rc;
+}
