@@ -2,9 +2,14 @@
  * before any call), call the tools through the connector engine, and record each outcome
  * with a compare-and-set on status and lease epoch. A dispatcher whose lease was taken over
  * writes nothing. */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "dispatcher.h"
 #include "tally/backoff.h"
@@ -53,26 +58,68 @@ static const char SQL_CLAIM[] =
 
 /* The compare-and-set for a batch of finished calls (rule 3): only rows still DISPATCHING
  * under the epoch this worker claimed are written; the caller writes events for exactly the
- * rows that come back. A retry goes back to PLANNED with a new outbox row due later. */
+ * rows that come back, in the state they came back in. A retry goes back to PLANNED with a
+ * new outbox row due later, unless its run stopped being ACTIVE while the call was in flight
+ * (cancel_run, compensate_run): then it is CANCELLED, as the run's other PLANNED effects
+ * were. The runs of retries are share-locked, as intake does, so such a run operation and
+ * this statement serialise (runops locks the run rows first). */
 static const char SQL_RECORD[] =
     "WITH r AS (SELECT * FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint,"
     "   status text, receipt jsonb, external_ref text, error_code text, error_message text,"
     "   delay_ms bigint)),"
-    " upd AS (UPDATE effects e SET status = r.status,"
-    "   receipt = CASE WHEN r.status = 'CONFIRMED' THEN r.receipt ELSE e.receipt END,"
-    "   external_ref = CASE WHEN r.status = 'CONFIRMED' THEN r.external_ref"
+    " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
+    "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
+    "   ORDER BY run_id FOR SHARE),"
+    " x AS (SELECT r.*, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END"
+    "   AS stop FROM r LEFT JOIN effects e ON r.status = 'PLANNED' AND e.effect_id = r.effect_id"
+    "   LEFT JOIN ru ON ru.run_id = e.run_id),"
+    " upd AS (UPDATE effects e SET"
+    "   status = CASE WHEN x.stop IS NOT NULL THEN 'CANCELLED' ELSE x.status END,"
+    "   status_reason = coalesce(x.stop, e.status_reason),"
+    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
+    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
     "     ELSE e.external_ref END,"
-    "   error_code = r.error_code, error_message = r.error_message,"
-    "   unknown_since = CASE WHEN r.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
-    "   next_attempt_at = CASE WHEN r.status = 'PLANNED'"
-    "     THEN now() + r.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,"
+    "   error_code = CASE WHEN x.stop IS NOT NULL THEN 'run_not_active' ELSE x.error_code END,"
+    "   error_message = CASE WHEN x.stop IS NOT NULL"
+    "     THEN x.stop || '; the last attempt was not applied: ' || x.error_message"
+    "     ELSE x.error_message END,"
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
+    "   next_attempt_at = CASE WHEN x.status = 'PLANNED' AND x.stop IS NULL"
+    "     THEN now() + x.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
-    "   FROM r WHERE e.effect_id = r.effect_id AND e.status = 'DISPATCHING'"
-    "     AND e.lease_epoch = r.epoch"
-    "   RETURNING e.effect_id, e.tool, e.status, e.next_attempt_at),"
+    "   FROM x WHERE e.effect_id = x.effect_id AND e.status = 'DISPATCHING'"
+    "     AND e.lease_epoch = x.epoch"
+    "   RETURNING e.effect_id, e.tool, e.status, e.next_attempt_at, e.error_code,"
+    "     e.error_message),"
     " ob AS (INSERT INTO outbox (effect_id, tool, due_at)"
     "   SELECT effect_id, tool, next_attempt_at FROM upd WHERE status = 'PLANNED')"
+    " SELECT effect_id::text, status, error_code, error_message FROM upd";
+
+/* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
+ * page to open) in ONE statement and transaction: the compare-and-set, the events and the
+ * outcome messages of exactly the rows it wrote ($2 and $3 hold them for every row; a row whose
+ * lease was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the
+ * general path below, on the path every outcome takes. */
+#define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
+#define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
+// clang-format off
+static const char SQL_RECORD_FINAL[] =
+    "WITH x AS (SELECT * FROM json_to_recordset($1::json) AS x(effect_id uuid, epoch bigint,"
+    "   status text, receipt jsonb, external_ref text, error_code text, error_message text)),"
+    " upd AS (UPDATE effects e SET status = x.status,"
+    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
+    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
+    "     ELSE e.external_ref END,"
+    "   error_code = x.error_code, error_message = x.error_message,"
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
+    "   FROM x WHERE e.effect_id = x.effect_id AND e.status = 'DISPATCHING'"
+    "     AND e.lease_epoch = x.epoch"
+    "   RETURNING e.effect_id),"
+    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
+    " mo AS (" TALLY_OUTBOX_INSERT("$3", WON_MESSAGES) ")"
     " SELECT effect_id::text FROM upd";
+// clang-format on
 
 /* A page for the tool's owner; one open alert per tool (re-opened when it was resolved). */
 static const char SQL_ALERTS[] =
@@ -105,19 +152,54 @@ void dispatch_call_free(void *p)
     free(call);
 }
 
-static dispatch_done_t *done_push(dispatcher_t *d)
+dispatch_call_t *dispatch_call_new(const char *effect_id, const char *run_id, const char *step,
+                                   bool step_is_number, const tally_tool_t *tool,
+                                   const char *operation_key, const char *intent_id,
+                                   long long epoch, int attempts)
 {
+    if (!tool)
+        return NULL;
+    dispatch_call_t *call = calloc(1, sizeof *call);
+    if (!call)
+        return NULL;
+    snprintf(call->effect_id, sizeof call->effect_id, "%s", effect_id);
+    call->run_id = strdup(run_id);
+    call->step = strdup(step);
+    call->step_is_number = step_is_number;
+    call->tool = tool;
+    call->operation_key = strdup(operation_key);
+    call->intent_id = strdup(intent_id);
+    call->epoch = epoch;
+    call->attempts = attempts;
+    call->claimed_at = dispatch_now();
+    if (!call->run_id || !call->step || !call->operation_key || !call->intent_id) {
+        dispatch_call_free(call);
+        return NULL;
+    }
+    return call;
+}
+
+/* Hand a finished call to the recorder thread (it owns everything @p x points to from now). */
+static bool done_enqueue(dispatcher_t *d, const dispatch_done_t *x)
+{
+    pthread_mutex_lock(&d->rec_mu);
+    bool ok = true;
     if (d->n_done == d->cap_done) {
         size_t cap = d->cap_done ? 2 * d->cap_done : 256;
         dispatch_done_t *n = realloc(d->done, cap * sizeof *n);
-        if (!n)
-            return NULL;
-        d->done = n;
-        d->cap_done = cap;
+        if (n) {
+            d->done = n;
+            d->cap_done = cap;
+        } else {
+            ok = false;
+        }
     }
-    dispatch_done_t *x = &d->done[d->n_done++];
-    memset(x, 0, sizeof *x);
-    return x;
+    if (ok) {
+        d->done[d->n_done++] = *x;
+        pthread_cond_signal(&d->rec_cv);
+    }
+    pthread_mutex_unlock(&d->rec_mu);
+    return ok;
 }
 
 static void done_clear(dispatch_done_t *x)
@@ -208,14 +290,7 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     dispatcher_t *d = opaque;
     dispatch_call_t *call = res->opaque;
     TALLY_CRASHPOINT("dispatch.after_call_answer");
-    dispatch_done_t *x = done_push(d);
-    if (!x) {
-        /* Nothing recorded: the lease expires and the reconciler resolves the effect. */
-        TALLY_ERROR("out of memory recording the result of effect %s; its lease will expire",
-                    call->effect_id);
-        dispatch_call_free(call);
-        return;
-    }
+    dispatch_done_t done = {0}, *x = &done;
     x->call = call;
     x->seconds = res->seconds;
     tally_conn_classify_execute(res, &x->v);
@@ -250,17 +325,19 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     x->call_record = rec;
     tally_metric_observe(d->m_connector_seconds, res->seconds, call->tool->name);
     tally_metric_add(d->m_calls, 1, call->tool->name, tally_verdict_name(x->v.verdict));
+    if (!done_enqueue(d, x)) {
+        /* Nothing recorded: the lease expires and the reconciler resolves the effect. */
+        TALLY_ERROR("out of memory recording the result of effect %s; its lease will expire",
+                    call->effect_id);
+        done_clear(x);
+    }
 }
 
 /* A call that could not start (nothing was sent): recorded like a refused request, or as
  * FAILED when it can never be sent (a header that would inject, a missing endpoint). */
 static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_error_t *err)
 {
-    dispatch_done_t *x = done_push(d);
-    if (!x) {
-        dispatch_call_free(call);
-        return;
-    }
+    dispatch_done_t done = {0}, *x = &done;
     x->call = call;
     bool never = strcmp(err->code, "invalid_header") == 0 || strcmp(err->code, "no_endpoint") == 0;
     x->v.verdict = never ? TALLY_VERDICT_FAILED : TALLY_VERDICT_RETRY;
@@ -274,6 +351,35 @@ static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_er
     tally_log_ctx_t ctx = {
         .run_id = call->run_id, .effect_id = call->effect_id, .tool = call->tool->name};
     TALLY_LOG(TALLY_LOG_ERROR, &ctx, "call not started: %s", err->message);
+    if (!done_enqueue(d, x))
+        done_clear(x); /* its lease expires; the reconciler resolves it */
+}
+
+int dispatch_lease_ms(const dispatcher_t *d, const tally_tool_t *tool)
+{
+    int lease = tool->timeout_ms + DISPATCH_LEASE_MARGIN_MS;
+    return lease < d->cfg->lease_ms ? d->cfg->lease_ms : lease;
+}
+
+void deliver_start(dispatcher_t *d, dispatch_call_t *call, const char *body, size_t body_len,
+                   const char *traceparent)
+{
+    TALLY_CRASHPOINT("dispatch.after_claim_commit");
+    tally_conn_request_t req = {
+        .tool = call->tool,
+        .op = TALLY_CONN_EXECUTE,
+        .idempotency_key = call->operation_key,
+        .run_id = call->run_id,
+        .effect_id = call->effect_id,
+        .traceparent = traceparent,
+        .body = body,
+        .body_len = body_len,
+        .opaque = call,
+    };
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (!tally_connector_submit(d->conn, &req, &err))
+        submit_failed(d, call, &err);
 }
 
 int deliver_claim(dispatcher_t *d)
@@ -303,11 +409,8 @@ int deliver_claim(dispatcher_t *d)
             some_full = true;
             continue;
         }
-        int lease = tool->timeout_ms + DISPATCH_LEASE_MARGIN_MS;
-        if (lease < d->cfg->lease_ms)
-            lease = d->cfg->lease_ms;
         json_array_append_new(limits, json_pack("{s:s, s:i, s:i}", "tool", tool->name, "lim",
-                                                lims[i], "lease_ms", lease));
+                                                lims[i], "lease_ms", dispatch_lease_ms(d, tool)));
     }
     d->claim_capped = some_full;
     d->claim_wanted = false;
@@ -336,50 +439,25 @@ int deliver_claim(dispatcher_t *d)
     }
     int n = PQntuples(res);
     for (int row = 0; row < n; row++) {
-        TALLY_CRASHPOINT("dispatch.after_claim_commit");
         const char *tool_name = PQgetvalue(res, row, 4);
         const tally_tool_t *tool = tally_registry_find(d->reg, tool_name);
-        dispatch_call_t *call = calloc(1, sizeof *call);
-        if (!call || !tool) {
+        for (size_t i = 0; tool && i < n_tools; i++)
+            if (tally_registry_at(d->reg, i) == tool)
+                got[i]++;
+        dispatch_call_t *call =
+            dispatch_call_new(PQgetvalue(res, row, 0), PQgetvalue(res, row, 1),
+                              PQgetvalue(res, row, 2), PQgetvalue(res, row, 3)[0] == 't', tool,
+                              PQgetvalue(res, row, 5), PQgetvalue(res, row, 8),
+                              atoll(PQgetvalue(res, row, 9)), atoi(PQgetvalue(res, row, 10)));
+        if (!call) {
             /* Claimed but not callable here: leave it to lease expiry (the reconciler). */
             TALLY_ERROR("effect %s (tool '%s') claimed but %s; its lease will expire",
                         PQgetvalue(res, row, 0), tool_name,
                         tool ? "out of memory" : "the tool is not in this worker's registry");
-            free(call);
             continue;
         }
-        for (size_t i = 0; i < n_tools; i++)
-            if (tally_registry_at(d->reg, i) == tool)
-                got[i]++;
-        snprintf(call->effect_id, sizeof call->effect_id, "%s", PQgetvalue(res, row, 0));
-        call->run_id = strdup(PQgetvalue(res, row, 1));
-        call->step = strdup(PQgetvalue(res, row, 2));
-        call->step_is_number = PQgetvalue(res, row, 3)[0] == 't';
-        call->tool = tool;
-        call->operation_key = strdup(PQgetvalue(res, row, 5));
-        call->intent_id = strdup(PQgetvalue(res, row, 8));
-        call->epoch = atoll(PQgetvalue(res, row, 9));
-        call->attempts = atoi(PQgetvalue(res, row, 10));
-        call->claimed_at = dispatch_now();
-        const char *body = PQgetvalue(res, row, 6);
-        tally_conn_request_t req = {
-            .tool = tool,
-            .op = TALLY_CONN_EXECUTE,
-            .idempotency_key = call->operation_key,
-            .run_id = call->run_id,
-            .effect_id = call->effect_id,
-            .traceparent = PQgetisnull(res, row, 7) ? NULL : PQgetvalue(res, row, 7),
-            .body = body,
-            .body_len = (size_t)PQgetlength(res, row, 6),
-            .opaque = call,
-        };
-        tally_error_t serr;
-        tally_error_clear(&serr);
-        if (!call->run_id || !call->step || !call->operation_key || !call->intent_id)
-            tally_error_set(&serr, "oom", true, "out of memory");
-        else if (tally_connector_submit(d->conn, &req, &serr))
-            continue;
-        submit_failed(d, call, &serr);
+        deliver_start(d, call, PQgetvalue(res, row, 6), (size_t)PQgetlength(res, row, 6),
+                      PQgetisnull(res, row, 7) ? NULL : PQgetvalue(res, row, 7));
     }
     PQclear(res);
     for (size_t i = 0; i < n_tools; i++)
@@ -420,7 +498,7 @@ static bool record_alerts(dispatcher_t *d, json_t *alerts, tally_audit_batch_t *
         return false;
     }
     const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(d->pg, SQL_ALERTS, 1, params, err);
+    PGresult *res = tally_pg_exec(d->rec_pg, SQL_ALERTS, 1, params, err);
     free(text);
     if (!res)
         return false;
@@ -465,18 +543,18 @@ static bool record_alerts(dispatcher_t *d, json_t *alerts, tally_audit_batch_t *
 }
 
 /* Events for the rows the compare-and-set returned (flag `won`), then the alerts. */
-static bool record_events(dispatcher_t *d, const bool *won, tally_audit_batch_t *ab,
-                          tally_outbox_batch_t *ob, tally_error_t *err)
+static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done, const bool *won,
+                          tally_audit_batch_t *ab, tally_outbox_batch_t *ob, tally_error_t *err)
 {
     json_t *alerts = json_array();
     if (!alerts) {
         tally_error_set(err, "oom", true, "out of memory");
         return false;
     }
-    for (size_t i = 0; i < d->n_done; i++) {
+    for (size_t i = 0; i < n_done; i++) {
         if (!won[i])
             continue;
-        dispatch_done_t *x = &d->done[i];
+        dispatch_done_t *x = &done[i];
         dispatch_call_t *call = x->call;
         json_t *tdata = json_pack("{s:I, s:i}", "lease_epoch", (json_int_t)call->epoch, "attempt",
                                   call->attempts);
@@ -555,16 +633,49 @@ static bool record_events(dispatcher_t *d, const bool *won, tally_audit_batch_t 
     return ok;
 }
 
-int deliver_record(dispatcher_t *d)
+/* SQL_RECORD_FINAL: the events and messages are built for every row first; @p won then says
+ * which rows the statement wrote. */
+static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, const char *rows,
+                         bool *won, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
+                         tally_error_t *err)
 {
-    if (d->n_done == 0)
-        return 0;
+    for (size_t i = 0; i < n_done; i++)
+        won[i] = true;
+    if (!record_events(d, done, n_done, won, ab, ob, err))
+        return false;
+    const char *why_ev = "", *why_mo = "";
+    const char *ev = tally_audit_batch_text(ab, &why_ev);
+    const char *mo = tally_outbox_batch_text(ob, &why_mo);
+    if ((!ev && *why_ev) || (!mo && *why_mo)) {
+        tally_error_set(err, "oom", false, "results not written: %s", *why_ev ? why_ev : why_mo);
+        return false;
+    }
+    const char *params[3] = {rows, ev ? ev : "[]", mo ? mo : "[]"};
+    PGresult *res = tally_pg_exec(d->rec_pg, SQL_RECORD_FINAL, 3, params, err);
+    if (!res)
+        return false;
+    memset(won, 0, n_done * sizeof *won);
+    for (int row = 0; row < PQntuples(res); row++) {
+        dispatch_call_t key_call;
+        snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 0));
+        dispatch_done_t key = {.call = &key_call};
+        dispatch_done_t *hit = bsearch(&key, done, n_done, sizeof *done, cmp_done);
+        if (hit)
+            won[hit - done] = true;
+    }
+    PQclear(res);
+    return true;
+}
+
+/* Write @p n finished calls in one transaction (on the recorder's connection). On success the
+ * entries are released and @p due says when the earliest retry comes due (0: none); on a
+ * database error they are left as they are, to be tried again. */
+static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, double *due_out)
+{
     double now = dispatch_now();
-    if (now < d->record_retry_at)
-        return 0;
-    qsort(d->done, d->n_done, sizeof *d->done, cmp_done);
+    qsort(done, n_done, sizeof *done, cmp_done);
     json_t *rows = json_array();
-    bool *won = calloc(d->n_done, sizeof *won);
+    bool *won = calloc(n_done, sizeof *won);
     tally_audit_batch_t *ab = tally_audit_batch_new();
     tally_outbox_batch_t *ob = tally_outbox_batch_new();
     tally_error_t err;
@@ -575,8 +686,8 @@ int deliver_record(dispatcher_t *d)
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
     }
-    for (size_t i = 0; i < d->n_done; i++) {
-        dispatch_done_t *x = &d->done[i];
+    for (size_t i = 0; i < n_done; i++) {
+        dispatch_done_t *x = &done[i];
         json_t *row = json_pack(
             "{s:s, s:I, s:s, s:O?, s:s?, s:s?, s:s?, s:I}", "effect_id", x->call->effect_id,
             "epoch", (json_int_t)x->call->epoch, "status", x->to_status, "receipt", x->receipt,
@@ -593,12 +704,22 @@ int deliver_record(dispatcher_t *d)
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
     }
-    const char *params[1] = {text};
-    if (!tally_pg_begin(d->pg, &err)) {
+    bool final = true;
+    for (size_t i = 0; i < n_done; i++)
+        if (strcmp(done[i].to_status, "PLANNED") == 0 ||
+            (done[i].v.alert_owner && strcmp(done[i].to_status, "FAILED") == 0))
+            final = false;
+    if (final) {
+        ok = record_final(d, done, n_done, text, won, ab, ob, &err);
         free(text);
         goto out;
     }
-    res = tally_pg_exec(d->pg, SQL_RECORD, 1, params, &err);
+    const char *params[1] = {text};
+    if (!tally_pg_begin(d->rec_pg, &err)) {
+        free(text);
+        goto out;
+    }
+    res = tally_pg_exec(d->rec_pg, SQL_RECORD, 1, params, &err);
     free(text);
     if (!res)
         goto out;
@@ -606,39 +727,46 @@ int deliver_record(dispatcher_t *d)
         dispatch_call_t key_call;
         snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 0));
         dispatch_done_t key = {.call = &key_call};
-        dispatch_done_t *hit = bsearch(&key, d->done, d->n_done, sizeof *d->done, cmp_done);
-        if (hit)
-            won[hit - d->done] = true;
+        dispatch_done_t *hit = bsearch(&key, done, n_done, sizeof *done, cmp_done);
+        if (!hit)
+            continue;
+        won[hit - done] = true;
+        if (strcmp(PQgetvalue(res, row, 1), "CANCELLED") == 0 &&
+            strcmp(hit->to_status, "CANCELLED") != 0) {
+            /* Not applied, and its run was stopped meanwhile: it is not tried again. */
+            hit->to_status = "CANCELLED";
+            snprintf(hit->error_code, sizeof hit->error_code, "%s", PQgetvalue(res, row, 2));
+            snprintf(hit->error_message, sizeof hit->error_message, "%s", PQgetvalue(res, row, 3));
+        }
     }
-    ok = record_events(d, won, ab, ob, &err) && tally_audit_batch_flush(ab, d->pg, &err) &&
-         tally_outbox_batch_flush(ob, d->pg, &err) && tally_pg_commit(d->pg, &err);
+    ok = record_events(d, done, n_done, won, ab, ob, &err) &&
+         tally_audit_batch_flush(ab, d->rec_pg, &err) &&
+         tally_outbox_batch_flush(ob, d->rec_pg, &err) && tally_pg_commit(d->rec_pg, &err);
 out:
     PQclear(res);
     json_decref(rows);
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
     if (!ok) {
-        tally_pg_rollback(d->pg);
+        tally_pg_rollback(d->rec_pg);
         free(won);
-        d->record_backoff_ms = d->record_backoff_ms ? d->record_backoff_ms * 2 : 100;
-        if (d->record_backoff_ms > 2000)
-            d->record_backoff_ms = 2000;
-        d->record_retry_at = now + d->record_backoff_ms / 1000.0;
+        d->rec_backoff_ms = d->rec_backoff_ms ? d->rec_backoff_ms * 2 : 100;
+        if (d->rec_backoff_ms > 2000)
+            d->rec_backoff_ms = 2000;
         TALLY_ERROR("recording %zu call results failed (%s: %s); retrying in %d ms (their "
                     "leases keep them safe meanwhile)",
-                    d->n_done, err.code, err.message, d->record_backoff_ms);
+                    n_done, err.code, err.message, d->rec_backoff_ms);
         tally_metric_add(d->m_db_errors, 1, "record");
         tally_worker_set_ready(d->w, false, err.message);
-        return -1;
+        return false;
     }
     TALLY_CRASHPOINT("dispatch.after_record_commit");
-    if (d->record_backoff_ms)
+    if (d->rec_backoff_ms)
         tally_worker_set_ready(d->w, true, NULL);
-    d->record_backoff_ms = 0;
-    int n = (int)d->n_done;
+    d->rec_backoff_ms = 0;
     double due = 0;
-    for (size_t i = 0; i < d->n_done; i++) {
-        dispatch_done_t *x = &d->done[i];
+    for (size_t i = 0; i < n_done; i++) {
+        dispatch_done_t *x = &done[i];
         dispatch_call_t *call = x->call;
         tally_log_ctx_t ctx = {
             .run_id = call->run_id, .effect_id = call->effect_id, .tool = call->tool->name};
@@ -666,11 +794,172 @@ out:
         done_clear(x);
     }
     free(won);
-    d->n_done = 0;
+    *due_out = due;
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The recorder thread                                                                      */
+
+/* Results are written by a thread of their own, on a PostgreSQL connection of their own, so
+ * the loop keeps taking intents in and starting calls while a batch of results commits: the
+ * two kinds of transaction overlap instead of taking turns on one connection. Whatever
+ * finishes while a batch is being written forms the next batch. */
+static void *recorder_main(void *arg)
+{
+    dispatcher_t *d = arg;
+    dispatch_done_t *batch = NULL;
+    size_t cap = 0;
+    double retry_at = 0;
+    pthread_mutex_lock(&d->rec_mu);
+    for (;;) {
+        while (!d->rec_stop && (d->n_done == 0 || dispatch_now() < retry_at)) {
+            if (d->n_done == 0) {
+                pthread_cond_wait(&d->rec_cv, &d->rec_mu);
+                continue;
+            }
+            struct timespec ts = {.tv_sec = (time_t)retry_at,
+                                  .tv_nsec = (long)((retry_at - (double)(time_t)retry_at) * 1e9)};
+            pthread_cond_timedwait(&d->rec_cv, &d->rec_mu, &ts);
+        }
+        if (d->n_done == 0)
+            break; /* stopping, and nothing is left */
+        dispatch_done_t *taken = d->done;
+        size_t taken_cap = d->cap_done, n = d->n_done;
+        d->done = batch;
+        d->cap_done = cap;
+        d->n_done = 0;
+        batch = taken;
+        cap = taken_cap;
+        d->rec_busy = true;
+        pthread_mutex_unlock(&d->rec_mu);
+
+        double due = 0;
+        bool ok = record_batch(d, batch, n, &due);
+
+        pthread_mutex_lock(&d->rec_mu);
+        d->rec_busy = false;
+        if (ok) {
+            d->rec_recorded += n;
+            if (due > 0 && (d->rec_due == 0 || due < d->rec_due))
+                d->rec_due = due;
+            retry_at = 0;
+        } else {
+            /* Put the batch back in front of what finished meanwhile and try again after the
+             * backoff; when stopping, or out of memory, leave it to lease expiry. */
+            size_t total = n + d->n_done;
+            dispatch_done_t *all = d->rec_stop ? NULL : realloc(batch, total * sizeof *all);
+            if (!all) {
+                TALLY_WARN("%zu call results not recorded; their leases will expire and the "
+                           "reconciler will resolve them",
+                           n);
+                for (size_t i = 0; i < n; i++)
+                    done_clear(&batch[i]);
+            } else {
+                memcpy(all + n, d->done, d->n_done * sizeof *all);
+                batch = d->done;
+                cap = d->cap_done;
+                d->done = all;
+                d->cap_done = total;
+                d->n_done = total;
+                retry_at = dispatch_now() + d->rec_backoff_ms / 1000.0;
+            }
+        }
+        if (d->rec_pipe[1] >= 0) {
+            ssize_t w = write(d->rec_pipe[1], "r", 1);
+            (void)w; /* a full pipe already holds a wake-up */
+        }
+    }
+    pthread_mutex_unlock(&d->rec_mu);
+    free(batch);
+    return NULL;
+}
+
+bool deliver_recorder_start(dispatcher_t *d)
+{
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0 ||
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0 ||
+        pthread_cond_init(&d->rec_cv, &attr) != 0) {
+        TALLY_ERROR("recorder: cannot create its condition variable");
+        return false;
+    }
+    pthread_condattr_destroy(&attr);
+    if (pthread_mutex_init(&d->rec_mu, NULL) != 0) {
+        pthread_cond_destroy(&d->rec_cv);
+        TALLY_ERROR("recorder: cannot create its mutex");
+        return false;
+    }
+    d->rec_init = true;
+    if (pipe2(d->rec_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
+        TALLY_ERROR("recorder: wake-up pipe: %s", strerror(errno));
+        return false;
+    }
+    d->rec_pg = tally_pg_new(d->cfg->pg ? d->cfg->pg : "", "tally-dispatcher-record");
+    if (!d->rec_pg) {
+        TALLY_ERROR("recorder: out of memory");
+        return false;
+    }
+    if (pthread_create(&d->rec_thread, NULL, recorder_main, d) != 0) {
+        TALLY_ERROR("recorder: cannot start its thread");
+        return false;
+    }
+    d->rec_started = true;
+    return true;
+}
+
+void deliver_recorder_stop(dispatcher_t *d)
+{
+    if (!d->rec_init)
+        return;
+    if (d->rec_started) {
+        pthread_mutex_lock(&d->rec_mu);
+        d->rec_stop = true;
+        pthread_cond_signal(&d->rec_cv);
+        pthread_mutex_unlock(&d->rec_mu);
+        pthread_join(d->rec_thread, NULL);
+        d->rec_started = false;
+    }
+    for (size_t i = 0; i < d->n_done; i++)
+        done_clear(&d->done[i]);
+    free(d->done);
+    d->done = NULL;
+    d->n_done = d->cap_done = 0;
+    tally_pg_free(d->rec_pg);
+    d->rec_pg = NULL;
+    for (int i = 0; i < 2; i++)
+        if (d->rec_pipe[i] >= 0)
+            close(d->rec_pipe[i]);
+    d->rec_pipe[0] = d->rec_pipe[1] = -1;
+    pthread_cond_destroy(&d->rec_cv);
+    pthread_mutex_destroy(&d->rec_mu);
+    d->rec_init = false;
+}
+
+int deliver_recorded(dispatcher_t *d)
+{
+    char buf[64];
+    while (read(d->rec_pipe[0], buf, sizeof buf) > 0)
+        ;
+    pthread_mutex_lock(&d->rec_mu);
+    size_t n = d->rec_recorded;
+    double due = d->rec_due;
+    d->rec_recorded = 0;
+    d->rec_due = 0;
+    pthread_mutex_unlock(&d->rec_mu);
     if (due > 0 && due < d->next_sweep)
         d->next_sweep = due;
-    if (d->claim_capped)
+    /* Room freed: a tool that filled its room may have more due. */
+    if (n > 0 && d->claim_capped)
         d->claim_wanted = true;
     tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    return (int)n;
+}
+
+size_t deliver_unrecorded(dispatcher_t *d)
+{
+    pthread_mutex_lock(&d->rec_mu);
+    size_t n = d->n_done + (d->rec_busy ? 1 : 0);
+    pthread_mutex_unlock(&d->rec_mu);
     return n;
 }

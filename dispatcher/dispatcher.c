@@ -214,6 +214,7 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
         return false;
     }
     d->kafka_pipe[0] = d->kafka_pipe[1] = -1;
+    d->rec_pipe[0] = d->rec_pipe[1] = -1;
     d->w = w;
     d->cfg = tally_worker_config(w);
     d->reg = tally_worker_registry(w);
@@ -240,6 +241,8 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
         TALLY_ERROR("connector engine: %s", errstr);
         return false;
     }
+    if (!deliver_recorder_start(d))
+        return false;
     tally_error_t err;
     tally_error_clear(&err);
     if (!tally_pg_listen(d->pg, "tally_outbox", &err)) {
@@ -270,11 +273,11 @@ static void drain_pipe(int fd)
         ;
 }
 
-/* Wait for curl, a NOTIFY on tally_outbox or the Kafka queue, up to timeout_ms, and collect
- * finished calls. */
+/* Wait for curl, a NOTIFY on tally_outbox, the Kafka queue or the recorder, up to
+ * timeout_ms, and collect finished calls. */
 static int wait_and_collect(dispatcher_t *d, int timeout_ms)
 {
-    struct curl_waitfd fds[2];
+    struct curl_waitfd fds[3];
     unsigned n = 0;
     PGconn *conn = tally_pg_conn(d->pg);
     int pgfd = conn ? PQsocket(conn) : -1;
@@ -282,6 +285,7 @@ static int wait_and_collect(dispatcher_t *d, int timeout_ms)
         fds[n++] = (struct curl_waitfd){.fd = pgfd, .events = CURL_WAIT_POLLIN};
     if (d->kafka_pipe[0] >= 0)
         fds[n++] = (struct curl_waitfd){.fd = d->kafka_pipe[0], .events = CURL_WAIT_POLLIN};
+    fds[n++] = (struct curl_waitfd){.fd = d->rec_pipe[0], .events = CURL_WAIT_POLLIN};
     tally_error_t err;
     tally_error_clear(&err);
     int done = tally_connector_poll(d->conn, fds, n, timeout_ms, deliver_on_done, d, &err);
@@ -292,7 +296,7 @@ static int wait_and_collect(dispatcher_t *d, int timeout_ms)
     /* Notifications may also have arrived with an earlier statement's results. */
     if (tally_pg_wait_notify(d->pg, 0) > 0)
         d->claim_wanted = true;
-    tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    (void)deliver_recorded(d);
     return done > 0 ? done : 0;
 }
 
@@ -321,8 +325,6 @@ static int next_timeout_ms(dispatcher_t *d, double now, int work)
         until = d->next_sweep;
     if (d->intake_failed && d->intake_retry_at < until)
         until = d->intake_retry_at;
-    if (d->n_done > 0 && d->record_retry_at < until)
-        until = d->record_retry_at;
     double ms = (until - now) * 1000.0;
     if (ms < 0)
         return 0;
@@ -343,23 +345,12 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
     if (n > 0)
         work += n;
     work += pump(d);
-    n = deliver_record(d);
-    if (n > 0)
-        work += n;
-    work += pump(d);
     n = deliver_claim(d);
     if (n > 0)
         work += n;
     work += pump(d);
 
-    n = wait_and_collect(d, next_timeout_ms(d, dispatch_now(), work));
-    work += n;
-    /* Write results right away: the claim that follows may depend on the freed room. */
-    if (d->n_done > 0) {
-        n = deliver_record(d);
-        if (n > 0)
-            work += n;
-    }
+    work += wait_and_collect(d, next_timeout_ms(d, dispatch_now(), work));
     tally_worker_heartbeat(w);
     return work;
 }
@@ -375,7 +366,7 @@ static bool dispatcher_drain(tally_worker_t *w, void *state)
         intake_discard(d);
         set_paused(d, true, "shutting down");
         TALLY_INFO("draining: %d calls in flight, %zu results to record",
-                   tally_connector_inflight(d->conn), d->n_done);
+                   tally_connector_inflight(d->conn), deliver_unrecorded(d));
     }
     if (d->rk) {
         /* Serve rebalances and errors (rd_kafka_poll is not allowed on a consumer whose main
@@ -385,11 +376,9 @@ static bool dispatcher_drain(tally_worker_t *w, void *state)
         if (rkm)
             rd_kafka_message_destroy(rkm);
     }
-    wait_and_collect(d, d->n_done > 0 ? 0 : 100);
-    if (d->n_done > 0)
-        (void)deliver_record(d);
+    wait_and_collect(d, 100);
     tally_worker_heartbeat(w);
-    bool done = tally_connector_inflight(d->conn) == 0 && d->n_done == 0;
+    bool done = tally_connector_inflight(d->conn) == 0 && deliver_unrecorded(d) == 0;
     if (done)
         TALLY_INFO("drained: every call finished and was recorded");
     return done;
@@ -402,18 +391,15 @@ static void dispatcher_fini(tally_worker_t *w, void *state)
     if (!d)
         return;
     int left = d->conn ? tally_connector_inflight(d->conn) : 0;
-    if (left > 0 || d->n_done > 0)
+    size_t unrecorded = d->rec_init ? deliver_unrecorded(d) : 0;
+    if (left > 0 || unrecorded > 0)
         TALLY_WARN("exiting with %d calls in flight and %zu unrecorded results: their leases "
                    "will expire and the reconciler will resolve them",
-                   left, d->n_done);
+                   left, unrecorded);
+    /* The recorder writes what it holds (it stops once its queue is empty) before the calls
+     * still in flight are abandoned. */
+    deliver_recorder_stop(d);
     tally_connector_free(d->conn, dispatch_call_free);
-    for (size_t i = 0; i < d->n_done; i++) {
-        dispatch_call_free(d->done[i].call);
-        json_decref(d->done[i].receipt);
-        free(d->done[i].external_ref);
-        json_decref(d->done[i].call_record);
-    }
-    free(d->done);
     intake_discard(d);
     free(d->batch);
     if (d->queue) {

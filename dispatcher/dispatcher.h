@@ -4,6 +4,7 @@
 #ifndef TALLY_DISPATCHER_H
 #define TALLY_DISPATCHER_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -38,6 +39,9 @@ typedef struct intake_msg {
     char *canonical; /**< canonical args (intents) */
     char input_hash[65];
     char effect_id[37]; /**< the id the effect gets if this intent creates it */
+    bool dispatch;      /**< created as DISPATCHING by this batch: call it after COMMIT */
+    long long epoch;    /**< its lease epoch (dispatch) */
+    int attempts;       /**< its attempt number (dispatch) */
 } intake_msg_t;
 
 /** A claimed effect while its connector call is in flight. */
@@ -92,10 +96,22 @@ typedef struct dispatcher {
     bool claim_wanted; /**< a NOTIFY, new intents, freed capacity or the timer */
     bool claim_capped; /**< the last claim was limited by capacity, not by due rows */
     double next_sweep; /**< look for due rows (backoffs that came due) at this time */
-    dispatch_done_t *done;
+
+    /* recording: its own thread and PostgreSQL connection (deliver.c). rec_mu guards the
+     * queue and the fields after it; rec_pg and rec_backoff_ms belong to the thread. */
+    pthread_t rec_thread;
+    bool rec_init, rec_started;
+    pthread_mutex_t rec_mu;
+    pthread_cond_t rec_cv;
+    int rec_pipe[2]; /**< the thread writes to [1] after each batch; the loop waits on [0] */
+    tally_pg_t *rec_pg;
+    int rec_backoff_ms;
+    dispatch_done_t *done; /**< finished calls waiting for the thread */
     size_t n_done, cap_done;
-    double record_retry_at; /**< after a database error: not before this (monotonic s) */
-    int record_backoff_ms;
+    bool rec_busy;           /**< the thread holds a batch */
+    bool rec_stop;           /**< exit once the queue is empty */
+    size_t rec_recorded;     /**< results written since the loop last looked */
+    double rec_due;          /**< the earliest retry they scheduled (monotonic s), 0 when none */
     unsigned int rand_state; /**< for backoff jitter (rand_r) */
 
     /* backpressure and housekeeping */
@@ -139,14 +155,43 @@ void intake_discard(dispatcher_t *d);
 
 /* deliver.c */
 
+/** @brief The lease of a call to @p tool: its timeout plus a margin, at least TALLY_LEASE_MS. */
+int dispatch_lease_ms(const dispatcher_t *d, const tally_tool_t *tool);
+
 /** @brief Claim due outbox rows within capacity and start their calls. @returns calls started. */
 int deliver_claim(dispatcher_t *d);
+
+/**
+ * @brief A call context for a claimed effect (strings copied). @returns NULL when out of
+ * memory or when @p tool is NULL (not in this worker's registry).
+ */
+dispatch_call_t *dispatch_call_new(const char *effect_id, const char *run_id, const char *step,
+                                   bool step_is_number, const tally_tool_t *tool,
+                                   const char *operation_key, const char *intent_id,
+                                   long long epoch, int attempts);
+
+/**
+ * @brief Start the call of a claimed effect whose claim is committed (takes @p call). A call
+ * that cannot start is queued as a result like any other.
+ */
+void deliver_start(dispatcher_t *d, dispatch_call_t *call, const char *body, size_t body_len,
+                   const char *traceparent);
 
 /** @brief The connector's completion callback: classify and queue the result. */
 void deliver_on_done(const tally_conn_result_t *res, void *opaque);
 
-/** @brief Write every queued completion in one transaction. @returns rows recorded or -1. */
-int deliver_record(dispatcher_t *d);
+/** @brief Start the recorder thread and its connection. false (logged) when it cannot. */
+bool deliver_recorder_start(dispatcher_t *d);
+
+/** @brief Let the recorder write what it holds, stop it and free what is left. */
+void deliver_recorder_stop(dispatcher_t *d);
+
+/** @brief On the loop: take the recorder's news (results written, retries due, room freed).
+ * @returns results written since the last call. */
+int deliver_recorded(dispatcher_t *d);
+
+/** @brief Results not yet written (queued or being written). */
+size_t deliver_unrecorded(dispatcher_t *d);
 
 /** @brief Free a call context (also for calls abandoned at exit). */
 void dispatch_call_free(void *call);

@@ -16,6 +16,7 @@
 #include "tally/id.h"
 #include "tally/json.h"
 #include "tally/log.h"
+#include "tally/recordset.h"
 
 /* librdkafka's default message.max.bytes is 1,000,000: a DLQ record must stay below it even
  * when TALLY_MAX_MESSAGE_BYTES is larger, or the relay could never publish it. */
@@ -32,30 +33,43 @@ static const char SQL_RUNS[] = "INSERT INTO runs (run_id, tenant)"
                                " ON CONFLICT (run_id) DO NOTHING";
 
 /* The run rows are share-locked so an operator's cancel of the same run serialises with this
- * batch: either the cancel sees these effects, or this batch sees the cancelled run. */
+ * batch: either the cancel sees these effects, or this batch sees the cancelled run.
+ * Rows with a lease_ms are claimed in the same statement (DESIGN §3 rule 1: the effect is
+ * committed as DISPATCHING under a lease, times from the database clock, before its call
+ * starts): they skip the dispatch outbox and a second transaction. The others (no room for
+ * their tool in this worker just now) wait in the outbox as PLANNED. */
 static const char SQL_EFFECTS[] =
     "WITH r AS ("
     "  SELECT * FROM json_to_recordset($1::json) AS r(ord int, effect_id uuid, run_id text,"
     "    step text, step_num numeric, tool text, effect_class text, operation_key text,"
     "    input_hash text, args_canonical text, tenant text, traceparent text, intent_id text,"
-    "    gated boolean)),"
+    "    gated boolean, lease_ms int)),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT run_id FROM r)"
     "    ORDER BY run_id FOR SHARE),"
     " ins AS ("
     "  INSERT INTO effects (effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
-    "    input_hash, args_canonical, tenant, traceparent, intent_id, status, status_reason)"
+    "    input_hash, args_canonical, tenant, traceparent, intent_id, status, status_reason,"
+    "    lease_owner, lease_until, lease_epoch, attempts)"
     "  SELECT r.effect_id, r.run_id, r.step, r.step_num, r.tool, r.effect_class,"
     "    r.operation_key, r.input_hash, r.args_canonical, r.tenant, r.traceparent, r.intent_id,"
-    "    CASE WHEN ru.status <> 'ACTIVE' THEN 'CANCELLED'"
-    "         WHEN r.gated THEN 'AWAITING_APPROVAL' ELSE 'PLANNED' END,"
-    "    CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END"
+    "    s.status, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END,"
+    "    CASE WHEN s.status = 'DISPATCHING' THEN $2::text END,"
+    "    CASE WHEN s.status = 'DISPATCHING' THEN now() + r.lease_ms * interval '1 millisecond'"
+    "    END,"
+    "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END,"
+    "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END"
     "  FROM r JOIN ru ON ru.run_id = r.run_id"
+    "  CROSS JOIN LATERAL (SELECT CASE WHEN ru.status <> 'ACTIVE' THEN 'CANCELLED'"
+    "    WHEN r.gated THEN 'AWAITING_APPROVAL'"
+    "    WHEN r.lease_ms IS NOT NULL THEN 'DISPATCHING' ELSE 'PLANNED' END AS status) s"
     "  ORDER BY r.ord"
     "  ON CONFLICT DO NOTHING"
-    "  RETURNING effect_id, tool, status, status_reason),"
+    "  RETURNING effect_id, tool, status, status_reason, lease_epoch, attempts,"
+    "    to_json(lease_until) #>> '{}' AS lease_until),"
     " ob AS (INSERT INTO outbox (effect_id, tool)"
     "  SELECT effect_id, tool FROM ins WHERE status = 'PLANNED')"
-    " SELECT effect_id::text, status, status_reason FROM ins";
+    " SELECT effect_id::text, status, status_reason, lease_epoch, attempts, lease_until"
+    " FROM ins";
 
 /* For the intents that created nothing: the effect holding their (tool, key), and the one
  * holding their (run, step), in one query. */
@@ -276,7 +290,7 @@ static bool dlq_add(dispatcher_t *d, tally_outbox_batch_t *ob, const intake_msg_
 /* The transaction                                                                          */
 
 typedef struct intake_counts {
-    int created, replay, conflict, dlq, cancel, compensate;
+    int created, planned, replay, conflict, dlq, cancel, compensate;
     int dlq_by_reason[16];
 } intake_counts_t;
 
@@ -286,17 +300,22 @@ static int cmp_effect_id(const void *a, const void *b)
     return strcmp((*x)->effect_id, (*y)->effect_id);
 }
 
-static bool exec_json(dispatcher_t *d, const char *sql, json_t *arr, PGresult **out,
-                      tally_error_t *err)
+/* Run @p sql with the rows of @p rs as $1 (and @p param2, when not NULL, as $2); its result
+ * goes to @p out, or is dropped when @p out is NULL. The rows are built as text
+ * (recordset.h), with no jansson object per row. tally_recordset_flush runs a statement the
+ * same way but keeps no result and takes no second parameter, so the text is closed here as
+ * flush closes it: the builder always leaves room for "]" and the terminator. */
+static bool exec_rows(dispatcher_t *d, const char *sql, tally_recordset_t *rs, const char *param2,
+                      PGresult **out, tally_error_t *err)
 {
-    char *text = json_dumps(arr, JSON_COMPACT);
+    const char *text = tally_recordset_close(rs);
     if (!text) {
-        tally_error_set(err, "oom", true, "out of memory serialising a batch");
+        tally_error_set(err, "oom", true, "intake batch not written: %s",
+                        rs->failed ? rs->why : "no rows");
         return false;
     }
-    const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(d->pg, sql, 1, params, err);
-    free(text);
+    const char *params[2] = {text, param2};
+    PGresult *res = tally_pg_exec(d->pg, sql, param2 ? 2 : 1, params, err);
     if (!res)
         return false;
     if (out)
@@ -311,9 +330,11 @@ static const char *val(PGresult *res, int row, int col)
     return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
 }
 
+/* An audit event whose data is the object of @p n members (audit.h): text, without a jansson
+ * object to build and serialise for each intent. */
 static void audit_add(tally_audit_batch_t *ab, const char *run_id, const char *effect_id,
                       const char *kind, const char *from, const char *to, const char *actor,
-                      const char *reason, const json_t *data)
+                      const char *reason, const tally_audit_member_t *members, size_t n)
 {
     tally_audit_event_t ev = {.run_id = run_id,
                               .effect_id = effect_id,
@@ -322,7 +343,8 @@ static void audit_add(tally_audit_batch_t *ab, const char *run_id, const char *e
                               .to_status = to,
                               .actor = actor,
                               .reason = reason,
-                              .data = data};
+                              .members = members,
+                              .n_members = n};
     tally_audit_batch_add(ab, &ev);
 }
 
@@ -344,16 +366,39 @@ static bool record_created(dispatcher_t *d, PGresult *res, intake_msg_t **sorted
         intake_msg_t *m = *hit;
         created[m - d->batch] = true;
         c->created++;
-        json_t *data =
-            json_pack("{s:s, s:s, s:s, s:s, s:s}", "intent_id", m->in.id, "tool", m->tool->name,
-                      "operation_key", m->op_key, "input_hash", m->input_hash, "effect_class",
-                      tally_effect_class_name(m->tool->effect_class));
-        if (m->in.traceparent && data)
-            json_object_set_new(data, "traceparent", json_string(m->in.traceparent));
+        if (strcmp(status, "PLANNED") == 0)
+            c->planned++;
+        const tally_audit_member_t data[] = {
+            {"intent_id", m->in.id, false},
+            {"tool", m->tool->name, false},
+            {"operation_key", m->op_key, false},
+            {"input_hash", m->input_hash, false},
+            {"effect_class", tally_effect_class_name(m->tool->effect_class), false},
+            {"traceparent", m->in.traceparent, false}, /* left out when absent */
+        };
+        bool claimed = strcmp(status, "DISPATCHING") == 0;
         /* One row: the effect's first transition carries the intent it came from (merged
          * from a separate "intent" row: one audit row less per effect, the same facts). */
-        audit_add(ab, m->in.run_id, eid, "transition", NULL, status, d->worker_id, why, data);
-        json_decref(data);
+        audit_add(ab, m->in.run_id, eid, "transition", NULL, claimed ? "PLANNED" : status,
+                  d->worker_id, why, data, sizeof data / sizeof data[0]);
+        if (claimed) {
+            /* Claimed in the same statement: the claim's own transition, as deliver.c's. */
+            m->dispatch = true;
+            m->epoch = atoll(PQgetvalue(res, row, 3));
+            m->attempts = atoi(PQgetvalue(res, row, 4));
+            char epoch[24], attempt[16];
+            snprintf(epoch, sizeof epoch, "%lld", (long long)m->epoch);
+            snprintf(attempt, sizeof attempt, "%d", m->attempts);
+            const tally_audit_member_t lease[] = {
+                {"lease_owner", d->worker_id, false},
+                {"lease_epoch", epoch, true},
+                {"lease_until", PQgetvalue(res, row, 5), false},
+                {"attempt", attempt, true},
+            };
+            audit_add(ab, m->in.run_id, eid, "transition", "PLANNED", "DISPATCHING", d->worker_id,
+                      NULL, lease, sizeof lease / sizeof lease[0]);
+            continue;
+        }
         if (strcmp(status, "PLANNED") != 0) {
             effect_view_t v = {.effect_id = eid,
                                .run_id = m->in.run_id,
@@ -407,11 +452,14 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
                 "effect_step",
                 dispatch_step_json(PQgetvalue(res, row, 3), PQgetvalue(res, row, 4)[0] == 't'));
             bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
-            json_t *data = json_pack("{s:s, s:s, s:s}", "intent_id", m->in.id, "replay_of", eid,
-                                     "status", v.status);
+            const tally_audit_member_t data[] = {
+                {"intent_id", m->in.id, false},
+                {"replay_of", eid, false},
+                {"status", v.status, false},
+            };
             audit_add(ab, m->in.run_id, eid, "intent", NULL, NULL, d->worker_id,
-                      "replay: same tool, operation key and input hash", data);
-            json_decref(data);
+                      "replay: same tool, operation key and input hash", data,
+                      sizeof data / sizeof data[0]);
             json_decref(extra);
             json_decref(receipt);
             if (!ok) {
@@ -455,10 +503,14 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
                            .intent_id = m->in.id};
         json_t *extra = json_pack("{s:s}", "conflicting_effect_id", other);
         bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
-        json_t *data = json_pack("{s:s, s:s, s:s, s:s}", "intent_id", m->in.id, "operation_key",
-                                 m->op_key, "input_hash", m->input_hash, "tool", m->tool->name);
-        audit_add(ab, m->in.run_id, other, "conflict", NULL, NULL, d->worker_id, msg, data);
-        json_decref(data);
+        const tally_audit_member_t data[] = {
+            {"intent_id", m->in.id, false},
+            {"operation_key", m->op_key, false},
+            {"input_hash", m->input_hash, false},
+            {"tool", m->tool->name, false},
+        };
+        audit_add(ab, m->in.run_id, other, "conflict", NULL, NULL, d->worker_id, msg, data,
+                  sizeof data / sizeof data[0]);
         json_decref(extra);
         if (!ok) {
             tally_error_set(err, "oom", true, "out of memory building a conflict event");
@@ -468,26 +520,58 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
     return true;
 }
 
+static int tool_index(dispatcher_t *d, const tally_tool_t *tool)
+{
+    for (size_t t = 0; t < tally_registry_count(d->reg); t++)
+        if (tally_registry_at(d->reg, t) == tool)
+            return (int)t;
+    return -1;
+}
+
+/* The calls of the effects this batch claimed, once its COMMIT made the claims durable. */
+static void start_claimed(dispatcher_t *d)
+{
+    for (size_t i = 0; i < d->n_batch; i++) {
+        intake_msg_t *m = &d->batch[i];
+        if (!m->dispatch)
+            continue;
+        dispatch_call_t *call =
+            dispatch_call_new(m->effect_id, m->in.run_id, m->in.step, m->in.step_is_number, m->tool,
+                              m->op_key, m->in.id, m->epoch, m->attempts);
+        if (!call) {
+            TALLY_ERROR("effect %s claimed but out of memory; its lease will expire", m->effect_id);
+            continue;
+        }
+        deliver_start(d, call, m->canonical, strlen(m->canonical), m->in.traceparent);
+    }
+}
+
 /* Everything the batch says, in one transaction. The caller commits or rolls back. */
 static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
                          intake_counts_t *c, tally_error_t *err)
 {
     bool ok = false;
-    json_t *runs = json_array(), *effects = json_array(), *existing = json_array();
+    /* The statements' $1, built as text: rows of json_to_recordset, whose "n" they ignore */
+    tally_recordset_t runs = {0}, effects = {0}, existing = {0};
     intake_msg_t **sorted = calloc(d->n_batch ? d->n_batch : 1, sizeof *sorted);
     bool *created = calloc(d->n_batch ? d->n_batch : 1, sizeof *created);
     /* compensate_run / cancel_run: the same run-level SQL as `tally compensate|cancel` */
     tally_runop_t *ops = calloc(d->n_batch ? d->n_batch : 1, sizeof *ops);
     tally_runop_result_t *op_results = calloc(d->n_batch ? d->n_batch : 1, sizeof *op_results);
+    size_t n_tools = tally_registry_count(d->reg);
+    int *room = calloc(n_tools ? n_tools : 1, sizeof *room);
     PGresult *res = NULL;
     size_t n_sorted = 0, n_ops = 0;
-    if (!runs || !effects || !existing || !sorted || !created || !ops || !op_results) {
+    if (!sorted || !created || !ops || !op_results || !room) {
         tally_error_set(err, "oom", true, "out of memory building the intake batch");
         goto out;
     }
 
+    for (size_t t = 0; t < n_tools; t++)
+        room[t] = tally_connector_capacity(d->conn, tally_registry_at(d->reg, t));
     for (size_t i = 0; i < d->n_batch; i++) {
         intake_msg_t *m = &d->batch[i];
+        m->dispatch = false; /* a retried batch claims again */
         if (m->reason != TALLY_DLQ_NONE) {
             if (!dlq_add(d, ob, m)) {
                 tally_error_set(err, "oom", true, "out of memory building a DLQ record");
@@ -499,21 +583,45 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
             continue;
         }
         const tally_intent_t *in = &m->in;
-        json_array_append_new(runs,
-                              json_pack("{s:s, s:s?}", "run_id", in->run_id, "tenant", in->tenant));
+        bool run = tally_recordset_row_begin(&runs) &&
+                   tally_recordset_text(&runs, "run_id", in->run_id) &&
+                   tally_recordset_text(&runs, "tenant", in->tenant);
+        if (!tally_recordset_row_end(&runs, run))
+            goto oom;
         switch (in->type) {
         case TALLY_MSG_INTENT: {
             bool gated =
                 m->tool->effect_class == TALLY_CLASS_DESTRUCTIVE || m->tool->requires_approval;
-            json_t *row = json_pack(
-                "{s:i, s:s, s:s, s:s, s:o, s:s, s:s, s:s, s:s, s:s, s:s?, s:s?, s:s, s:b}", "ord",
-                (int)i, "effect_id", m->effect_id, "run_id", in->run_id, "step", in->step,
-                "step_num", in->step_is_number ? json_string(in->step) : json_null(), "tool",
-                m->tool->name, "effect_class", tally_effect_class_name(m->tool->effect_class),
-                "operation_key", m->op_key, "input_hash", m->input_hash, "args_canonical",
-                m->canonical, "tenant", in->tenant, "traceparent", in->traceparent, "intent_id",
-                in->id, "gated", gated);
-            if (!row || json_array_append_new(effects, row) != 0)
+            /* Claim it now if its tool has room in this worker (the intents of one batch
+             * share that room; a replay or conflict wastes a slot only until COMMIT). No
+             * lease_ms (null): not claimed. */
+            char ord[16], lease_ms[16];
+            const char *lease = NULL;
+            int t = tool_index(d, m->tool);
+            if (!gated && t >= 0 && room[t] > 0) {
+                room[t]--;
+                snprintf(lease_ms, sizeof lease_ms, "%d", dispatch_lease_ms(d, m->tool));
+                lease = lease_ms;
+            }
+            snprintf(ord, sizeof ord, "%d", (int)i);
+            tally_recordset_t *rs = &effects;
+            bool row = tally_recordset_row_begin(rs) && tally_recordset_json(rs, "ord", ord) &&
+                       tally_recordset_text(rs, "effect_id", m->effect_id) &&
+                       tally_recordset_text(rs, "run_id", in->run_id) &&
+                       tally_recordset_text(rs, "step", in->step) &&
+                       tally_recordset_text(rs, "step_num", in->step_is_number ? in->step : NULL) &&
+                       tally_recordset_text(rs, "tool", m->tool->name) &&
+                       tally_recordset_text(rs, "effect_class",
+                                            tally_effect_class_name(m->tool->effect_class)) &&
+                       tally_recordset_text(rs, "operation_key", m->op_key) &&
+                       tally_recordset_text(rs, "input_hash", m->input_hash) &&
+                       tally_recordset_text(rs, "args_canonical", m->canonical) &&
+                       tally_recordset_text(rs, "tenant", in->tenant) &&
+                       tally_recordset_text(rs, "traceparent", in->traceparent) &&
+                       tally_recordset_text(rs, "intent_id", in->id) &&
+                       tally_recordset_json(rs, "gated", gated ? "true" : "false") &&
+                       tally_recordset_json(rs, "lease_ms", lease);
+            if (!tally_recordset_row_end(rs, row))
                 goto oom;
             sorted[n_sorted++] = m;
             break;
@@ -538,10 +646,10 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
 
     if (!tally_pg_begin(d->pg, err))
         goto out;
-    if (json_array_size(runs) > 0 && !exec_json(d, SQL_RUNS, runs, NULL, err))
+    if (runs.n > 0 && !exec_rows(d, SQL_RUNS, &runs, NULL, NULL, err))
         goto out;
-    if (json_array_size(effects) > 0) {
-        if (!exec_json(d, SQL_EFFECTS, effects, &res, err))
+    if (effects.n > 0) {
+        if (!exec_rows(d, SQL_EFFECTS, &effects, d->worker_id, &res, err))
             goto out;
         if (!record_created(d, res, sorted, n_sorted, ab, ob, c, created))
             goto oom;
@@ -551,14 +659,19 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
             intake_msg_t *m = sorted[k];
             if (created[m - d->batch])
                 continue;
-            json_t *row = json_pack("{s:i, s:s, s:s, s:s, s:s}", "ord", (int)(m - d->batch), "tool",
-                                    m->tool->name, "operation_key", m->op_key, "run_id",
-                                    m->in.run_id, "step", m->in.step);
-            if (!row || json_array_append_new(existing, row) != 0)
+            char ord[16];
+            snprintf(ord, sizeof ord, "%d", (int)(m - d->batch));
+            tally_recordset_t *rs = &existing;
+            bool row = tally_recordset_row_begin(rs) && tally_recordset_json(rs, "ord", ord) &&
+                       tally_recordset_text(rs, "tool", m->tool->name) &&
+                       tally_recordset_text(rs, "operation_key", m->op_key) &&
+                       tally_recordset_text(rs, "run_id", m->in.run_id) &&
+                       tally_recordset_text(rs, "step", m->in.step);
+            if (!tally_recordset_row_end(rs, row))
                 goto oom;
         }
-        if (json_array_size(existing) > 0) {
-            if (!exec_json(d, SQL_EXISTING, existing, &res, err))
+        if (existing.n > 0) {
+            if (!exec_rows(d, SQL_EXISTING, &existing, NULL, &res, err))
                 goto out;
             if (!record_existing(d, res, ab, ob, c, err))
                 goto out;
@@ -577,13 +690,14 @@ oom:
     tally_error_set(err, "oom", true, "out of memory building the intake batch");
 out:
     PQclear(res);
-    json_decref(runs);
-    json_decref(effects);
-    json_decref(existing);
+    tally_recordset_release(&runs);
+    tally_recordset_release(&effects);
+    tally_recordset_release(&existing);
     free(ops);
     free(op_results);
     free(sorted);
     free(created);
+    free(room);
     return ok;
 }
 
@@ -695,10 +809,11 @@ int intake_step(dispatcher_t *d)
     d->intake_backoff_ms = 0;
     TALLY_CRASHPOINT("dispatch.after_intake_commit");
     store_offsets(d);
+    start_claimed(d);
     int n = (int)d->n_batch;
     intake_discard(d);
-    if (c.created)
-        d->claim_wanted = true;
+    if (c.planned)
+        d->claim_wanted = true; /* no room to claim them with the batch: claim when it frees */
     tally_metric_add(d->m_intents, c.created, "created");
     tally_metric_add(d->m_intents, c.replay, "replay");
     tally_metric_add(d->m_intents, c.conflict, "conflict");

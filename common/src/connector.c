@@ -838,7 +838,7 @@ static bool xfer_setup(conn_xfer_t *x, const tally_conn_request_t *req)
               curl_easy_setopt(e, CURLOPT_HEADERDATA, x) == CURLE_OK &&
               /* receipts are small: curl's default 16 KiB receive buffer per call would be
                * ~80 MB at 5,000 calls in flight; larger bodies just take more callbacks */
-              curl_easy_setopt(e, CURLOPT_BUFFERSIZE, 4096L) == CURLE_OK;
+              curl_easy_setopt(e, CURLOPT_BUFFERSIZE, 1024L) == CURLE_OK;
     if (!ok)
         return false;
     if (tally_conn_fresh_connection(req->tool, req->op)) {

@@ -110,6 +110,39 @@ class DispatchRunsTest(DispatchCase):
                                      " AND kind = 'compensate_run'", (run,)), 1)
         self.invariants()
 
+    def test_call_refused_after_its_run_was_cancelled_is_cancelled_not_retried(self):
+        # The call is in flight when the run is cancelled; the tool then refuses it (503, not
+        # applied). A retry would run an effect of a cancelled run: it must end CANCELLED,
+        # with its event published, and never reach the tool again.
+        self.dispatcher()
+        run = run_id()
+        key = f"create_hold:{run}-h"
+        # 1.7 s: inside create_hold's 2 s timeout, so the answer (503) arrives
+        self.fault("hang_before_apply", collection="holds", times=1, delay_ms=1700, status=503)
+        intent = self.publish(self.intent(run, 1, "create_hold", {"hold_id": f"{run}-h"}))
+        self.wait_status("create_hold", key, "DISPATCHING")
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
+                        1, (run,))
+        row = self.wait_status("create_hold", key, "CANCELLED")
+        self.assertEqual(row["error_code"], "run_not_active")
+        self.assertEqual(self.scalar("SELECT count(*) FROM outbox o JOIN effects e USING"
+                                     " (effect_id) WHERE e.run_id = %s", (run,)), 0)
+        events = self.query("SELECT from_status, to_status FROM events WHERE effect_id = %s"
+                            " AND kind = 'transition' ORDER BY seq", (row["effect_id"],))
+        # the cancel found the call in flight and left it alone; its answer cancelled it
+        self.assertEqual(events[-1], ("DISPATCHING", "CANCELLED"))
+        got = self.read_until("outcomes", lambda got: any(
+            m["data"].get("intent_id") == intent["id"] and m["data"].get("status") == "CANCELLED"
+            for m in got))
+        [ev] = [m for m in got if m["data"].get("intent_id") == intent["id"]]
+        self.assertEqual(ev["type"], "tally.effect.cancelled.v1")
+        self.assertEqual(ev["data"]["error"]["code"], "run_not_active")
+        time.sleep(1.5)  # the tool's backoff would have come due by now
+        self.assertEqual(len(self.requests(key)), 1)
+        self.assertEqual(self.records("holds"), [])
+        self.invariants()
+
     def test_sigterm_lets_calls_in_flight_finish_and_records_them(self):
         d = self.dispatcher(TALLY_SHUTDOWN_GRACE_MS=10000)
         run = run_id()
