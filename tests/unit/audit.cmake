@@ -1,2 +1,2 @@
-# The audit batch (common/src/audit.c): the text of its one INSERT, with PostgreSQL stubbed out.
-tally_unit_test(test_audit SOURCES audit.c recordset.c json.c error.c id.c)
+# The audit batch (common/src/audit.c): the text of its one INSERT's parameter.
+tally_unit_test(test_audit SOURCES audit.c recordset.c json.c error.c id.c pg.c log.c)
