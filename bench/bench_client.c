@@ -68,6 +68,7 @@ typedef struct bench {
     double idle_timeout_s;
     int linger_ms; /* -1 = 0 when paced, 5 when not */
     int fetch_wait_ms;
+    const char *dump; /* --dump: "intent_id sent_ns arrival_ns" per answered intent */
     bool wait;
     char prefix[48]; /* "b<nonce>-": every intent id, run id and unique arg starts with it */
 
@@ -119,7 +120,7 @@ static void usage(FILE *out)
             "                          --count N --tool NAME:FIELD[,FIELD...] [--tool ...]\n"
             "                          [--rate R] [--runs K] [--no-wait] [--timeout S]\n"
             "                          [--idle-timeout S] [--linger-ms MS] [--fetch-wait-ms MS]\n"
-            "                          [--label NAME]\n\n"
+            "                          [--label NAME] [--dump FILE]\n\n"
             "Publish N tally.intent.v1 events (round-robin over the tools, spread over K runs,\n"
             "every operation key unique) and wait until an effect event for each has arrived on\n"
             "the outcomes topic. Prints one `bench-client: key=value ...` line on stdout.\n\n"
@@ -132,7 +133,9 @@ static void usage(FILE *out)
             "  --idle-timeout S    ... or after S s without a new outcome (default 60)\n"
             "  --linger-ms MS      producer linger (default 0 with --rate, else 5)\n"
             "  --fetch-wait-ms MS  outcome reader's fetch.wait.max.ms (default 5)\n"
-            "  --label NAME        names the figures line (default: bench)\n");
+            "  --label NAME        names the figures line (default: bench)\n"
+            "  --dump FILE         write \"intent_id sent_ns arrival_ns\" (CLOCK_REALTIME) for\n"
+            "                      every answered intent, to set beside the ledger's times\n");
 }
 
 static bool valid_name(const char *s, size_t len)
@@ -544,11 +547,33 @@ static void report(const bench_t *b)
     free(lat);
 }
 
+/* Every answered intent with its two clock readings; the ledger's own times (now() of the
+ * transactions, the same machine's clock) split the interval between them. */
+static bool dump_times(const bench_t *b)
+{
+    FILE *f = fopen(b->dump, "w");
+    if (f == NULL) {
+        fprintf(stderr, "tally-bench-client: --dump %s: %s\n", b->dump, strerror(errno));
+        return false;
+    }
+    for (long i = 0; i < b->count; i++) {
+        if (b->lat_ns[i] < 0)
+            continue;
+        int64_t s = atomic_load(&b->sent_ns[i]);
+        fprintf(f, "%s%ld %" PRId64 " %" PRId64 "\n", b->prefix, i, s, s + b->lat_ns[i]);
+    }
+    if (fclose(f) != 0) {
+        fprintf(stderr, "tally-bench-client: --dump %s: %s\n", b->dump, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
 /* ---- main ---------------------------------------------------------------------------------- */
 
 static bool options(bench_t *b, int argc, char **argv)
 {
-    enum { O_INTENTS = 1000, O_OUTCOMES, O_NO_WAIT, O_IDLE, O_LINGER, O_FETCH };
+    enum { O_INTENTS = 1000, O_OUTCOMES, O_NO_WAIT, O_IDLE, O_LINGER, O_FETCH, O_DUMP };
     static const struct option longopts[] = {
         {"brokers", required_argument, NULL, 'b'},
         {"intents-topic", required_argument, NULL, O_INTENTS},
@@ -563,6 +588,7 @@ static bool options(bench_t *b, int argc, char **argv)
         {"linger-ms", required_argument, NULL, O_LINGER},
         {"fetch-wait-ms", required_argument, NULL, O_FETCH},
         {"label", required_argument, NULL, 'l'},
+        {"dump", required_argument, NULL, O_DUMP},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -638,6 +664,9 @@ static bool options(bench_t *b, int argc, char **argv)
             break;
         case 'l':
             b->label = optarg;
+            break;
+        case O_DUMP:
+            b->dump = optarg;
             break;
         case 'h':
             usage(stdout);
@@ -752,6 +781,8 @@ int main(int argc, char **argv)
             rc = 1;
     }
     report(b);
+    if (b->dump != NULL && b->wait && !dump_times(b))
+        rc = 1;
     if (b->consumer != NULL) {
         rd_kafka_consumer_close(b->consumer);
         rd_kafka_destroy(b->consumer);

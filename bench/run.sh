@@ -484,7 +484,12 @@ fi
 # ---- 3. latency at a fixed rate -------------------------------------------------------------
 lat_count=$((rate * duration))
 lat_started=$(psql "$TALLY_PG" -Atc "SELECT now()")
-client latency --count "$lat_count" --rate "$rate" --runs 100 "${fast_tools[@]}" --timeout 600
+lat_dispatch_before=$(hist_sums tally_dispatch_seconds)
+lat_connector_before=$(hist_sums tally_connector_seconds)
+client latency --count "$lat_count" --rate "$rate" --runs 100 "${fast_tools[@]}" --timeout 600 \
+    --dump "$log_dir/latency_times.txt"
+lat_dispatch_mean=$(mean_ms "$lat_dispatch_before" "$(hist_sums tally_dispatch_seconds)")
+lat_connector_mean=$(mean_ms "$lat_connector_before" "$(hist_sums tally_connector_seconds)")
 lat_line=$client_line
 save_metrics latency
 say "latency at $rate/s: p50 $(kv "$lat_line" p50_ms) ms, p99 $(kv "$lat_line" p99_ms) ms"
@@ -498,6 +503,26 @@ lat_ledger=$(psql "$TALLY_PG" -At -F ' ' -c "
                  AND v.to_status = 'CONFIRMED')
     SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ms)::numeric, 2),
            round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)::numeric, 2) FROM x")
+# The whole interval in three parts, per intent, with the client's clock readings (the same
+# machine's CLOCK_REALTIME): publish -> intake transaction (Kafka in and the wait for intake),
+# intake -> recorded outcome (the ledger), recorded -> arrival (the relay and Kafka out).
+lat_parts=$(psql "$TALLY_PG" -qAt -F ' ' -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
+CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
+\\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
+WITH x AS (SELECT extract(epoch FROM e.created_at) * 1000 - t.sent_ns / 1e6 AS kin,
+                  extract(epoch FROM v.occurred_at - e.created_at) * 1000 AS ledger,
+                  t.arrival_ns / 1e6 - extract(epoch FROM v.occurred_at) * 1000 AS kout
+           FROM t JOIN effects e ON e.intent_id = t.intent_id
+           JOIN events v ON v.effect_id = e.effect_id
+           WHERE v.kind = 'transition' AND v.to_status = 'CONFIRMED')
+SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kin)::numeric, 2),
+       round(percentile_cont(0.99) WITHIN GROUP (ORDER BY kin)::numeric, 2),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ledger)::numeric, 2),
+       round(percentile_cont(0.99) WITHIN GROUP (ORDER BY ledger)::numeric, 2),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kout)::numeric, 2),
+       round(percentile_cont(0.99) WITHIN GROUP (ORDER BY kout)::numeric, 2) FROM x;
+SQL
+)
 
 # ---- 4. dispatcher memory with slow calls in flight -------------------------------------------
 metric() { # metric PORT NAME: the value of an unlabelled sample, or empty when unreadable
@@ -595,6 +620,9 @@ echo "bench: latency_p50 = $(kv "$lat_line" p50_ms) ms (target <= 10)"
 echo "bench: latency_p99 = $(kv "$lat_line" p99_ms) ms (target <= 50)"
 echo "bench: latency_max = $(kv "$lat_line" max_ms) ms"
 echo "bench: latency_ledger = p50 ${lat_ledger%% *} ms, p99 ${lat_ledger##* } ms (intake transaction to recorded outcome, by the database clock)"
+read -r kin50 kin99 led50 led99 kout50 kout99 <<<"${lat_parts:-}"
+echo "bench: latency_parts = in p50 ${kin50:-?} / p99 ${kin99:-?} ms, ledger ${led50:-?} / ${led99:-?} ms, out ${kout50:-?} / ${kout99:-?} ms (publish -> intake transaction -> recorded outcome -> arrival)"
+echo "bench: latency_dispatch_mean = $lat_dispatch_mean ms, connector $lat_connector_mean ms (claim to recorded outcome; the HTTP call)"
 if [[ -n "$rss_target" ]]; then
     echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
     echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"

@@ -212,12 +212,16 @@ static void done_clear(dispatch_done_t *x)
 }
 
 /* The tool's backoff for this attempt (backoff.h: doubling, equal jitter, Retry-After). */
-static long long backoff_ms(dispatcher_t *d, const tally_tool_t *tool, int attempts,
-                            long retry_after_ms)
+static long long backoff_ms(const tally_tool_t *tool, int attempts, long retry_after_ms)
 {
     int base = tool->backoff_ms > 0 ? tool->backoff_ms : 200;
     int cap = tool->max_backoff_ms > 0 ? tool->max_backoff_ms : 60000;
-    return tally_backoff_ms(attempts, base, cap, retry_after_ms, (uint32_t)rand_r(&d->rand_state));
+    /* Jitter needs no shared state: calls finish on the connector's thread, calls that could
+     * not start on the loop's. */
+    static _Thread_local unsigned int seed;
+    if (seed == 0)
+        seed = (unsigned int)time(NULL) ^ (unsigned int)getpid() ^ (unsigned int)(uintptr_t)&seed;
+    return tally_backoff_ms(attempts, base, cap, retry_after_ms, (uint32_t)rand_r(&seed));
 }
 
 static void set_error(dispatch_done_t *x, const char *code, const char *fmt, const char *msg)
@@ -228,14 +232,14 @@ static void set_error(dispatch_done_t *x, const char *code, const char *fmt, con
 
 /* Not applied (or, for read/idempotent tools, a timeout): try again with the same key, or
  * stop at the attempt cap. */
-static void retry_or_stop(dispatcher_t *d, dispatch_done_t *x, bool was_unknown)
+static void retry_or_stop(dispatch_done_t *x, bool was_unknown)
 {
     const dispatch_call_t *call = x->call;
     const tally_tool_t *tool = call->tool;
     int cap = tool->max_attempts > 0 ? tool->max_attempts : 5;
     if (call->attempts < cap) {
         x->to_status = "PLANNED";
-        x->delay_ms = backoff_ms(d, tool, call->attempts, x->v.retry_after_ms);
+        x->delay_ms = backoff_ms(tool, call->attempts, x->v.retry_after_ms);
         set_error(x, x->v.code, "%s", x->v.message);
         return;
     }
@@ -254,7 +258,7 @@ static void retry_or_stop(dispatcher_t *d, dispatch_done_t *x, bool was_unknown)
 }
 
 /* DESIGN §3: what the effect becomes after this verdict. */
-static void decide(dispatcher_t *d, dispatch_done_t *x)
+static void decide(dispatch_done_t *x)
 {
     const tally_tool_t *tool = x->call->tool;
     switch (x->v.verdict) {
@@ -266,13 +270,13 @@ static void decide(dispatcher_t *d, dispatch_done_t *x)
         set_error(x, x->v.code, "%s", x->v.message);
         return;
     case TALLY_VERDICT_RETRY:
-        retry_or_stop(d, x, false);
+        retry_or_stop(x, false);
         return;
     case TALLY_VERDICT_UNKNOWN:
         /* Rule 2: a timeout of a read or idempotent tool is transient by definition. */
         if (tool->effect_class == TALLY_CLASS_READ ||
             tool->effect_class == TALLY_CLASS_IDEMPOTENT) {
-            retry_or_stop(d, x, true);
+            retry_or_stop(x, true);
             return;
         }
         x->to_status = "UNKNOWN";
@@ -306,7 +310,7 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
             x->external_ref = tally_conn_external_ref(call->tool, x->receipt);
         }
     }
-    decide(d, x);
+    decide(x);
     json_t *rec = json_pack("{s:s, s:s, s:s, s:b, s:f, s:i, s:s, s:s}", "method", res->method,
                             "url", res->url, "op", tally_conn_op_name(res->op), "sent", res->sent,
                             "latency_ms", res->seconds * 1000.0, "attempt", call->attempts,
@@ -344,7 +348,7 @@ static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_er
     x->v.retry_after_ms = -1;
     snprintf(x->v.code, sizeof x->v.code, "%s", err->code);
     snprintf(x->v.message, sizeof x->v.message, "the call was not started: %.200s", err->message);
-    decide(d, x);
+    decide(x);
     x->call_record = json_pack("{s:s, s:b, s:i, s:s, s:s}", "op", "execute", "sent", 0, "attempt",
                                call->attempts, "code", err->code, "transport_error", err->message);
     tally_metric_add(d->m_calls, 1, call->tool->name, "not_started");

@@ -4,6 +4,7 @@
  * the worker's metrics, and the SIGTERM drain. */
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -221,7 +222,6 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
     d->pg = tally_worker_pg(w);
     d->rk = tally_worker_consumer(w);
     d->worker_id = tally_worker_id(w);
-    d->rand_state = (unsigned int)time(NULL) ^ (unsigned int)getpid();
     snprintf(d->source, sizeof d->source, "/tally/dispatcher/%s", d->worker_id);
     *state = d;
     declare_metrics(d, tally_worker_metrics(w));
@@ -243,6 +243,11 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
     }
     if (!deliver_recorder_start(d))
         return false;
+    /* Calls progress on the connector's thread while this one waits on PostgreSQL. */
+    if (!tally_connector_start(d->conn, deliver_on_done, d, errstr, sizeof errstr)) {
+        TALLY_ERROR("connector engine: %s", errstr);
+        return false;
+    }
     tally_error_t err;
     tally_error_clear(&err);
     if (!tally_pg_listen(d->pg, "tally_outbox", &err)) {
@@ -273,43 +278,28 @@ static void drain_pipe(int fd)
         ;
 }
 
-/* Wait for curl, a NOTIFY on tally_outbox, the Kafka queue or the recorder, up to
- * timeout_ms, and collect finished calls. */
+/* Wait for a NOTIFY on tally_outbox, the Kafka queue or the recorder, up to timeout_ms. The
+ * calls run on the connector's own thread and reach the recorder from there; the recorder's
+ * pipe says when results were written (and room freed). @returns results written. */
 static int wait_and_collect(dispatcher_t *d, int timeout_ms)
 {
-    struct curl_waitfd fds[3];
-    unsigned n = 0;
+    struct pollfd fds[3];
+    nfds_t n = 0;
     PGconn *conn = tally_pg_conn(d->pg);
     int pgfd = conn ? PQsocket(conn) : -1;
     if (pgfd >= 0)
-        fds[n++] = (struct curl_waitfd){.fd = pgfd, .events = CURL_WAIT_POLLIN};
+        fds[n++] = (struct pollfd){.fd = pgfd, .events = POLLIN};
     if (d->kafka_pipe[0] >= 0)
-        fds[n++] = (struct curl_waitfd){.fd = d->kafka_pipe[0], .events = CURL_WAIT_POLLIN};
-    fds[n++] = (struct curl_waitfd){.fd = d->rec_pipe[0], .events = CURL_WAIT_POLLIN};
-    tally_error_t err;
-    tally_error_clear(&err);
-    int done = tally_connector_poll(d->conn, fds, n, timeout_ms, deliver_on_done, d, &err);
-    if (done < 0)
-        TALLY_ERROR("connector: %s", err.message);
+        fds[n++] = (struct pollfd){.fd = d->kafka_pipe[0], .events = POLLIN};
+    fds[n++] = (struct pollfd){.fd = d->rec_pipe[0], .events = POLLIN};
+    if (poll(fds, n, timeout_ms) < 0 && errno != EINTR)
+        TALLY_ERROR("poll: %s", strerror(errno));
     if (d->kafka_pipe[0] >= 0)
         drain_pipe(d->kafka_pipe[0]);
     /* Notifications may also have arrived with an earlier statement's results. */
     if (tally_pg_wait_notify(d->pg, 0) > 0)
         d->claim_wanted = true;
-    (void)deliver_recorded(d);
-    return done > 0 ? done : 0;
-}
-
-/* Let curl make progress (connect, send, read answers) between two database steps without
- * waiting: a tick's transactions take milliseconds, and calls must not stall behind them. */
-static int pump(dispatcher_t *d)
-{
-    tally_error_t err;
-    tally_error_clear(&err);
-    int n = tally_connector_poll(d->conn, NULL, 0, 0, deliver_on_done, d, &err);
-    if (n < 0)
-        TALLY_ERROR("connector: %s", err.message);
-    return n > 0 ? n : 0;
+    return deliver_recorded(d);
 }
 
 static int next_timeout_ms(dispatcher_t *d, double now, int work)
@@ -344,11 +334,9 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
     int n = intake_step(d);
     if (n > 0)
         work += n;
-    work += pump(d);
     n = deliver_claim(d);
     if (n > 0)
         work += n;
-    work += pump(d);
 
     work += wait_and_collect(d, next_timeout_ms(d, dispatch_now(), work));
     tally_worker_heartbeat(w);
@@ -396,8 +384,10 @@ static void dispatcher_fini(tally_worker_t *w, void *state)
         TALLY_WARN("exiting with %d calls in flight and %zu unrecorded results: their leases "
                    "will expire and the reconciler will resolve them",
                    left, unrecorded);
-    /* The recorder writes what it holds (it stops once its queue is empty) before the calls
-     * still in flight are abandoned. */
+    /* No result arrives once the connector's thread has stopped; the recorder then writes what
+     * it holds (it stops once its queue is empty) before the calls still in flight are
+     * abandoned. */
+    tally_connector_stop(d->conn);
     deliver_recorder_stop(d);
     tally_connector_free(d->conn, dispatch_call_free);
     intake_discard(d);

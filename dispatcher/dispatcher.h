@@ -108,11 +108,10 @@ typedef struct dispatcher {
     int rec_backoff_ms;
     dispatch_done_t *done; /**< finished calls waiting for the thread */
     size_t n_done, cap_done;
-    bool rec_busy;           /**< the thread holds a batch */
-    bool rec_stop;           /**< exit once the queue is empty */
-    size_t rec_recorded;     /**< results written since the loop last looked */
-    double rec_due;          /**< the earliest retry they scheduled (monotonic s), 0 when none */
-    unsigned int rand_state; /**< for backoff jitter (rand_r) */
+    bool rec_busy;       /**< the thread holds a batch */
+    bool rec_stop;       /**< exit once the queue is empty */
+    size_t rec_recorded; /**< results written since the loop last looked */
+    double rec_due;      /**< the earliest retry they scheduled (monotonic s), 0 when none */
 
     /* backpressure and housekeeping */
     long long backlog; /**< rows in the dispatch outbox, refreshed at most once a second */

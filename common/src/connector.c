@@ -4,7 +4,9 @@
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +17,7 @@
 #include <openssl/params.h>
 
 #include "tally/json.h"
+#include "tally/log.h"
 
 #ifndef TALLY_VERSION
 #define TALLY_VERSION "0"
@@ -592,16 +595,27 @@ typedef struct conn_xfer {
     char errbuf[CURL_ERROR_SIZE];
 } conn_xfer_t;
 
+/* The multi handle belongs to whichever thread drives the calls: the caller of
+ * tally_connector_poll, or the engine's own thread after tally_connector_start. mu guards
+ * everything else, which the submitting thread shares with that one. */
 struct tally_connector {
     CURLM *multi;
     int max_inflight;
-    int inflight;
     size_t max_body;
+    pthread_mutex_t mu;
+    int inflight; /* submitted and not yet handed to the completion callback */
     conn_slot_t *slots;
     size_t n_slots, cap_slots;
-    conn_xfer_t *active;
+    conn_xfer_t *active;   /* in the multi handle */
+    conn_xfer_t *incoming; /* submitted to the engine's thread, not yet in the multi handle */
     conn_xfer_t *pool;
     size_t n_pool;
+    /* tally_connector_start */
+    bool threaded;
+    pthread_t thread;
+    atomic_bool stop;
+    tally_conn_done_fn done;
+    void *done_opaque;
 };
 
 static int curl_global_ready(void)
@@ -626,11 +640,14 @@ tally_connector_t *tally_connector_new(int max_inflight, size_t max_body, char *
         return NULL;
     }
     c->multi = curl_multi_init();
-    if (!c->multi) {
+    if (!c->multi || pthread_mutex_init(&c->mu, NULL) != 0) {
+        if (c->multi)
+            curl_multi_cleanup(c->multi);
         free(c);
         snprintf(errstr, errsz, "curl_multi_init failed");
         return NULL;
     }
+    atomic_init(&c->stop, false);
     c->max_inflight = max_inflight > 0 ? max_inflight : INT_MAX;
     c->max_body = max_body ? max_body : TALLY_CONN_MAX_BODY;
     /* Keep enough idle connections for every call in flight to reuse one. */
@@ -664,7 +681,7 @@ static int tool_limit(const tally_tool_t *tool)
     return tool->max_concurrency > 0 ? tool->max_concurrency : INT_MAX;
 }
 
-int tally_connector_tool_inflight(const tally_connector_t *c, const tally_tool_t *tool)
+static int tool_inflight_locked(const tally_connector_t *c, const tally_tool_t *tool)
 {
     for (size_t i = 0; i < c->n_slots; i++)
         if (c->slots[i].tool == tool)
@@ -672,17 +689,40 @@ int tally_connector_tool_inflight(const tally_connector_t *c, const tally_tool_t
     return 0;
 }
 
+static int capacity_locked(const tally_connector_t *c, const tally_tool_t *tool)
+{
+    int global = c->max_inflight - c->inflight;
+    int per = tool_limit(tool) - tool_inflight_locked(c, tool);
+    int room = global < per ? global : per;
+    return room > 0 ? room : 0;
+}
+
+/* The counts are read under the lock: the engine's thread changes them as calls finish. */
+int tally_connector_tool_inflight(const tally_connector_t *c, const tally_tool_t *tool)
+{
+    tally_connector_t *m = (tally_connector_t *)c;
+    pthread_mutex_lock(&m->mu);
+    int n = tool_inflight_locked(c, tool);
+    pthread_mutex_unlock(&m->mu);
+    return n;
+}
+
 int tally_connector_inflight(const tally_connector_t *c)
 {
-    return c->inflight;
+    tally_connector_t *m = (tally_connector_t *)c;
+    pthread_mutex_lock(&m->mu);
+    int n = c->inflight;
+    pthread_mutex_unlock(&m->mu);
+    return n;
 }
 
 int tally_connector_capacity(const tally_connector_t *c, const tally_tool_t *tool)
 {
-    int global = c->max_inflight - c->inflight;
-    int per = tool_limit(tool) - tally_connector_tool_inflight(c, tool);
-    int room = global < per ? global : per;
-    return room > 0 ? room : 0;
+    tally_connector_t *m = (tally_connector_t *)c;
+    pthread_mutex_lock(&m->mu);
+    int room = capacity_locked(c, tool);
+    pthread_mutex_unlock(&m->mu);
+    return room;
 }
 
 static size_t on_body(char *ptr, size_t size, size_t nmemb, void *userdata)
@@ -866,12 +906,6 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
                             tally_error_t *err)
 {
     const tally_tool_t *tool = req->tool;
-    if (tally_connector_capacity(c, tool) <= 0) {
-        tally_error_set(err, "capacity", true,
-                        "no room for another call to '%s' (%d in flight, %d for the tool)",
-                        tool->name, c->inflight, tally_connector_tool_inflight(c, tool));
-        return false;
-    }
     const char *secret = NULL;
     if (tool->secret_env && tool->secret_env[0]) {
         secret = getenv(tool->secret_env);
@@ -882,16 +916,25 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
             return false;
         }
     }
-    size_t slot_idx;
-    if (!slot_for(c, tool, &slot_idx)) {
+    /* Take the room first (under the lock: calls finishing on the engine's thread free it),
+     * then build the request outside the lock. */
+    pthread_mutex_lock(&c->mu);
+    size_t slot_idx = 0;
+    conn_xfer_t *x = NULL;
+    if (capacity_locked(c, tool) <= 0) {
+        tally_error_set(err, "capacity", true,
+                        "no room for another call to '%s' (%d in flight, %d for the tool)",
+                        tool->name, c->inflight, tool_inflight_locked(c, tool));
+    } else if (!slot_for(c, tool, &slot_idx) || !(x = xfer_take(c))) {
         tally_error_set(err, "oom", true, "out of memory");
-        return false;
+    } else {
+        c->inflight++;
+        c->slots[slot_idx].inflight++;
     }
-    conn_xfer_t *x = xfer_take(c);
-    if (!x) {
-        tally_error_set(err, "oom", true, "out of memory");
+    pthread_mutex_unlock(&c->mu);
+    if (!x)
         return false;
-    }
+
     x->url = tally_conn_url(tool, req->op, req->idempotency_key, err);
     if (!x->url)
         goto fail;
@@ -917,20 +960,33 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
         goto fail;
     }
     clock_gettime(CLOCK_MONOTONIC, &x->started);
+    if (c->threaded) {
+        /* The engine's thread adds it to the multi handle (only that thread touches it). */
+        pthread_mutex_lock(&c->mu);
+        x->next = c->incoming;
+        c->incoming = x;
+        pthread_mutex_unlock(&c->mu);
+        curl_multi_wakeup(c->multi);
+        return true;
+    }
     CURLMcode mc = curl_multi_add_handle(c->multi, x->easy);
     if (mc != CURLM_OK) {
         tally_error_set(err, "curl", true, "curl_multi_add_handle: %s", curl_multi_strerror(mc));
         goto fail;
     }
+    pthread_mutex_lock(&c->mu);
     x->next = c->active;
     if (c->active)
         c->active->prev = x;
     c->active = x;
-    c->inflight++;
-    c->slots[slot_idx].inflight++;
+    pthread_mutex_unlock(&c->mu);
     return true;
 fail:
+    pthread_mutex_lock(&c->mu);
+    c->inflight--;
+    c->slots[slot_idx].inflight--;
     xfer_release(c, x);
+    pthread_mutex_unlock(&c->mu);
     return false;
 }
 
@@ -969,6 +1025,51 @@ static double since(const struct timespec *t0)
     return (double)(now.tv_sec - t0->tv_sec) + (double)(now.tv_nsec - t0->tv_nsec) / 1e9;
 }
 
+/* Hand one finished call to @p done, then give its room back: a call counts as in flight
+ * until its callback has returned, so "nothing in flight" means every result was handed on.
+ * @p x is in the active list unless @p listed is false. */
+static void finish(tally_connector_t *c, conn_xfer_t *x, bool listed, CURLcode rc,
+                   tally_conn_done_fn done, void *opaque)
+{
+    CURL *easy = x->easy;
+    long status = 0;
+    curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+    tally_conn_result_t res = {
+        .opaque = x->opaque,
+        .tool = x->tool,
+        .op = x->op,
+        .method = x->method,
+        .url = x->url,
+        .curl_code = (int)rc,
+        .curl_error = x->errbuf,
+        .sent = conn_was_sent(easy, rc, status),
+        .http_status = status,
+        .retry_after_ms = x->retry_after_ms,
+        .seconds = since(&x->started),
+        .body = x->resp ? x->resp : "",
+        .body_len = x->resp_len,
+        .body_total = x->resp_total,
+        .body_truncated = x->truncated,
+    };
+    if (listed)
+        curl_multi_remove_handle(c->multi, easy);
+    if (done)
+        done(&res, opaque);
+    pthread_mutex_lock(&c->mu);
+    if (listed) {
+        if (x->prev)
+            x->prev->next = x->next;
+        else
+            c->active = x->next;
+        if (x->next)
+            x->next->prev = x->prev;
+    }
+    c->inflight--;
+    c->slots[x->slot].inflight--;
+    xfer_release(c, x);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static int drain_done(tally_connector_t *c, tally_conn_done_fn done, void *opaque)
 {
     int n = 0;
@@ -977,44 +1078,51 @@ static int drain_done(tally_connector_t *c, tally_conn_done_fn done, void *opaqu
     while ((m = curl_multi_info_read(c->multi, &left)) != NULL) {
         if (m->msg != CURLMSG_DONE)
             continue;
-        CURL *easy = m->easy_handle;
-        CURLcode rc = m->data.result;
         conn_xfer_t *x = NULL;
-        curl_easy_getinfo(easy, CURLINFO_PRIVATE, (char **)&x);
-        long status = 0;
-        curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
-        tally_conn_result_t res = {
-            .opaque = x->opaque,
-            .tool = x->tool,
-            .op = x->op,
-            .method = x->method,
-            .url = x->url,
-            .curl_code = (int)rc,
-            .curl_error = x->errbuf,
-            .sent = conn_was_sent(easy, rc, status),
-            .http_status = status,
-            .retry_after_ms = x->retry_after_ms,
-            .seconds = since(&x->started),
-            .body = x->resp ? x->resp : "",
-            .body_len = x->resp_len,
-            .body_total = x->resp_total,
-            .body_truncated = x->truncated,
-        };
-        curl_multi_remove_handle(c->multi, easy);
-        if (x->prev)
-            x->prev->next = x->next;
-        else
-            c->active = x->next;
-        if (x->next)
-            x->next->prev = x->prev;
-        c->inflight--;
-        c->slots[x->slot].inflight--;
+        CURLcode rc = m->data.result;
+        curl_easy_getinfo(m->easy_handle, CURLINFO_PRIVATE, (char **)&x);
+        finish(c, x, true, rc, done, opaque);
         n++;
-        if (done)
-            done(&res, opaque);
-        xfer_release(c, x);
     }
     return n;
+}
+
+/* Threaded: move the calls submitted since the last look into the multi handle, in the order
+ * they were submitted. One that curl refuses is finished at once as not sent. */
+static int take_incoming(tally_connector_t *c, tally_conn_done_fn done, void *opaque)
+{
+    pthread_mutex_lock(&c->mu);
+    conn_xfer_t *list = c->incoming;
+    c->incoming = NULL;
+    pthread_mutex_unlock(&c->mu);
+    conn_xfer_t *rev = NULL;
+    while (list) {
+        conn_xfer_t *next = list->next;
+        list->next = rev;
+        rev = list;
+        list = next;
+    }
+    int failed = 0;
+    while (rev) {
+        conn_xfer_t *x = rev;
+        rev = rev->next;
+        x->prev = x->next = NULL;
+        CURLMcode mc = curl_multi_add_handle(c->multi, x->easy);
+        if (mc != CURLM_OK) {
+            snprintf(x->errbuf, sizeof x->errbuf, "curl_multi_add_handle: %s",
+                     curl_multi_strerror(mc));
+            finish(c, x, false, CURLE_FAILED_INIT, done, opaque);
+            failed++;
+            continue;
+        }
+        pthread_mutex_lock(&c->mu);
+        x->next = c->active;
+        if (c->active)
+            c->active->prev = x;
+        c->active = x;
+        pthread_mutex_unlock(&c->mu);
+    }
+    return failed;
 }
 
 int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsigned n_extra,
@@ -1022,13 +1130,14 @@ int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsign
 {
     for (unsigned i = 0; i < n_extra; i++)
         extra[i].revents = 0;
+    int n = c->threaded ? take_incoming(c, done, opaque) : 0;
     int running = 0;
     CURLMcode mc = curl_multi_perform(c->multi, &running);
     if (mc != CURLM_OK) {
         tally_error_set(err, "curl", true, "curl_multi_perform: %s", curl_multi_strerror(mc));
         return -1;
     }
-    int n = drain_done(c, done, opaque);
+    n += drain_done(c, done, opaque);
     int numfds = 0;
     mc = curl_multi_poll(c->multi, extra, n_extra, n > 0 ? 0 : (timeout_ms > 0 ? timeout_ms : 0),
                          &numfds);
@@ -1036,6 +1145,8 @@ int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsign
         tally_error_set(err, "curl", true, "curl_multi_poll: %s", curl_multi_strerror(mc));
         return -1;
     }
+    if (c->threaded)
+        n += take_incoming(c, done, opaque);
     mc = curl_multi_perform(c->multi, &running);
     if (mc != CURLM_OK) {
         tally_error_set(err, "curl", true, "curl_multi_perform: %s", curl_multi_strerror(mc));
@@ -1049,33 +1160,92 @@ void tally_connector_wakeup(tally_connector_t *c)
     curl_multi_wakeup(c->multi);
 }
 
+static void *engine_thread(void *arg)
+{
+    tally_connector_t *c = arg;
+    int backoff_ms = 10;
+    while (!atomic_load(&c->stop)) {
+        tally_error_t err;
+        tally_error_clear(&err);
+        if (tally_connector_poll(c, NULL, 0, 1000, c->done, c->done_opaque, &err) < 0) {
+            /* curl_multi_* only fail when out of memory or misused: say so and slow down */
+            TALLY_ERROR("connector: %s", err.message);
+            struct timespec ts = {0, (long)backoff_ms * 1000000L};
+            nanosleep(&ts, NULL);
+            backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
+        } else {
+            backoff_ms = 10;
+        }
+    }
+    return NULL;
+}
+
+bool tally_connector_start(tally_connector_t *c, tally_conn_done_fn done, void *opaque,
+                           char *errstr, size_t errsz)
+{
+    if (c->threaded) {
+        snprintf(errstr, errsz, "the connector's thread is already running");
+        return false;
+    }
+    c->done = done;
+    c->done_opaque = opaque;
+    atomic_store(&c->stop, false);
+    c->threaded = true;
+    int rc = pthread_create(&c->thread, NULL, engine_thread, c);
+    if (rc != 0) {
+        c->threaded = false;
+        snprintf(errstr, errsz, "cannot start the connector's thread: %s", strerror(rc));
+        return false;
+    }
+    return true;
+}
+
+void tally_connector_stop(tally_connector_t *c)
+{
+    if (!c || !c->threaded)
+        return;
+    atomic_store(&c->stop, true);
+    curl_multi_wakeup(c->multi);
+    pthread_join(c->thread, NULL);
+    /* Calls submitted but never added stay incoming: tally_connector_free abandons them. */
+}
+
+static void xfer_destroy(conn_xfer_t *x)
+{
+    curl_slist_free_all(x->headers);
+    free(x->url);
+    free(x->body);
+    free(x->resp);
+    curl_easy_cleanup(x->easy);
+    free(x);
+}
+
 void tally_connector_free(tally_connector_t *c, void (*abandoned)(void *opaque))
 {
     if (!c)
         return;
-    conn_xfer_t *x = c->active;
-    while (x) {
-        conn_xfer_t *next = x->next;
-        curl_multi_remove_handle(c->multi, x->easy);
-        if (abandoned && x->opaque)
-            abandoned(x->opaque);
-        curl_slist_free_all(x->headers);
-        free(x->url);
-        free(x->body);
-        free(x->resp);
-        curl_easy_cleanup(x->easy);
-        free(x);
-        x = next;
+    tally_connector_stop(c);
+    conn_xfer_t *lists[2] = {c->active, c->incoming};
+    for (int l = 0; l < 2; l++) {
+        conn_xfer_t *x = lists[l];
+        while (x) {
+            conn_xfer_t *next = x->next;
+            if (l == 0)
+                curl_multi_remove_handle(c->multi, x->easy);
+            if (abandoned && x->opaque)
+                abandoned(x->opaque);
+            xfer_destroy(x);
+            x = next;
+        }
     }
-    x = c->pool;
+    conn_xfer_t *x = c->pool;
     while (x) {
         conn_xfer_t *next = x->next;
-        free(x->resp);
-        curl_easy_cleanup(x->easy);
-        free(x);
+        xfer_destroy(x);
         x = next;
     }
     curl_multi_cleanup(c->multi);
+    pthread_mutex_destroy(&c->mu);
     free(c->slots);
     free(c);
 }

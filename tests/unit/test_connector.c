@@ -745,6 +745,81 @@ static void test_capacity(void **state)
     assert_int_equal(abandoned_count, 3);
 }
 
+/* tally_connector_start: calls progress and finish on the engine's thread while the thread
+ * that submitted them does something else (here: sleeps); a call counts as in flight until
+ * its callback returns; freeing the engine stops its thread and abandons what is left. */
+typedef struct threaded_got {
+    pthread_mutex_t mu;
+    tally_connector_t *c;
+    pthread_t submitter;
+    int n, confirmed, on_submitter, inflight_in_callback;
+} threaded_got_t;
+
+static void on_threaded_done(const tally_conn_result_t *res, void *opaque)
+{
+    threaded_got_t *g = opaque;
+    tally_conn_verdict_t v;
+    tally_conn_classify_execute(res, &v);
+    int inflight = tally_connector_inflight(g->c);
+    pthread_mutex_lock(&g->mu);
+    g->n++;
+    g->confirmed += v.verdict == TALLY_VERDICT_CONFIRMED;
+    g->on_submitter += pthread_equal(pthread_self(), g->submitter) != 0;
+    g->inflight_in_callback += inflight >= 1;
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void test_engine_thread(void **state)
+{
+    (void)state;
+    char err_s[256];
+    tally_connector_t *c = tally_connector_new(8, 0, err_s, sizeof err_s);
+    assert_non_null(c);
+    threaded_got_t g = {.mu = PTHREAD_MUTEX_INITIALIZER, .c = c, .submitter = pthread_self()};
+    assert_true(tally_connector_start(c, on_threaded_done, &g, err_s, sizeof err_s));
+    assert_false(tally_connector_start(c, on_threaded_done, &g, err_s, sizeof err_s));
+    tally_tool_t tool = demo_tool();
+    char base[64];
+    snprintf(base, sizeof base, "http://127.0.0.1:%d", rsp.port);
+    tool.base_url = base;
+    tool.timeout_ms = 3000;
+    tool.max_concurrency = 8;
+    tool.execute.path = (char *)"/ok";
+    tally_error_t err;
+    tally_conn_request_t req = {.tool = &tool,
+                                .op = TALLY_CONN_EXECUTE,
+                                .idempotency_key = "k",
+                                .body = "{}",
+                                .body_len = 2};
+    for (int i = 0; i < 5; i++)
+        assert_true(tally_connector_submit(c, &req, &err));
+    int n = 0;
+    for (int i = 0; i < 500 && n < 5; i++) {
+        usleep(10000); /* no poll from this thread: the engine's thread does the work */
+        pthread_mutex_lock(&g.mu);
+        n = g.n;
+        pthread_mutex_unlock(&g.mu);
+    }
+    assert_int_equal(n, 5);
+    assert_int_equal(g.confirmed, 5);
+    assert_int_equal(g.on_submitter, 0);
+    assert_int_equal(g.inflight_in_callback, 5);
+    assert_int_equal(tally_connector_inflight(c), 0);
+    assert_int_equal(tally_connector_capacity(c, &tool), 8);
+
+    /* Two calls that hang: still in flight when the engine is freed, and abandoned. */
+    tool.execute.path = (char *)"/hang";
+    req.opaque = &g;
+    assert_true(tally_connector_submit(c, &req, &err));
+    assert_true(tally_connector_submit(c, &req, &err));
+    assert_int_equal(tally_connector_inflight(c), 2);
+    usleep(50000);
+    abandoned_count = 0;
+    tally_connector_free(c, count_abandoned);
+    assert_int_equal(abandoned_count, 2);
+    assert_int_equal(g.n, 5);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -758,6 +833,7 @@ int main(void)
         cmocka_unit_test(test_receipt_and_ref),
         cmocka_unit_test(test_excerpt),
         cmocka_unit_test(test_engine),
+        cmocka_unit_test(test_engine_thread),
         cmocka_unit_test(test_no_silent_replay_of_side_effects),
         cmocka_unit_test(test_capacity),
     };

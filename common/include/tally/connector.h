@@ -1,6 +1,7 @@
 /* connector.h — the HTTP connector of DESIGN §6: many concurrent calls in one thread (libcurl
- * multi), request building (idempotency key, run/effect ids, traceparent, HMAC signature) and
- * the classification of every answer into what the ledger does next. */
+ * multi; the caller's, or a thread of the engine's own), request building (idempotency key,
+ * run/effect ids, traceparent, HMAC signature) and the classification of every answer into
+ * what the ledger does next. */
 #ifndef TALLY_CONNECTOR_H
 #define TALLY_CONNECTOR_H
 
@@ -184,7 +185,8 @@ const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op);
 
 typedef struct tally_connector tally_connector_t;
 
-/** @brief Receives each finished call. Runs inside tally_connector_poll. */
+/** @brief Receives each finished call. Runs inside tally_connector_poll, or on the engine's
+ * thread after tally_connector_start. The call still counts as in flight until it returns. */
 typedef void (*tally_conn_done_fn)(const tally_conn_result_t *res, void *opaque);
 
 /**
@@ -226,8 +228,22 @@ int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsign
 void tally_connector_wakeup(tally_connector_t *c);
 
 /**
- * @brief Free the engine. Calls still in flight are abandoned without a result (their
- * connections are closed; the ledger's leases say what happens to them). NULL is allowed.
+ * @brief Drive the calls on a thread of the engine's own, handing each finished call to
+ * @p done there. From then on tally_connector_poll must not be called; submit, capacity and
+ * the in-flight counts may be used from one other thread (the one that submits), and calls
+ * progress while that thread is busy elsewhere (a database round trip, say).
+ * @returns false with the reason in @p errstr when the thread cannot start.
+ */
+bool tally_connector_start(tally_connector_t *c, tally_conn_done_fn done, void *opaque,
+                           char *errstr, size_t errsz) TALLY_WUR;
+
+/** @brief Stop and join the engine's thread (calls in flight stay; NULL is allowed). */
+void tally_connector_stop(tally_connector_t *c);
+
+/**
+ * @brief Free the engine (stopping its thread first). Calls still in flight are abandoned
+ * without a result (their connections are closed; the ledger's leases say what happens to
+ * them). NULL is allowed.
  * @param abandoned when not NULL, receives the opaque pointer of each abandoned call so the
  * caller can free its context.
  */
