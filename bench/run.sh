@@ -551,6 +551,7 @@ if [[ $inflight -gt 0 ]]; then
     done
     dpid=${dispatcher_pids[0]}
     dport=${metrics_ports[0]}
+    sleep 2 # idle: the dispatcher gives a burst's freed heap back after a second without work
     rss_idle_kb=$(status_kb "$dpid" VmRSS)
     curl -s -f -X POST "$TALLY_FAKE_TOOL_URL/_control/faults" \
         -d "{\"collection\":\"bench_slow\",\"op\":\"execute\",\"fault\":\"slow\",\"delay_ms\":$slow_delay_ms,\"times\":-1}" \

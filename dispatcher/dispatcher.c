@@ -4,6 +4,7 @@
  * the worker's metrics, and the SIGTERM drain. */
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -321,6 +322,27 @@ static int next_timeout_ms(dispatcher_t *d, double now, int work)
     return (int)ms + 1;
 }
 
+/* A burst leaves the heap full of freed chunks between live ones, which glibc only gives back
+ * from its top: after a second without work (and at most every TRIM_EVERY_S), hand every free
+ * page back. Calls held open by a slow tool count as idle, so the memory a dispatcher holds
+ * then is what its calls need, not what its last burst needed. */
+#define TRIM_IDLE_S  1.0
+#define TRIM_EVERY_S 10.0
+static void trim_when_idle(dispatcher_t *d, int work)
+{
+    double now = dispatch_now();
+    if (work > 0) {
+        d->busy_at = now;
+        d->trim_wanted = true;
+        return;
+    }
+    if (!d->trim_wanted || now - d->busy_at < TRIM_IDLE_S || now - d->trimmed_at < TRIM_EVERY_S)
+        return;
+    malloc_trim(0);
+    d->trim_wanted = false;
+    d->trimmed_at = now;
+}
+
 static int dispatcher_tick(tally_worker_t *w, void *state)
 {
     dispatcher_t *d = state;
@@ -330,15 +352,23 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
     refresh_effects(d, now);
     refresh_lag(d, now);
 
+    /* The recorder is the last stage: while a full batch of results waits for it, taking more
+     * work would only lengthen its queue and the time every result waits there. Intake and
+     * claims wait for its next batch instead (its pipe wakes the loop). */
+    bool behind =
+        deliver_unrecorded(d) >= (size_t)(d->cfg->batch_size > 0 ? d->cfg->batch_size : 1);
     int work = 0;
-    int n = intake_step(d);
-    if (n > 0)
-        work += n;
-    n = deliver_claim(d);
-    if (n > 0)
-        work += n;
-
-    work += wait_and_collect(d, next_timeout_ms(d, dispatch_now(), work));
+    if (!behind) {
+        int n = intake_step(d);
+        if (n > 0)
+            work += n;
+        n = deliver_claim(d);
+        if (n > 0)
+            work += n;
+    }
+    int timeout = behind ? d->cfg->poll_ms : next_timeout_ms(d, dispatch_now(), work);
+    work += wait_and_collect(d, timeout);
+    trim_when_idle(d, work);
     tally_worker_heartbeat(w);
     return work;
 }

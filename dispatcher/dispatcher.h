@@ -121,6 +121,9 @@ typedef struct dispatcher {
     double effects_at; /**< last refresh of tally_effects */
     double lag_at;
     bool draining;
+    double busy_at;    /**< the loop last did work (monotonic s) */
+    double trimmed_at; /**< the heap was last trimmed */
+    bool trim_wanted;  /**< work was done since then */
 
     /* metrics */
     tally_metric_t *m_effects;

@@ -963,10 +963,12 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     if (c->threaded) {
         /* The engine's thread adds it to the multi handle (only that thread touches it). */
         pthread_mutex_lock(&c->mu);
+        bool first = c->incoming == NULL; /* later ones find the thread already woken */
         x->next = c->incoming;
         c->incoming = x;
         pthread_mutex_unlock(&c->mu);
-        curl_multi_wakeup(c->multi);
+        if (first)
+            curl_multi_wakeup(c->multi);
         return true;
     }
     CURLMcode mc = curl_multi_add_handle(c->multi, x->easy);
