@@ -116,7 +116,7 @@ if [[ $skip_ceiling -eq 0 && -z "$pgbench" ]]; then
 fi
 
 # ---- build --------------------------------------------------------------------------------
-targets=(tally tally-dispatcher tally-fake-tool tally-bench-client)
+targets=(tally tally-dispatcher tally-fake-tool tally-bench-client tally-bench-connmem)
 if [[ $do_build -eq 1 ]]; then
     if [[ ! -f "$build/CMakeCache.txt" ]]; then
         cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
@@ -127,7 +127,8 @@ tally_bin="$build/tally"
 dispatcher_bin="$build/tally-dispatcher"
 fake_bin="$build/tests/fakes/tally-fake-tool"
 client_bin="$build/bench/tally-bench-client"
-for b in "$tally_bin" "$dispatcher_bin" "$fake_bin" "$client_bin"; do
+connmem_bin="$build/bench/tally-bench-connmem"
+for b in "$tally_bin" "$dispatcher_bin" "$fake_bin" "$client_bin" "$connmem_bin"; do
     [[ -x "$b" ]] || die "$b is not built (run without --no-build, or build ${targets[*]})"
 done
 build_type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt" 2>/dev/null || true)
@@ -630,6 +631,9 @@ if [[ -n "$rss_target" ]]; then
     echo "bench: dispatcher_hwm = $(mb "$hwm_kb") MB (peak over the whole run)"
     echo "bench: dispatcher_rss_idle = $(mb "$rss_idle_kb") MB (before the slow calls)"
     echo "bench: dispatcher_threads = $threads threads, $fds fds"
+    # The same number of calls through the connector alone (connmem.c): libcurl's share.
+    "$connmem_bin" --calls "$inflight" 2>>"$log_dir/connmem.log" ||
+        echo "bench: connmem = failed (see $log_dir/connmem.log)"
 else
     echo "bench: dispatcher_rss = not measured (--inflight 0)"
 fi
