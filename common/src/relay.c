@@ -582,9 +582,9 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
     int idle_backoff = 100;
     while (!stopping(r)) {
         int n = tally_relay_round(r);
-        if (n > 0) {
+        if (n >= r->batch) {
             idle_backoff = 100;
-            continue; /* more may be waiting */
+            continue; /* a full batch: more may be waiting */
         }
         if (n < 0) {
             /* PostgreSQL or Kafka trouble: back off, up to the poll interval */
@@ -593,6 +593,10 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
             idle_backoff = idle_backoff * 2 > r->poll_ms ? r->poll_ms : idle_backoff * 2;
             continue;
         }
+        /* Fewer rows than a batch (or none): everything committed before the round was taken,
+         * or is another relay's, or waits out a backoff. Rows committed since have notified,
+         * and a notification that arrived during the round ends this wait at once, so an
+         * empty round is not needed to find them. */
         idle_backoff = 100;
         tally_pg_wait_notify(r->pg, r->poll_ms);
     }
