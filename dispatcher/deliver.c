@@ -99,7 +99,9 @@ static const char SQL_RECORD[] =
  * page to open) in ONE statement and transaction: the compare-and-set, the events and the
  * outcome messages of exactly the rows it wrote ($2 and $3 hold them for every row; a row whose
  * lease was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the
- * general path below, on the path every outcome takes. */
+ * general path below, on the path every outcome takes. The messages are leased to this
+ * worker's relay ($4, for $5 ms) and come back ('m' rows) to be handed to it: it publishes them
+ * without a notification and a read of its own, and nobody else takes them first. */
 #define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
 #define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
 // clang-format off
@@ -117,8 +119,9 @@ static const char SQL_RECORD_FINAL[] =
     "     AND e.lease_epoch = x.epoch"
     "   RETURNING e.effect_id),"
     " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
-    " mo AS (" TALLY_OUTBOX_INSERT("$3", WON_MESSAGES) ")"
-    " SELECT effect_id::text FROM upd";
+    " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
+    " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL FROM upd"
+    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload FROM mo";
 // clang-format on
 
 /* A page for the tool's owner; one open alert per tool (re-opened when it was resolved). */
@@ -654,19 +657,46 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         tally_error_set(err, "oom", false, "results not written: %s", *why_ev ? why_ev : why_mo);
         return false;
     }
-    const char *params[3] = {rows, ev ? ev : "[]", mo ? mo : "[]"};
-    PGresult *res = tally_pg_exec(d->rec_pg, SQL_RECORD_FINAL, 3, params, err);
+    tally_relay_t *relay = tally_worker_relay(d->w);
+    char lease[16];
+    snprintf(lease, sizeof lease, "%d", TALLY_RELAY_HAND_LEASE_MS);
+    const char *params[5] = {rows, ev ? ev : "[]", mo ? mo : "[]",
+                             relay ? tally_relay_owner(relay) : NULL, lease};
+    PGresult *res = tally_pg_exec(d->rec_pg, SQL_RECORD_FINAL, 5, params, err);
     if (!res)
         return false;
     memset(won, 0, n_done * sizeof *won);
-    for (int row = 0; row < PQntuples(res); row++) {
+    int n = PQntuples(res);
+    tally_relay_msg_t *msgs = relay ? calloc((size_t)(n > 0 ? n : 1), sizeof *msgs) : NULL;
+    size_t n_msgs = 0;
+    for (int row = 0; row < n; row++) {
+        if (PQgetvalue(res, row, 0)[0] == 'm') {
+            if (msgs)
+                msgs[n_msgs++] = (tally_relay_msg_t){
+                    .id = atoll(PQgetvalue(res, row, 1)),
+                    .topic = PQgetvalue(res, row, 2),
+                    .key = PQgetisnull(res, row, 3) ? NULL : PQgetvalue(res, row, 3),
+                    .event_id = PQgetvalue(res, row, 4),
+                    .payload = PQgetvalue(res, row, 5),
+                    .payload_len = (size_t)PQgetlength(res, row, 5)};
+            continue;
+        }
         dispatch_call_t key_call;
-        snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 0));
+        snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 1));
         dispatch_done_t key = {.call = &key_call};
         dispatch_done_t *hit = bsearch(&key, done, n_done, sizeof *done, cmp_done);
         if (hit)
             won[hit - done] = true;
     }
+    /* Committed: the relay may publish them now. Not handed (out of memory): they are
+     * published when their lease ends. */
+    if (n_msgs > 0)
+        (void)tally_relay_hand(relay, msgs, n_msgs);
+    else if (relay && !msgs)
+        TALLY_WARN("out of memory handing %d outcome messages to the relay; they are published "
+                   "when their lease ends",
+                   n);
+    free(msgs);
     PQclear(res);
     return true;
 }

@@ -12,14 +12,18 @@
  */
 #include "tally/relay.h"
 
+#include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <jansson.h>
 
@@ -50,6 +54,10 @@ static const char SQL_TAKE[] =
 
 /* Delivered after their round gave up on them: gone. */
 static const char SQL_DELETE[] = "DELETE FROM message_outbox WHERE id = ANY($1::bigint[])";
+
+/* Handed over but never published (the relay stopped first): anybody may take them now. */
+static const char SQL_RELEASE[] = "UPDATE message_outbox SET lease_owner = NULL, lease_until = NULL"
+                                  " WHERE id = ANY($1::bigint[]) AND lease_owner = $2";
 
 /* After a ROLLBACK: the delivered rows go; the failed ones wait 1 s, 2 s, 4 s ... 30 s, with
  * the reason; those without a report yet wait out the lease ($1 ms), deleted by a late report.
@@ -91,6 +99,14 @@ typedef struct relay_row {
     char error[256];
 } relay_row_t;
 
+/* A message handed over by tally_relay_hand, its strings in the same allocation. */
+typedef struct relay_hand {
+    int64_t id;
+    const char *topic, *key, *event_id, *payload;
+    int payload_len;
+    char data[];
+} relay_hand_t;
+
 /* A growable list of row ids. */
 typedef struct id_list {
     int64_t *ids;
@@ -125,6 +141,13 @@ struct tally_relay {
     size_t pending;
     /* delivered after their round stopped waiting (or whose DELETE failed): deleted next round */
     id_list_t late;
+
+    /* handed over (tally_relay_hand), published before anything else; hand_mu guards them */
+    pthread_mutex_t hand_mu;
+    bool hand_init;
+    relay_hand_t **hand;
+    size_t n_hand, cap_hand;
+    int hand_fd; /* eventfd: wakes the waiting relay when something is handed over */
 
     pthread_t thread;
     bool started;
@@ -263,6 +286,13 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
         return NULL;
     }
     r->cfg = cfg;
+    r->hand_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    r->hand_init = pthread_mutex_init(&r->hand_mu, NULL) == 0;
+    if (r->hand_fd < 0 || !r->hand_init) {
+        snprintf(errstr, errsz, "relay: cannot create its hand-over queue: %s", strerror(errno));
+        tally_relay_free(r);
+        return NULL;
+    }
     r->prefix = strdup(cfg->topic_prefix ? cfg->topic_prefix : "");
     r->worker_id = strdup(cfg->worker_id ? cfg->worker_id : "tally");
     size_t olen = strlen(r->worker_id ? r->worker_id : "") + sizeof("/relay");
@@ -449,6 +479,52 @@ static void check_fatal(tally_relay_t *r)
         TALLY_ERROR("relay: cannot create a new Kafka producer: %s", errstr);
 }
 
+/* Produce the current rows (r->rows, sorted by id) and wait for their delivery reports, at
+ * most wait_ms from @p start (less when stopping); count how each row ended. */
+static void publish_rows(tally_relay_t *r, int64_t start, size_t *delivered_out, size_t *failed_out,
+                         size_t *unknown_out)
+{
+    int64_t deadline = start + r->wait_ms;
+    for (size_t i = 0; i < r->n_rows; i++)
+        produce_row(r, &r->rows[i], deadline);
+    while (r->pending > 0) {
+        int64_t now = mono_ms();
+        if (stopping(r) && deadline > now + STOP_WAIT_CAP_MS)
+            deadline = now + STOP_WAIT_CAP_MS;
+        if (now >= deadline)
+            break;
+        /* flush, not poll: it sends at once instead of after linger.ms, and serves reports */
+        int64_t left = deadline - now;
+        rd_kafka_flush(r->rk, left < 100 ? (int)left : 100);
+    }
+
+    size_t delivered = 0, failed = 0, unknown = 0;
+    for (size_t i = 0; i < r->n_rows; i++) {
+        relay_row_t *row = &r->rows[i];
+        switch (row->state) {
+        case RELAY_ROW_DELIVERED:
+            delivered++;
+            if (r->m_published != NULL)
+                tally_metric_add(r->m_published, 1.0, row->topic);
+            break;
+        case RELAY_ROW_FAILED:
+            failed++;
+            if (r->m_failures != NULL)
+                tally_metric_add(r->m_failures, 1.0);
+            TALLY_WARN("relay: message_outbox row %" PRId64
+                       " (topic %s, event %s) not delivered: %s; retrying after a backoff",
+                       row->id, row->topic, row->event_id, row->error);
+            break;
+        case RELAY_ROW_PENDING:
+            unknown++;
+            break;
+        }
+    }
+    *delivered_out = delivered;
+    *failed_out = failed;
+    *unknown_out = unknown;
+}
+
 int tally_relay_round(tally_relay_t *r)
 {
     if (r->rk == NULL) {
@@ -503,42 +579,8 @@ int tally_relay_round(tally_relay_t *r)
     r->pending = 0;
 
     int64_t start = mono_ms();
-    int64_t deadline = start + r->wait_ms;
-    for (size_t i = 0; i < r->n_rows; i++)
-        produce_row(r, &r->rows[i], deadline);
-    while (r->pending > 0) {
-        int64_t now = mono_ms();
-        if (stopping(r) && deadline > now + STOP_WAIT_CAP_MS)
-            deadline = now + STOP_WAIT_CAP_MS;
-        if (now >= deadline)
-            break;
-        /* flush, not poll: it sends at once instead of after linger.ms, and serves reports */
-        int64_t left = deadline - now;
-        rd_kafka_flush(r->rk, left < 100 ? (int)left : 100);
-    }
-
     size_t delivered = 0, failed = 0, unknown = 0;
-    for (size_t i = 0; i < r->n_rows; i++) {
-        relay_row_t *row = &r->rows[i];
-        switch (row->state) {
-        case RELAY_ROW_DELIVERED:
-            delivered++;
-            if (r->m_published != NULL)
-                tally_metric_add(r->m_published, 1.0, row->topic);
-            break;
-        case RELAY_ROW_FAILED:
-            failed++;
-            if (r->m_failures != NULL)
-                tally_metric_add(r->m_failures, 1.0);
-            TALLY_WARN("relay: message_outbox row %" PRId64
-                       " (topic %s, event %s) not delivered: %s; retrying after a backoff",
-                       row->id, row->topic, row->event_id, row->error);
-            break;
-        case RELAY_ROW_PENDING:
-            unknown++;
-            break;
-        }
-    }
+    publish_rows(r, start, &delivered, &failed, &unknown);
     int result = (int)delivered;
     if (failed == 0 && unknown == 0) {
         TALLY_CRASHPOINT("relay.after_delivery");
@@ -572,6 +614,146 @@ int tally_relay_round(tally_relay_t *r)
     return result;
 }
 
+const char *tally_relay_owner(const tally_relay_t *r)
+{
+    return r->owner;
+}
+
+bool tally_relay_hand(tally_relay_t *r, const tally_relay_msg_t *msgs, size_t n)
+{
+    bool ok = true;
+    pthread_mutex_lock(&r->hand_mu);
+    for (size_t i = 0; i < n && ok; i++) {
+        const tally_relay_msg_t *m = &msgs[i];
+        if (r->n_hand == r->cap_hand) {
+            size_t cap = r->cap_hand ? 2 * r->cap_hand : 256;
+            relay_hand_t **grown = realloc(r->hand, cap * sizeof *grown);
+            if (!grown) {
+                ok = false;
+                break;
+            }
+            r->hand = grown;
+            r->cap_hand = cap;
+        }
+        size_t lt = strlen(m->topic) + 1, lk = m->key ? strlen(m->key) + 1 : 0,
+               le = strlen(m->event_id) + 1;
+        relay_hand_t *h = malloc(sizeof *h + lt + lk + le + m->payload_len + 1);
+        if (!h || m->payload_len > INT32_MAX) {
+            free(h);
+            ok = false;
+            break;
+        }
+        char *p = h->data;
+        h->id = m->id;
+        h->topic = memcpy(p, m->topic, lt);
+        p += lt;
+        h->key = m->key ? memcpy(p, m->key, lk) : NULL;
+        p += lk;
+        h->event_id = memcpy(p, m->event_id, le);
+        p += le;
+        memcpy(p, m->payload, m->payload_len);
+        p[m->payload_len] = '\0';
+        h->payload = p;
+        h->payload_len = (int)m->payload_len;
+        r->hand[r->n_hand++] = h;
+    }
+    pthread_mutex_unlock(&r->hand_mu);
+    uint64_t one = 1;
+    if (write(r->hand_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        TALLY_WARN("relay: cannot wake its thread: %s", strerror(errno));
+    if (!ok)
+        TALLY_WARN("relay: out of memory taking over %zu messages; they are published when "
+                   "their lease ends",
+                   n);
+    return ok;
+}
+
+static bool hand_pending(tally_relay_t *r)
+{
+    pthread_mutex_lock(&r->hand_mu);
+    bool any = r->n_hand > 0;
+    pthread_mutex_unlock(&r->hand_mu);
+    return any;
+}
+
+/* Publish what was handed over, then settle it in one statement: delivered rows are deleted,
+ * failed ones backed off, the ones without a report held until their lease ends (as after a
+ * round that could not commit). @returns messages delivered, -1 without a producer. */
+static int hand_round(tally_relay_t *r)
+{
+    pthread_mutex_lock(&r->hand_mu);
+    relay_hand_t **taken = r->hand;
+    size_t n = r->n_hand;
+    r->hand = NULL;
+    r->n_hand = r->cap_hand = 0;
+    pthread_mutex_unlock(&r->hand_mu);
+    if (n == 0)
+        return 0;
+    int result = -1;
+    char errstr[512];
+    if (r->rk == NULL && !make_producer(r, errstr, sizeof(errstr))) {
+        TALLY_ERROR("relay: cannot create the Kafka producer: %s; %zu handed-over messages are "
+                    "published when their lease ends",
+                    errstr, n);
+        goto out;
+    }
+    r->rows = calloc(n, sizeof(*r->rows));
+    if (r->rows == NULL) {
+        TALLY_ERROR("relay: out of memory for %zu handed-over messages; they are published when "
+                    "their lease ends",
+                    n);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++)
+        r->rows[i] = (relay_row_t){.id = taken[i]->id,
+                                   .topic = taken[i]->topic,
+                                   .key = taken[i]->key,
+                                   .event_id = taken[i]->event_id,
+                                   .payload = taken[i]->payload,
+                                   .payload_len = taken[i]->payload_len};
+    qsort(r->rows, n, sizeof(*r->rows), cmp_row_id);
+    r->n_rows = n;
+    r->pending = 0;
+    rd_kafka_poll(r->rk, 0); /* late reports from an earlier round */
+    int64_t start = mono_ms();
+    size_t delivered = 0, failed = 0, unknown = 0;
+    publish_rows(r, start, &delivered, &failed, &unknown);
+    TALLY_CRASHPOINT("relay.after_delivery");
+    settle_round(r);
+    if (delivered > 0)
+        TALLY_DEBUG("relay: published %zu handed-over message%s in %lld ms", delivered,
+                    delivered == 1 ? "" : "s", (long long)(mono_ms() - start));
+    result = (int)delivered;
+    free(r->rows);
+    r->rows = NULL;
+    r->n_rows = 0;
+    r->pending = 0;
+    check_fatal(r);
+out:
+    for (size_t i = 0; i < n; i++)
+        free(taken[i]);
+    free(taken);
+    return result;
+}
+
+/* Wait up to @p timeout_ms for a notification or a hand-over. @returns notifications. */
+static int wait_for_work(tally_relay_t *r, int timeout_ms)
+{
+    if (hand_pending(r))
+        return tally_pg_wait_notify(r->pg, 0);
+    PGconn *conn = tally_pg_conn(r->pg);
+    int fd = conn ? PQsocket(conn) : -1;
+    if (fd < 0) /* reconnecting: tally_pg_wait_notify retries and sleeps */
+        return tally_pg_wait_notify(r->pg, timeout_ms);
+    struct pollfd fds[2] = {{.fd = fd, .events = POLLIN}, {.fd = r->hand_fd, .events = POLLIN}};
+    if (poll(fds, 2, timeout_ms) > 0 && (fds[1].revents & POLLIN)) {
+        uint64_t v;
+        while (read(r->hand_fd, &v, sizeof v) > 0)
+            ;
+    }
+    return tally_pg_wait_notify(r->pg, 0);
+}
+
 void tally_relay_run(tally_relay_t *r, volatile const int *stop)
 {
     r->stop = stop;
@@ -580,26 +762,40 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
     if (!tally_pg_listen(r->pg, NOTIFY_CHANNEL, &err))
         TALLY_WARN("relay: LISTEN %s: %s (will retry)", NOTIFY_CHANNEL, err.message);
     int idle_backoff = 100;
+    bool want_round = true; /* a notification came, the last round was full, or at start */
+    int64_t next_round = 0;
     while (!stopping(r)) {
-        int n = tally_relay_round(r);
-        if (n >= r->batch) {
-            idle_backoff = 100;
-            continue; /* a full batch: more may be waiting */
-        }
-        if (n < 0) {
-            /* PostgreSQL or Kafka trouble: back off, up to the poll interval */
-            struct timespec ts = {idle_backoff / 1000, (long)(idle_backoff % 1000) * 1000000L};
-            nanosleep(&ts, NULL);
-            idle_backoff = idle_backoff * 2 > r->poll_ms ? r->poll_ms : idle_backoff * 2;
+        if (hand_pending(r)) {
+            (void)hand_round(r);
             continue;
         }
-        /* Fewer rows than a batch (or none): everything committed before the round was taken,
-         * or is another relay's, or waits out a backoff. Rows committed since have notified,
-         * and a notification that arrived during the round ends this wait at once, so an
-         * empty round is not needed to find them. */
-        idle_backoff = 100;
-        tally_pg_wait_notify(r->pg, r->poll_ms);
+        if (want_round || mono_ms() >= next_round) {
+            int n = tally_relay_round(r);
+            if (n < 0) {
+                /* PostgreSQL or Kafka trouble: back off, up to the poll interval */
+                struct timespec ts = {idle_backoff / 1000, (long)(idle_backoff % 1000) * 1000000L};
+                nanosleep(&ts, NULL);
+                idle_backoff = idle_backoff * 2 > r->poll_ms ? r->poll_ms : idle_backoff * 2;
+                continue;
+            }
+            idle_backoff = 100;
+            if (n >= r->batch)
+                continue; /* a full batch: more may be waiting */
+            /* Fewer rows than a batch: everything committed before the round was taken, or
+             * is another relay's, or waits out a backoff or a lease. Rows committed since have
+             * notified, and a notification that arrived during the round ends the wait below
+             * at once, so an empty round is not needed to find them. */
+            want_round = false;
+            next_round = mono_ms() + r->poll_ms;
+        }
+        int64_t left = next_round - mono_ms();
+        if (wait_for_work(r, left > 0 ? (int)left : 0) > 0)
+            want_round = true;
     }
+    /* Stopping: what was handed over is leased to this relay; publish it now rather than
+     * leave it to the lease. */
+    while (hand_pending(r) && hand_round(r) >= 0)
+        ;
 }
 
 static void *relay_thread(void *arg)
@@ -620,6 +816,31 @@ bool tally_relay_start(tally_relay_t *r, volatile const int *stop)
     return true;
 }
 
+/* Handed over and never published (the thread never ran, or gave up): give the rows back to
+ * every relay now instead of at the end of their lease. */
+static void release_handed(tally_relay_t *r)
+{
+    if (!r->hand_init || r->n_hand == 0)
+        return;
+    int64_t *ids = malloc(r->n_hand * sizeof *ids);
+    for (size_t i = 0; ids && i < r->n_hand; i++)
+        ids[i] = r->hand[i]->id;
+    char *arr = ids ? bigint_array(ids, r->n_hand) : NULL;
+    const char *params[2] = {arr, r->owner};
+    tally_error_t err;
+    if (!arr || !r->pg || !tally_pg_run(r->pg, SQL_RELEASE, 2, params, &err))
+        TALLY_WARN("relay: %zu handed-over messages not published; they are when their lease "
+                   "ends",
+                   r->n_hand);
+    free(arr);
+    free(ids);
+    for (size_t i = 0; i < r->n_hand; i++)
+        free(r->hand[i]);
+    free(r->hand);
+    r->hand = NULL;
+    r->n_hand = r->cap_hand = 0;
+}
+
 void tally_relay_free(tally_relay_t *r)
 {
     if (r == NULL)
@@ -632,9 +853,14 @@ void tally_relay_free(tally_relay_t *r)
     drop_producer(r);
     if (r->late.n > 0 && r->pg != NULL)
         delete_late(r);
+    release_handed(r);
     tally_pg_free(r->pg);
     free(r->late.ids);
     free(r->rows);
+    if (r->hand_fd >= 0)
+        close(r->hand_fd);
+    if (r->hand_init)
+        pthread_mutex_destroy(&r->hand_mu);
     free(r->prefix);
     free(r->owner);
     free(r->worker_id);

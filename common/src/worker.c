@@ -247,6 +247,11 @@ tally_metrics_t *tally_worker_metrics(tally_worker_t *w)
     return w->metrics;
 }
 
+tally_relay_t *tally_worker_relay(tally_worker_t *w)
+{
+    return w->relay;
+}
+
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w)
 {
     return w->consumer;

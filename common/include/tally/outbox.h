@@ -40,7 +40,22 @@ bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg,
  */
 #define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"                               \
-    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, r.payload::text)"            \
+    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, "                            \
+    "r.payload::text)" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
+
+/**
+ * @brief TALLY_OUTBOX_INSERT for rows handed to a relay (tally_relay_hand): leased to the
+ * relay named by the text parameter @p OWNER for @p LEASE_MS (an int parameter) milliseconds
+ * from now(), or not leased when OWNER is NULL; returns id, topic, msg_key, event_id, payload.
+ */
+#define TALLY_OUTBOX_INSERT_HANDED(PARAM, WHERE, OWNER, LEASE_MS)                                  \
+    "INSERT INTO message_outbox (topic, msg_key, event_id, payload, lease_owner, lease_until)"     \
+    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, r.payload::text), " OWNER    \
+    "::text, CASE WHEN " OWNER "::text IS NOT NULL"                                                \
+    " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END" TALLY_OUTBOX_ROWS_(           \
+        PARAM, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
+
+#define TALLY_OUTBOX_ROWS_(PARAM, WHERE)                                                           \
     " FROM json_to_recordset(" PARAM "::json) AS r(n int, topic text, msg_key text,"               \
     " event_id text, payload json, payload_text text, effect_id text) " WHERE " ORDER BY r.n"
 

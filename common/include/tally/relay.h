@@ -3,6 +3,7 @@
 #define TALLY_RELAY_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "tally/config.h"
 #include "tally/error.h"
@@ -27,10 +28,40 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
 int tally_relay_round(tally_relay_t *relay);
 
 /**
- * @brief Run rounds until *@p stop is set, sleeping on LISTEN tally_message_outbox between
- * empty rounds. Meant to be a thread's body (see tally_relay_start).
+ * @brief Run rounds until *@p stop is set, sleeping on LISTEN tally_message_outbox (and on
+ * handed-over messages) between rounds; handed-over messages go first, and the ones still
+ * queued when it stops are published before it returns. Meant to be a thread's body (see
+ * tally_relay_start).
  */
 void tally_relay_run(tally_relay_t *relay, volatile const int *stop);
+
+/**
+ * @brief Handed-over messages: rows the caller wrote into message_outbox already leased to
+ * this relay (lease_owner tally_relay_owner(), lease_until now() + TALLY_RELAY_HAND_LEASE_MS)
+ * and committed. The relay publishes them at once, without waiting for a notification or
+ * reading them back, then deletes them (or backs them off) as after any round. Nobody else
+ * takes them before the lease ends, and everybody may after: a relay that dies holding them
+ * delays them by the lease, and never loses them.
+ */
+typedef struct tally_relay_msg {
+    long long id;      /**< message_outbox.id */
+    const char *topic; /**< logical name */
+    const char *key;   /**< may be NULL */
+    const char *event_id;
+    const char *payload;
+    size_t payload_len;
+} tally_relay_msg_t;
+
+#define TALLY_RELAY_HAND_LEASE_MS 10000
+
+/** @brief lease_owner of the rows handed to @p relay (its worker id + "/relay"). */
+const char *tally_relay_owner(const tally_relay_t *relay);
+
+/**
+ * @brief Queue @p n committed messages for publication (copied; safe from any thread).
+ * @returns false when out of memory: they are then published when their lease ends.
+ */
+bool tally_relay_hand(tally_relay_t *relay, const tally_relay_msg_t *msgs, size_t n);
 
 /** @brief Start tally_relay_run on a new thread. */
 bool tally_relay_start(tally_relay_t *relay, volatile const int *stop) TALLY_WUR;

@@ -11,6 +11,7 @@
 #include "tally/metrics.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
+#include "tally/relay.h"
 
 typedef struct tally_worker tally_worker_t;
 
@@ -47,6 +48,8 @@ const tally_registry_t *tally_worker_registry(tally_worker_t *w);
 /** The worker's main PostgreSQL connection (the relay has its own). */
 tally_pg_t *tally_worker_pg(tally_worker_t *w);
 tally_metrics_t *tally_worker_metrics(tally_worker_t *w);
+/** The worker's relay (it runs on its own thread; tally_relay_hand may be called from any). */
+tally_relay_t *tally_worker_relay(tally_worker_t *w);
 /** The consumer, or NULL when ops->topics is NULL. */
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w);
 /** A producer (not idempotent-critical) for direct sends, created on first use; NULL (logged)
