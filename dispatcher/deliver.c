@@ -666,21 +666,9 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     if (!res)
         return false;
     memset(won, 0, n_done * sizeof *won);
-    int n = PQntuples(res);
-    tally_relay_msg_t *msgs = relay ? calloc((size_t)(n > 0 ? n : 1), sizeof *msgs) : NULL;
-    size_t n_msgs = 0;
-    for (int row = 0; row < n; row++) {
-        if (PQgetvalue(res, row, 0)[0] == 'm') {
-            if (msgs)
-                msgs[n_msgs++] = (tally_relay_msg_t){
-                    .id = atoll(PQgetvalue(res, row, 1)),
-                    .topic = PQgetvalue(res, row, 2),
-                    .key = PQgetisnull(res, row, 3) ? NULL : PQgetvalue(res, row, 3),
-                    .event_id = PQgetvalue(res, row, 4),
-                    .payload = PQgetvalue(res, row, 5),
-                    .payload_len = (size_t)PQgetlength(res, row, 5)};
+    for (int row = 0; row < PQntuples(res); row++) {
+        if (PQgetvalue(res, row, 0)[0] != 'e')
             continue;
-        }
         dispatch_call_t key_call;
         snprintf(key_call.effect_id, sizeof key_call.effect_id, "%s", PQgetvalue(res, row, 1));
         dispatch_done_t key = {.call = &key_call};
@@ -688,15 +676,8 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         if (hit)
             won[hit - done] = true;
     }
-    /* Committed: the relay may publish them now. Not handed (out of memory): they are
-     * published when their lease ends. */
-    if (n_msgs > 0)
-        (void)tally_relay_hand(relay, msgs, n_msgs);
-    else if (relay && !msgs)
-        TALLY_WARN("out of memory handing %d outcome messages to the relay; they are published "
-                   "when their lease ends",
-                   n);
-    free(msgs);
+    /* Committed: the relay may publish the messages ('m' rows) now. */
+    (void)tally_relay_hand_result(relay, res, 0, 'm');
     PQclear(res);
     return true;
 }
@@ -773,9 +754,17 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
             snprintf(hit->error_message, sizeof hit->error_message, "%s", PQgetvalue(res, row, 3));
         }
     }
+    tally_relay_t *relay = tally_worker_relay(d->w);
+    PGresult *handed = NULL;
     ok = record_events(d, done, n_done, won, ab, ob, &err) &&
          tally_audit_batch_flush(ab, d->rec_pg, &err) &&
-         tally_outbox_batch_flush(ob, d->rec_pg, &err) && tally_pg_commit(d->rec_pg, &err);
+         (relay ? tally_outbox_batch_flush_handed(ob, d->rec_pg, tally_relay_owner(relay),
+                                                  TALLY_RELAY_HAND_LEASE_MS, &handed, &err)
+                : tally_outbox_batch_flush(ob, d->rec_pg, &err)) &&
+         tally_pg_commit(d->rec_pg, &err);
+    if (ok) /* committed: the relay publishes them now */
+        (void)tally_relay_hand_result(relay, handed, -1, 0);
+    PQclear(handed);
 out:
     PQclear(res);
     json_decref(rows);

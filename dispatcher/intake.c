@@ -546,9 +546,11 @@ static void start_claimed(dispatcher_t *d)
     }
 }
 
-/* Everything the batch says, in one transaction. The caller commits or rolls back. */
+/* Everything the batch says, in one transaction. The caller commits or rolls back. The
+ * messages are leased to this worker's relay and @p handed receives them, for the caller to
+ * hand to the relay after COMMIT. */
 static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
-                         intake_counts_t *c, tally_error_t *err)
+                         intake_counts_t *c, PGresult **handed, tally_error_t *err)
 {
     bool ok = false;
     /* The statements' $1, built as text: rows of json_to_recordset, whose "n" they ignore */
@@ -682,7 +684,11 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
     if (n_ops > 0 &&
         !tally_runops_apply(d->pg, ops, n_ops, d->worker_id, d->source, ob, ab, op_results, err))
         goto out;
-    if (!tally_audit_batch_flush(ab, d->pg, err) || !tally_outbox_batch_flush(ob, d->pg, err))
+    tally_relay_t *relay = tally_worker_relay(d->w);
+    if (!tally_audit_batch_flush(ab, d->pg, err) ||
+        !(relay ? tally_outbox_batch_flush_handed(ob, d->pg, tally_relay_owner(relay),
+                                                  TALLY_RELAY_HAND_LEASE_MS, handed, err)
+                : tally_outbox_batch_flush(ob, d->pg, err)))
         goto out;
     ok = true;
     goto out;
@@ -778,11 +784,16 @@ int intake_step(dispatcher_t *d)
     tally_error_clear(&err);
     tally_audit_batch_t *ab = tally_audit_batch_new();
     tally_outbox_batch_t *ob = tally_outbox_batch_new();
-    bool ok = ab && ob && intake_write(d, ab, ob, &c, &err) && tally_pg_commit(d->pg, &err);
+    PGresult *handed = NULL;
+    bool ok =
+        ab && ob && intake_write(d, ab, ob, &c, &handed, &err) && tally_pg_commit(d->pg, &err);
     if (!ab || !ob)
         tally_error_set(&err, "oom", true, "out of memory");
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
+    if (ok) /* committed: the relay publishes them now */
+        (void)tally_relay_hand_result(tally_worker_relay(d->w), handed, -1, 0);
+    PQclear(handed);
     if (!ok) {
         tally_pg_rollback(d->pg);
         d->intake_backoff_ms = d->intake_backoff_ms ? d->intake_backoff_ms * 2 : 100;

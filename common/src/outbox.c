@@ -1,6 +1,7 @@
 /* outbox.c — the message outbox writer: events for Kafka, written in the caller's transaction. */
 #include "tally/outbox.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -72,6 +73,28 @@ size_t tally_outbox_batch_len(const tally_outbox_batch_t *b)
 bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg, tally_error_t *err)
 {
     return tally_recordset_flush(&b->rows, pg, SQL_INSERT, "outbox", err);
+}
+
+static const char SQL_INSERT_HANDED[] = TALLY_OUTBOX_INSERT_HANDED("$1", "", "$2", "$3");
+
+bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, const char *owner,
+                                     int lease_ms, PGresult **rows, tally_error_t *err)
+{
+    *rows = NULL;
+    tally_recordset_t *rs = &b->rows;
+    if (rs->failed) {
+        tally_error_set(err, "outbox", false, "outbox batch not written: %s", rs->why);
+        tally_recordset_release(rs);
+        return false;
+    }
+    if (rs->n == 0)
+        return true;
+    char lease[16];
+    snprintf(lease, sizeof lease, "%d", lease_ms);
+    const char *params[3] = {tally_recordset_close(rs), owner, lease};
+    *rows = tally_pg_exec(pg, SQL_INSERT_HANDED, 3, params, err);
+    tally_recordset_release(rs);
+    return *rows != NULL;
 }
 
 const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why)

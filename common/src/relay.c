@@ -405,6 +405,31 @@ static const char *const ROW_STATE_NAMES[] = {"pending", "delivered", "failed"};
  * no report yet until the lease ends, in one statement. */
 static void settle_round(tally_relay_t *r)
 {
+    /* Usually every row was delivered: delete them by id, through the primary key. (The
+     * general statement below joins a json_to_recordset, which the planner may answer with a
+     * scan of the whole table, dead rows included, on every round.) */
+    size_t delivered = 0;
+    for (size_t i = 0; i < r->n_rows; i++)
+        delivered += r->rows[i].state == RELAY_ROW_DELIVERED;
+    if (delivered == r->n_rows) {
+        int64_t *ids = malloc((r->n_rows ? r->n_rows : 1) * sizeof *ids);
+        for (size_t i = 0; ids != NULL && i < r->n_rows; i++)
+            ids[i] = r->rows[i].id;
+        char *text = ids ? bigint_array(ids, r->n_rows) : NULL;
+        free(ids);
+        tally_error_t err;
+        const char *params[1] = {text};
+        if (text == NULL)
+            TALLY_WARN("relay: out of memory settling %zu message_outbox rows; they are "
+                       "published again",
+                       r->n_rows);
+        else if (!tally_pg_run(r->pg, SQL_DELETE, 1, params, &err))
+            TALLY_WARN("relay: cannot delete %zu published message_outbox rows (%s: %s); they "
+                       "are published again",
+                       r->n_rows, err.code, err.message);
+        free(text);
+        return;
+    }
     json_t *arr = json_array();
     for (size_t i = 0; arr != NULL && i < r->n_rows; i++) {
         relay_row_t *row = &r->rows[i];
@@ -665,6 +690,36 @@ bool tally_relay_hand(tally_relay_t *r, const tally_relay_msg_t *msgs, size_t n)
         TALLY_WARN("relay: out of memory taking over %zu messages; they are published when "
                    "their lease ends",
                    n);
+    return ok;
+}
+
+bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col, char tag)
+{
+    int n = res ? PQntuples(res) : 0;
+    if (r == NULL || n == 0)
+        return true;
+    tally_relay_msg_t *msgs = calloc((size_t)n, sizeof *msgs);
+    if (msgs == NULL) {
+        TALLY_WARN("relay: out of memory taking over %d messages; they are published when "
+                   "their lease ends",
+                   n);
+        return false;
+    }
+    int c = tag_col >= 0 ? tag_col + 1 : 0;
+    size_t k = 0;
+    for (int row = 0; row < n; row++) {
+        if (tag_col >= 0 && PQgetvalue(res, row, tag_col)[0] != tag)
+            continue;
+        msgs[k++] = (tally_relay_msg_t){
+            .id = atoll(PQgetvalue(res, row, c)),
+            .topic = PQgetvalue(res, row, c + 1),
+            .key = PQgetisnull(res, row, c + 2) ? NULL : PQgetvalue(res, row, c + 2),
+            .event_id = PQgetvalue(res, row, c + 3),
+            .payload = PQgetvalue(res, row, c + 4),
+            .payload_len = (size_t)PQgetlength(res, row, c + 4)};
+    }
+    bool ok = k == 0 || tally_relay_hand(r, msgs, k);
+    free(msgs);
     return ok;
 }
 

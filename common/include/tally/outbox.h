@@ -34,6 +34,15 @@ bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg,
                               tally_error_t *err) TALLY_WUR;
 
 /**
+ * @brief tally_outbox_batch_flush with the rows leased to the relay named @p owner for
+ * @p lease_ms (TALLY_OUTBOX_INSERT_HANDED), so that after COMMIT they can be handed to it
+ * (tally_relay_hand_result) instead of waking every relay. @p rows receives the inserted rows
+ * (id, topic, msg_key, event_id, payload; the caller PQclears it), NULL for an empty batch.
+ */
+bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, const char *owner,
+                                     int lease_ms, PGresult **rows, tally_error_t *err) TALLY_WUR;
+
+/**
  * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM,
  * keeping the rows that pass @p WHERE ("" for all; the rows are "r"; r.effect_id is the
  * "effect_id" of the message's data, as text, or NULL); see TALLY_AUDIT_INSERT.

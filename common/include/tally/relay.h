@@ -5,6 +5,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include <libpq-fe.h>
+
 #include "tally/config.h"
 #include "tally/error.h"
 #include "tally/metrics.h"
@@ -62,6 +64,15 @@ const char *tally_relay_owner(const tally_relay_t *relay);
  * @returns false when out of memory: they are then published when their lease ends.
  */
 bool tally_relay_hand(tally_relay_t *relay, const tally_relay_msg_t *msgs, size_t n);
+
+/**
+ * @brief tally_relay_hand for the rows of a committed INSERT … RETURNING id, topic, msg_key,
+ * event_id, payload (TALLY_OUTBOX_INSERT_HANDED). With @p tag_col ≥ 0 only the rows whose
+ * column @p tag_col starts with @p tag are messages, their five columns following it.
+ * A NULL @p relay or @p res hands nothing. @returns false when they could not be handed
+ * (out of memory): they are then published when their lease ends.
+ */
+bool tally_relay_hand_result(tally_relay_t *relay, const PGresult *res, int tag_col, char tag);
 
 /** @brief Start tally_relay_run on a new thread. */
 bool tally_relay_start(tally_relay_t *relay, volatile const int *stop) TALLY_WUR;
