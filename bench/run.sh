@@ -230,6 +230,7 @@ pg_cpu_seconds() {
     echo "$total"
 }
 
+cpu_diff() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 cpu_snapshot() { # one line: dispatchers postgres kafka-mock fake-tool
     local d=0
     for pid in "${dispatcher_pids[@]}"; do
@@ -451,7 +452,6 @@ pg_waits=$(awk -F'|' '
               printf "%s%s: %s", (r++ ? "; " : ""), a, out } }')
 read -r -a cb <<<"$cpu_before"
 read -r -a ca <<<"$cpu_after"
-cpu_diff() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 cpu_dispatcher=$(cpu_diff "${cb[0]}" "${ca[0]}")
 cpu_postgres=$(cpu_diff "${cb[1]}" "${ca[1]}")
 cpu_kafka=$(cpu_diff "${cb[2]}" "${ca[2]}")
@@ -487,8 +487,13 @@ lat_count=$((rate * duration))
 lat_started=$(psql "$TALLY_PG" -Atc "SELECT now()")
 lat_dispatch_before=$(hist_sums tally_dispatch_seconds)
 lat_connector_before=$(hist_sums tally_connector_seconds)
+lat_cpu_before=$(cpu_snapshot)
 client latency --count "$lat_count" --rate "$rate" --runs 100 "${fast_tools[@]}" --timeout 600 \
     --dump "$log_dir/latency_times.txt"
+lat_cpu_after=$(cpu_snapshot)
+read -r -a lb <<<"$lat_cpu_before"
+read -r -a la <<<"$lat_cpu_after"
+lat_cpu="dispatcher $(cpu_diff "${lb[0]}" "${la[0]}") s, postgres $(cpu_diff "${lb[1]}" "${la[1]}") s, kafka-mock $(cpu_diff "${lb[2]}" "${la[2]}") s, fake-tool $(cpu_diff "${lb[3]}" "${la[3]}") s"
 lat_dispatch_mean=$(mean_ms "$lat_dispatch_before" "$(hist_sums tally_dispatch_seconds)")
 lat_connector_mean=$(mean_ms "$lat_connector_before" "$(hist_sums tally_connector_seconds)")
 lat_line=$client_line
@@ -524,6 +529,28 @@ SELECT round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kin)::numeric, 2),
        round(percentile_cont(0.99) WITHIN GROUP (ORDER BY kout)::numeric, 2) FROM x;
 SQL
 )
+# The same parts second by second of the run, into the log directory (latency_by_second.txt):
+# whether the latency holds steady at this rate or grows as the run goes on, and in which part.
+echo "second intents p50_ms p99_ms in_p50_ms ledger_p50_ms out_p50_ms" >"$log_dir/latency_by_second.txt"
+psql "$TALLY_PG" -qAt -F ' ' -v ON_ERROR_STOP=1 >>"$log_dir/latency_by_second.txt" <<SQL 2>>"$log_dir/psql.log" || true
+CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
+\\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
+WITH x AS (SELECT (t.sent_ns - min(t.sent_ns) OVER ()) / 1000000000 AS second,
+                  (t.arrival_ns - t.sent_ns) / 1e6 AS total,
+                  extract(epoch FROM e.created_at) * 1000 - t.sent_ns / 1e6 AS kin,
+                  extract(epoch FROM v.occurred_at - e.created_at) * 1000 AS ledger,
+                  t.arrival_ns / 1e6 - extract(epoch FROM v.occurred_at) * 1000 AS kout
+           FROM t JOIN effects e ON e.intent_id = t.intent_id
+           JOIN events v ON v.effect_id = e.effect_id
+           WHERE v.kind = 'transition' AND v.to_status = 'CONFIRMED')
+SELECT second, count(*),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY total)::numeric, 1),
+       round(percentile_cont(0.99) WITHIN GROUP (ORDER BY total)::numeric, 1),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kin)::numeric, 1),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ledger)::numeric, 1),
+       round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kout)::numeric, 1)
+FROM x GROUP BY second ORDER BY second;
+SQL
 
 # ---- 4. dispatcher memory with slow calls in flight -------------------------------------------
 metric() { # metric PORT NAME: the value of an unlabelled sample, or empty when unreadable
@@ -625,6 +652,7 @@ echo "bench: latency_ledger = p50 ${lat_ledger%% *} ms, p99 ${lat_ledger##* } ms
 read -r kin50 kin99 led50 led99 kout50 kout99 <<<"${lat_parts:-}"
 echo "bench: latency_parts = in p50 ${kin50:-?} / p99 ${kin99:-?} ms, ledger ${led50:-?} / ${led99:-?} ms, out ${kout50:-?} / ${kout99:-?} ms (publish -> intake transaction -> recorded outcome -> arrival)"
 echo "bench: latency_dispatch_mean = $lat_dispatch_mean ms, connector $lat_connector_mean ms (claim to recorded outcome; the HTTP call)"
+echo "bench: latency_cpu = $lat_cpu (CPU used during the fixed-rate run)"
 if [[ -n "$rss_target" ]]; then
     echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
     echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"
