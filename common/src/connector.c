@@ -803,6 +803,17 @@ static size_t on_header(char *buf, size_t size, size_t nitems, void *userdata)
     return n;
 }
 
+/* @p x was added to the multi handle: list it among the calls in flight. */
+static void active_push(tally_connector_t *c, conn_xfer_t *x)
+{
+    pthread_mutex_lock(&c->mu);
+    x->next = c->active;
+    if (c->active)
+        c->active->prev = x;
+    c->active = x;
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void xfer_release(tally_connector_t *c, conn_xfer_t *x)
 {
     curl_slist_free_all(x->headers);
@@ -976,12 +987,7 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
         tally_error_set(err, "curl", true, "curl_multi_add_handle: %s", curl_multi_strerror(mc));
         goto fail;
     }
-    pthread_mutex_lock(&c->mu);
-    x->next = c->active;
-    if (c->active)
-        c->active->prev = x;
-    c->active = x;
-    pthread_mutex_unlock(&c->mu);
+    active_push(c, x);
     return true;
 fail:
     pthread_mutex_lock(&c->mu);
@@ -1117,12 +1123,7 @@ static int take_incoming(tally_connector_t *c, tally_conn_done_fn done, void *op
             failed++;
             continue;
         }
-        pthread_mutex_lock(&c->mu);
-        x->next = c->active;
-        if (c->active)
-            c->active->prev = x;
-        c->active = x;
-        pthread_mutex_unlock(&c->mu);
+        active_push(c, x);
     }
     return failed;
 }
