@@ -767,17 +767,15 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
             snprintf(hit->error_message, sizeof hit->error_message, "%s", PQgetvalue(res, row, 3));
         }
     }
-    tally_relay_t *relay = tally_worker_relay(d->w);
     PGresult *handed = NULL;
     ok = record_events(d, done, n_done, won, ab, ob, &err) &&
          tally_audit_batch_flush(ab, d->rec_pg, &err) &&
-         (relay ? tally_outbox_batch_flush_handed(ob, d->rec_pg, tally_relay_owner(relay),
-                                                  TALLY_RELAY_HAND_LEASE_MS, &handed, &err)
-                : tally_outbox_batch_flush(ob, d->rec_pg, &err)) &&
+         dispatch_flush_messages(d, d->rec_pg, ob, &handed, &err) &&
          tally_pg_commit(d->rec_pg, &err);
-    if (ok) /* committed: the relay publishes them now */
-        (void)tally_relay_hand_result(relay, handed, -1, 0);
-    PQclear(handed);
+    if (ok)
+        dispatch_hand_messages(d, handed);
+    else
+        PQclear(handed);
 out:
     PQclear(res);
     json_decref(rows);

@@ -224,6 +224,17 @@ typedef struct effect_view {
 bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const effect_view_t *v,
                              const json_t *extra) TALLY_WUR;
 
+/**
+ * @brief Write @p ob's messages in the caller's transaction on @p pg, leased to this worker's
+ * relay; @p handed receives them, for dispatch_hand_messages once the transaction committed.
+ * Without a relay they are written unleased (any relay takes them on its notification).
+ */
+bool dispatch_flush_messages(dispatcher_t *d, tally_pg_t *pg, tally_outbox_batch_t *ob,
+                             PGresult **handed, tally_error_t *err) TALLY_WUR;
+
+/** @brief After COMMIT: hand dispatch_flush_messages' rows to the relay, and clear them. */
+void dispatch_hand_messages(dispatcher_t *d, PGresult *handed);
+
 /** @brief The step as JSON: an integer when it was one, else a string. New reference. */
 json_t *dispatch_step_json(const char *step, bool is_number);
 

@@ -7,6 +7,20 @@
 #include "dispatcher.h"
 #include "tally/cloudevent.h"
 
+bool dispatch_flush_messages(dispatcher_t *d, tally_pg_t *pg, tally_outbox_batch_t *ob,
+                             PGresult **handed, tally_error_t *err)
+{
+    tally_relay_t *relay = tally_worker_relay(d->w);
+    return tally_outbox_batch_flush_handed(ob, pg, relay ? tally_relay_owner(relay) : NULL,
+                                           TALLY_RELAY_HAND_LEASE_MS, handed, err);
+}
+
+void dispatch_hand_messages(dispatcher_t *d, PGresult *handed)
+{
+    (void)tally_relay_hand_result(tally_worker_relay(d->w), handed, -1, 0);
+    PQclear(handed);
+}
+
 json_t *dispatch_step_json(const char *step, bool is_number)
 {
     if (is_number && step) {

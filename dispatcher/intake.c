@@ -684,11 +684,8 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
     if (n_ops > 0 &&
         !tally_runops_apply(d->pg, ops, n_ops, d->worker_id, d->source, ob, ab, op_results, err))
         goto out;
-    tally_relay_t *relay = tally_worker_relay(d->w);
     if (!tally_audit_batch_flush(ab, d->pg, err) ||
-        !(relay ? tally_outbox_batch_flush_handed(ob, d->pg, tally_relay_owner(relay),
-                                                  TALLY_RELAY_HAND_LEASE_MS, handed, err)
-                : tally_outbox_batch_flush(ob, d->pg, err)))
+        !dispatch_flush_messages(d, d->pg, ob, handed, err))
         goto out;
     ok = true;
     goto out;
@@ -791,9 +788,10 @@ int intake_step(dispatcher_t *d)
         tally_error_set(&err, "oom", true, "out of memory");
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
-    if (ok) /* committed: the relay publishes them now */
-        (void)tally_relay_hand_result(tally_worker_relay(d->w), handed, -1, 0);
-    PQclear(handed);
+    if (ok)
+        dispatch_hand_messages(d, handed);
+    else
+        PQclear(handed);
     if (!ok) {
         tally_pg_rollback(d->pg);
         d->intake_backoff_ms = d->intake_backoff_ms ? d->intake_backoff_ms * 2 : 100;
