@@ -260,7 +260,7 @@ pg_log=$(sed -n 's/.*server log \(.*\)$/\1/p' "$log_dir/dev.log" | head -n 1)
 pg_pid=$(sed -n 's/.*PostgreSQL .*(.*, pid \([0-9]*\),.*/\1/p' "$log_dir/dev.log" | head -n 1)
 [[ -n "$pg_pid" ]] || die "cannot find the PostgreSQL server's pid in $log_dir/dev.log"
 "$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
-pg_settings=$(psql "$TALLY_PG" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers')")
+pg_settings=$(psql "$TALLY_PG" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers') || ', wal_init_zero ' || current_setting('wal_init_zero')")
 say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}*"
 
 # ---- the fake tool service ----------------------------------------------------------------
@@ -550,6 +550,21 @@ SELECT second, count(*),
        round(percentile_cont(0.5) WITHIN GROUP (ORDER BY ledger)::numeric, 1),
        round(percentile_cont(0.5) WITHIN GROUP (ORDER BY kout)::numeric, 1)
 FROM x GROUP BY second ORDER BY second;
+SQL
+# ... and intent by intent (latency_parts.txt: sent_ns total_ms in_ms ledger_ms out_ms), to
+# look at one slow moment of the run.
+psql "$TALLY_PG" -qAt -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
+CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
+\\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
+CREATE TEMP TABLE p AS
+SELECT t.sent_ns, round((t.arrival_ns - t.sent_ns) / 1e6, 2) AS total_ms,
+       round(extract(epoch FROM e.created_at) * 1000 - t.sent_ns / 1e6, 2) AS in_ms,
+       round(extract(epoch FROM v.occurred_at - e.created_at) * 1000, 2) AS ledger_ms,
+       round(t.arrival_ns / 1e6 - extract(epoch FROM v.occurred_at) * 1000, 2) AS out_ms
+FROM t JOIN effects e ON e.intent_id = t.intent_id
+JOIN events v ON v.effect_id = e.effect_id
+WHERE v.kind = 'transition' AND v.to_status = 'CONFIRMED' ORDER BY t.sent_ns;
+\\copy p TO '$log_dir/latency_parts.txt' WITH (DELIMITER ' ')
 SQL
 
 # ---- 4. dispatcher memory with slow calls in flight -------------------------------------------
