@@ -13,6 +13,8 @@
 
 #include "dispatcher.h"
 #include "tally/backoff.h"
+#include "tally/json.h"
+#include "tally/recordset.h"
 #include "tally/audit.h"
 #include "tally/crashpoint.h"
 #include "tally/log.h"
@@ -222,8 +224,9 @@ static void done_clear(dispatch_done_t *x)
 {
     dispatch_call_free(x->call);
     json_decref(x->receipt);
+    free(x->receipt_text);
     free(x->external_ref);
-    json_decref(x->call_record);
+    free(x->call_record);
     memset(x, 0, sizeof *x);
 }
 
@@ -316,7 +319,8 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     tally_conn_classify_execute(res, &x->v);
     if (x->v.verdict == TALLY_VERDICT_CONFIRMED) {
         x->receipt = tally_conn_receipt(res);
-        if (!x->receipt) {
+        x->receipt_text = x->receipt ? json_dumps(x->receipt, JSON_COMPACT) : NULL;
+        if (!x->receipt_text) {
             x->v.verdict = TALLY_VERDICT_UNKNOWN;
             snprintf(x->v.code, sizeof x->v.code, "receipt_lost");
             snprintf(x->v.message, sizeof x->v.message,
@@ -327,22 +331,31 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         }
     }
     decide(x);
-    json_t *rec = json_pack("{s:s, s:s, s:s, s:b, s:f, s:i, s:s, s:s}", "method", res->method,
-                            "url", res->url, "op", tally_conn_op_name(res->op), "sent", res->sent,
-                            "latency_ms", res->seconds * 1000.0, "attempt", call->attempts,
-                            "verdict", tally_verdict_name(x->v.verdict), "code", x->v.code);
-    if (rec) {
-        json_object_set_new(rec, "status_code",
-                            res->http_status ? json_integer(res->http_status) : json_null());
-        if (res->curl_code)
-            json_object_set_new(rec, "transport_error", json_string(x->v.message));
-        if (res->retry_after_ms >= 0)
-            json_object_set_new(rec, "retry_after_ms", json_integer(res->retry_after_ms));
-        json_t *ex = tally_conn_excerpt(res->body, res->body_len, 2048);
-        if (ex)
-            json_object_set_new(rec, "response", ex);
-    }
-    x->call_record = rec;
+    /* The "connector_call" audit data, written as text here on the connector's thread */
+    tally_jtext_t rec = {0};
+    tally_jtext_begin(&rec, NULL);
+    tally_jtext_str(&rec, "method", res->method);
+    tally_jtext_str(&rec, "url", res->url);
+    tally_jtext_str(&rec, "op", tally_conn_op_name(res->op));
+    tally_jtext_bool(&rec, "sent", res->sent);
+    tally_jtext_real(&rec, "latency_ms", res->seconds * 1000.0, 3);
+    tally_jtext_int(&rec, "attempt", call->attempts);
+    tally_jtext_str(&rec, "verdict", tally_verdict_name(x->v.verdict));
+    tally_jtext_str(&rec, "code", x->v.code);
+    if (res->http_status)
+        tally_jtext_int(&rec, "status_code", res->http_status);
+    else
+        tally_jtext_raw(&rec, "status_code", NULL);
+    if (res->curl_code)
+        tally_jtext_str(&rec, "transport_error", x->v.message);
+    if (res->retry_after_ms >= 0)
+        tally_jtext_int(&rec, "retry_after_ms", res->retry_after_ms);
+    json_t *ex = tally_conn_excerpt(res->body, res->body_len, 2048);
+    if (ex)
+        tally_jtext_value(&rec, "response", ex);
+    json_decref(ex);
+    tally_jtext_end(&rec);
+    x->call_record = tally_jtext_take(&rec);
     tally_metric_observe(d->m_connector_seconds, res->seconds, call->tool->name);
     tally_metric_add(d->m_calls, 1, call->tool->name, tally_verdict_name(x->v.verdict));
     if (!done_enqueue(d, x)) {
@@ -365,8 +378,15 @@ static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_er
     snprintf(x->v.code, sizeof x->v.code, "%s", err->code);
     snprintf(x->v.message, sizeof x->v.message, "the call was not started: %.200s", err->message);
     decide(x);
-    x->call_record = json_pack("{s:s, s:b, s:i, s:s, s:s}", "op", "execute", "sent", 0, "attempt",
-                               call->attempts, "code", err->code, "transport_error", err->message);
+    tally_jtext_t rec = {0};
+    tally_jtext_begin(&rec, NULL);
+    tally_jtext_str(&rec, "op", "execute");
+    tally_jtext_bool(&rec, "sent", false);
+    tally_jtext_int(&rec, "attempt", call->attempts);
+    tally_jtext_str(&rec, "code", err->code);
+    tally_jtext_str(&rec, "transport_error", err->message);
+    tally_jtext_end(&rec);
+    x->call_record = tally_jtext_take(&rec);
     tally_metric_add(d->m_calls, 1, call->tool->name, "not_started");
     tally_log_ctx_t ctx = {
         .run_id = call->run_id, .effect_id = call->effect_id, .tool = call->tool->name};
@@ -576,30 +596,36 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
             continue;
         dispatch_done_t *x = &done[i];
         dispatch_call_t *call = x->call;
-        json_t *tdata = json_pack("{s:I, s:i}", "lease_epoch", (json_int_t)call->epoch, "attempt",
-                                  call->attempts);
-        if (tdata && x->error_code[0])
-            json_object_set_new(
-                tdata, "error",
-                json_pack("{s:s, s:s}", "code", x->error_code, "message", x->error_message));
-        if (tdata && strcmp(x->to_status, "PLANNED") == 0)
-            json_object_set_new(tdata, "retry_in_ms", json_integer(x->delay_ms));
-        if (tdata && x->external_ref)
-            json_object_set_new(tdata, "external_ref", json_string(x->external_ref));
+        tally_jtext_t td = {0};
+        tally_jtext_begin(&td, NULL);
+        tally_jtext_int(&td, "lease_epoch", (long long)call->epoch);
+        tally_jtext_int(&td, "attempt", call->attempts);
+        if (x->error_code[0]) {
+            tally_jtext_begin(&td, "error");
+            tally_jtext_str(&td, "code", x->error_code);
+            tally_jtext_str(&td, "message", x->error_message);
+            tally_jtext_end(&td);
+        }
+        if (strcmp(x->to_status, "PLANNED") == 0)
+            tally_jtext_int(&td, "retry_in_ms", x->delay_ms);
+        if (x->external_ref)
+            tally_jtext_str(&td, "external_ref", x->external_ref);
+        tally_jtext_end(&td);
+        char *tdata = tally_jtext_take(&td);
         tally_audit_event_t ev = {.run_id = call->run_id,
                                   .effect_id = call->effect_id,
                                   .kind = "connector_call",
                                   .actor = d->worker_id,
                                   .reason = x->v.code,
-                                  .data = x->call_record};
+                                  .data_text = x->call_record};
         tally_audit_batch_add(ab, &ev);
         ev.kind = "transition";
         ev.from_status = "DISPATCHING";
         ev.to_status = x->to_status;
         ev.reason = x->error_code[0] ? x->error_message : NULL;
-        ev.data = tdata;
+        ev.data_text = tdata;
         tally_audit_batch_add(ab, &ev);
-        json_decref(tdata);
+        free(tdata);
         if (strcmp(x->to_status, "PLANNED") != 0) {
             effect_view_t v = {.effect_id = call->effect_id,
                                .run_id = call->run_id,
@@ -609,6 +635,7 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                .operation_key = call->operation_key,
                                .status = x->to_status,
                                .receipt = x->receipt,
+                               .receipt_text = x->receipt_text,
                                .external_ref = x->external_ref,
                                .error_code = x->error_code[0] ? x->error_code : NULL,
                                .error_message = x->error_code[0] ? x->error_message : NULL,
@@ -702,7 +729,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
 {
     double now = dispatch_now();
     qsort(done, n_done, sizeof *done, cmp_done);
-    json_t *rows = json_array();
+    tally_recordset_t rows = {0}; /* $1 of the record statements, built as text */
     bool *won = calloc(n_done, sizeof *won);
     tally_audit_batch_t *ab = tally_audit_batch_new();
     tally_outbox_batch_t *ob = tally_outbox_batch_new();
@@ -710,24 +737,31 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     tally_error_clear(&err);
     PGresult *res = NULL;
     bool ok = false;
-    if (!rows || !won || !ab || !ob) {
+    if (!won || !ab || !ob) {
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
     }
     for (size_t i = 0; i < n_done; i++) {
         dispatch_done_t *x = &done[i];
-        json_t *row = json_pack(
-            "{s:s, s:I, s:s, s:O?, s:s?, s:s?, s:s?, s:I}", "effect_id", x->call->effect_id,
-            "epoch", (json_int_t)x->call->epoch, "status", x->to_status, "receipt", x->receipt,
-            "external_ref", x->external_ref, "error_code", x->error_code[0] ? x->error_code : NULL,
-            "error_message", x->error_code[0] ? x->error_message : NULL, "delay_ms",
-            (json_int_t)x->delay_ms);
-        if (!row || json_array_append_new(rows, row) != 0) {
-            tally_error_set(&err, "oom", true, "out of memory");
+        char epoch[24], delay[24];
+        snprintf(epoch, sizeof epoch, "%lld", (long long)x->call->epoch);
+        snprintf(delay, sizeof delay, "%lld", x->delay_ms);
+        const char *code = x->error_code[0] ? x->error_code : NULL;
+        bool row = tally_recordset_row_begin(&rows) &&
+                   tally_recordset_text(&rows, "effect_id", x->call->effect_id) &&
+                   tally_recordset_json(&rows, "epoch", epoch) &&
+                   tally_recordset_text(&rows, "status", x->to_status) &&
+                   tally_recordset_json(&rows, "receipt", x->receipt_text) &&
+                   tally_recordset_text(&rows, "external_ref", x->external_ref) &&
+                   tally_recordset_text(&rows, "error_code", code) &&
+                   tally_recordset_text(&rows, "error_message", code ? x->error_message : NULL) &&
+                   tally_recordset_json(&rows, "delay_ms", delay);
+        if (!tally_recordset_row_end(&rows, row)) {
+            tally_error_set(&err, "oom", true, "out of memory, or text that is not UTF-8");
             goto out;
         }
     }
-    char *text = json_dumps(rows, JSON_COMPACT);
+    const char *text = tally_recordset_close(&rows);
     if (!text) {
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
@@ -739,16 +773,12 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
             final = false;
     if (final) {
         ok = record_final(d, done, n_done, text, won, ab, ob, &err);
-        free(text);
         goto out;
     }
     const char *params[1] = {text};
-    if (!tally_pg_begin(d->rec_pg, &err)) {
-        free(text);
+    if (!tally_pg_begin(d->rec_pg, &err))
         goto out;
-    }
     res = tally_pg_exec(d->rec_pg, SQL_RECORD, 1, params, &err);
-    free(text);
     if (!res)
         goto out;
     for (int row = 0; row < PQntuples(res); row++) {
@@ -778,7 +808,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         PQclear(handed);
 out:
     PQclear(res);
-    json_decref(rows);
+    tally_recordset_release(&rows);
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
     if (!ok) {

@@ -66,10 +66,11 @@ typedef struct dispatch_done {
     long long delay_ms;    /**< PLANNED: backoff before the next attempt */
     char error_code[32];
     char error_message[512];
-    json_t *receipt;     /**< CONFIRMED (owned) */
-    char *external_ref;  /**< CONFIRMED, may be NULL */
-    json_t *call_record; /**< the "connector_call" audit data (owned) */
-    double seconds;      /**< connector latency */
+    json_t *receipt;    /**< CONFIRMED (owned) */
+    char *receipt_text; /**< CONFIRMED: the receipt as compact JSON text (owned) */
+    char *external_ref; /**< CONFIRMED, may be NULL */
+    char *call_record;  /**< the "connector_call" audit data, JSON text (owned) */
+    double seconds;     /**< connector latency */
 } dispatch_done_t;
 
 typedef struct dispatcher {
@@ -210,6 +211,7 @@ typedef struct effect_view {
     const char *operation_key;
     const char *status; /**< "CONFIRMED", ..., or "CONFLICT" */
     const json_t *receipt;
+    const char *receipt_text; /**< the receipt as JSON text; when set, used instead of receipt */
     const char *external_ref;
     const char *error_code;
     const char *error_message;
@@ -219,7 +221,8 @@ typedef struct effect_view {
 
 /**
  * @brief Queue tally.effect.<status>.v1 for @p v on topic "outcomes" (key: the run id).
- * @p extra (may be NULL; borrowed) is merged into data. @returns false when out of memory.
+ * @p extra (may be NULL; borrowed): more members of data, written after the standard ones
+ * (none of its keys may be one of them). @returns false when out of memory.
  */
 bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const effect_view_t *v,
                              const json_t *extra) TALLY_WUR;

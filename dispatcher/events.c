@@ -41,11 +41,6 @@ char *dispatch_dump(json_t *v)
     return s;
 }
 
-static json_t *str_or_null(const char *s)
-{
-    return s ? json_string(s) : json_null();
-}
-
 bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const effect_view_t *v,
                              const json_t *extra)
 {
@@ -57,37 +52,51 @@ bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const ef
     lower[i] = '\0';
     snprintf(type, sizeof type, "tally.effect.%s.v1", lower);
 
-    json_t *data = json_object();
-    if (!data)
-        return false;
-    json_t *error = json_null();
+    /* Written as text: one of these goes out for every effect (tally_jtext_t) */
+    char id[37];
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
+    tally_ce_envelope_text(&j, type, d->source, v->effect_id, id);
+    tally_jtext_begin(&j, "data");
+    tally_jtext_str(&j, "effect_id", v->effect_id);
+    tally_jtext_str(&j, "run_id", v->run_id);
+    /* a step that is a number goes out as one, as dispatch_step_json writes it */
+    char *end = NULL;
+    long long n = v->step_is_number && v->step ? strtoll(v->step, &end, 10) : 0;
+    if (end && *end == '\0' && end != v->step)
+        tally_jtext_int(&j, "step", n);
+    else
+        tally_jtext_str(&j, "step", v->step ? v->step : "");
+    tally_jtext_str(&j, "tool", v->tool);
+    tally_jtext_str(&j, "operation_key", v->operation_key);
+    tally_jtext_str(&j, "status", v->status);
+    if (v->receipt_text)
+        tally_jtext_raw(&j, "receipt", v->receipt_text);
+    else
+        tally_jtext_value(&j, "receipt", v->receipt);
+    tally_jtext_str(&j, "external_ref", v->external_ref);
     if (v->error_code) {
-        error = json_pack("{s:s, s:s}", "code", v->error_code, "message",
-                          v->error_message ? v->error_message : "");
+        tally_jtext_begin(&j, "error");
+        tally_jtext_str(&j, "code", v->error_code);
+        tally_jtext_str(&j, "message", v->error_message ? v->error_message : "");
+        tally_jtext_end(&j);
+    } else {
+        tally_jtext_raw(&j, "error", NULL);
     }
-    int rc = json_object_set_new(data, "effect_id", str_or_null(v->effect_id));
-    rc |= json_object_set_new(data, "run_id", str_or_null(v->run_id));
-    rc |= json_object_set_new(data, "step", dispatch_step_json(v->step, v->step_is_number));
-    rc |= json_object_set_new(data, "tool", str_or_null(v->tool));
-    rc |= json_object_set_new(data, "operation_key", str_or_null(v->operation_key));
-    rc |= json_object_set_new(data, "status", json_string(v->status));
-    /* shared, not copied: data lives only until the event is serialised below */
-    rc |= json_object_set_new(data, "receipt",
-                              v->receipt ? json_incref((json_t *)v->receipt) : json_null());
-    rc |= json_object_set_new(data, "external_ref", str_or_null(v->external_ref));
-    rc |= json_object_set_new(data, "error", error ? error : json_null());
-    rc |= json_object_set_new(data, "attempts", json_integer((json_int_t)v->attempts));
-    rc |= json_object_set_new(data, "intent_id", str_or_null(v->intent_id));
-    if (extra)
-        rc |= json_object_update(data, (json_t *)extra);
-    if (rc != 0) {
-        json_decref(data);
-        return false;
+    tally_jtext_int(&j, "attempts", v->attempts);
+    tally_jtext_str(&j, "intent_id", v->intent_id);
+    const char *key;
+    json_t *value;
+    json_object_foreach((json_t *)extra, key, value)
+    {
+        tally_jtext_value(&j, key, value);
     }
-    json_t *ce = tally_ce_new(type, d->source, v->effect_id, data, NULL);
-    if (!ce)
+    tally_jtext_end(&j); /* data */
+    tally_jtext_end(&j); /* the event */
+    char *payload = tally_jtext_take(&j);
+    if (!payload)
         return false;
-    tally_outbox_batch_add(ob, "outcomes", v->run_id, ce);
-    json_decref(ce);
+    tally_outbox_batch_add_text(ob, "outcomes", v->run_id, id, v->effect_id, payload);
+    free(payload);
     return true;
 }

@@ -123,7 +123,10 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
               tally_recordset_text(rs, "to_status", ev->to_status) &&
               tally_recordset_text(rs, "actor", ev->actor) &&
               tally_recordset_text(rs, "reason", ev->reason) &&
-              tally_recordset_json(rs, "data", data ? data : members);
+              tally_recordset_json(rs, "data",
+                                   data      ? data
+                                   : members ? members
+                                             : ev->data_text);
     free(data);
     if (!tally_recordset_row_end(rs, ok))
         tally_recordset_fail(

@@ -42,6 +42,26 @@ static bool rfc3339_now(char out[32])
     return n > 0 && n < 32;
 }
 
+bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *source,
+                            const char *subject, char id_out[37])
+{
+    char time_text[32];
+    tally_uuid(id_out);
+    if (!rfc3339_now(time_text)) {
+        j->failed = true;
+        return false;
+    }
+    tally_jtext_str(j, "specversion", "1.0");
+    tally_jtext_str(j, "id", id_out);
+    tally_jtext_str(j, "source", source);
+    tally_jtext_str(j, "type", type);
+    tally_jtext_str(j, "time", time_text);
+    tally_jtext_str(j, "datacontenttype", "application/json");
+    if (subject != NULL)
+        tally_jtext_str(j, "subject", subject);
+    return !j->failed;
+}
+
 json_t *tally_ce_new(const char *type, const char *source, const char *subject, json_t *data,
                      char id_out[37])
 {

@@ -437,3 +437,156 @@ char *tally_json_scalar_text(const json_t *v)
     }
     return NULL;
 }
+
+/* ---- JSON text, member by member -------------------------------------------------------- */
+
+static bool jtext_reserve(tally_jtext_t *j, size_t more)
+{
+    if (j->failed)
+        return false;
+    if (j->len + more + 1 <= j->cap)
+        return true;
+    size_t cap = j->cap ? j->cap : 256;
+    while (cap < j->len + more + 1)
+        cap *= 2;
+    char *grown = realloc(j->s, cap);
+    if (grown == NULL) {
+        j->failed = true;
+        return false;
+    }
+    j->s = grown;
+    j->cap = cap;
+    return true;
+}
+
+static void jtext_put(tally_jtext_t *j, const char *s, size_t n)
+{
+    if (!jtext_reserve(j, n))
+        return;
+    memcpy(j->s + j->len, s, n);
+    j->len += n;
+    j->s[j->len] = '\0';
+}
+
+static void jtext_string(tally_jtext_t *j, const char *s)
+{
+    static const char hex[] = "0123456789ABCDEF"; /* as jansson writes it */
+    size_t n = strlen(s);
+    if (!tally_utf8_valid(s, n)) {
+        j->failed = true;
+        return;
+    }
+    if (!jtext_reserve(j, 6 * n + 2))
+        return;
+    char *p = j->s + j->len;
+    *p++ = '"';
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        const char *esc = c == '"'    ? "\\\""
+                          : c == '\\' ? "\\\\"
+                          : c == '\b' ? "\\b"
+                          : c == '\f' ? "\\f"
+                          : c == '\n' ? "\\n"
+                          : c == '\r' ? "\\r"
+                          : c == '\t' ? "\\t"
+                                      : NULL;
+        if (esc) {
+            *p++ = esc[0];
+            *p++ = esc[1];
+        } else if (c < 0x20) {
+            memcpy(p, "\\u00", 4);
+            p[4] = hex[c >> 4];
+            p[5] = hex[c & 0x0f];
+            p += 6;
+        } else {
+            *p++ = (char)c;
+        }
+    }
+    *p++ = '"';
+    *p = '\0';
+    j->len = (size_t)(p - j->s);
+}
+
+/* `,"key":` (no comma right after the object's `{`); nothing for a NULL key */
+static void jtext_key(tally_jtext_t *j, const char *key)
+{
+    if (key == NULL || j->failed)
+        return;
+    if (j->len > 0 && j->s[j->len - 1] != '{')
+        jtext_put(j, ",", 1);
+    jtext_string(j, key);
+    jtext_put(j, ":", 1);
+}
+
+void tally_jtext_begin(tally_jtext_t *j, const char *key)
+{
+    jtext_key(j, key);
+    jtext_put(j, "{", 1);
+}
+
+void tally_jtext_end(tally_jtext_t *j)
+{
+    jtext_put(j, "}", 1);
+}
+
+void tally_jtext_str(tally_jtext_t *j, const char *key, const char *s)
+{
+    jtext_key(j, key);
+    if (s)
+        jtext_string(j, s);
+    else
+        jtext_put(j, "null", 4);
+}
+
+void tally_jtext_raw(tally_jtext_t *j, const char *key, const char *json)
+{
+    jtext_key(j, key);
+    jtext_put(j, json ? json : "null", json ? strlen(json) : 4);
+}
+
+void tally_jtext_value(tally_jtext_t *j, const char *key, const json_t *v)
+{
+    char *text = v ? json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+    if (v && !text)
+        j->failed = true;
+    tally_jtext_raw(j, key, text);
+    free(text);
+}
+
+void tally_jtext_int(tally_jtext_t *j, const char *key, long long v)
+{
+    char buf[24];
+    int n = snprintf(buf, sizeof buf, "%lld", v);
+    jtext_key(j, key);
+    jtext_put(j, buf, (size_t)n);
+}
+
+void tally_jtext_bool(tally_jtext_t *j, const char *key, bool v)
+{
+    jtext_key(j, key);
+    jtext_put(j, v ? "true" : "false", v ? 4 : 5);
+}
+
+void tally_jtext_real(tally_jtext_t *j, const char *key, double v, int decimals)
+{
+    char buf[64];
+    /* "C" numbers whatever the locale: tally never calls setlocale, so printf uses '.' */
+    int n = isfinite(v) ? snprintf(buf, sizeof buf, "%.*f", decimals, v) : -1;
+    if (n <= 0 || (size_t)n >= sizeof buf) {
+        tally_jtext_raw(j, key, NULL);
+        return;
+    }
+    jtext_key(j, key);
+    jtext_put(j, buf, (size_t)n);
+}
+
+char *tally_jtext_take(tally_jtext_t *j)
+{
+    char *s = j->failed ? NULL : j->s;
+    if (j->failed)
+        free(j->s);
+    else if (s == NULL)
+        s = strdup("");
+    *j = (tally_jtext_t){0};
+    return s;
+}

@@ -36,12 +36,6 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
         tally_recordset_fail(rs, "a message needs a topic and an event");
         return;
     }
-    const char *event_id = json_string_value(json_object_get(event, "id"));
-    if (event_id == NULL || *event_id == '\0') {
-        tally_recordset_fail(rs, "the event for topic '%s' has no string \"id\" to deduplicate by",
-                             topic);
-        return;
-    }
     /* the effect the message is about, when its data names one (TALLY_OUTBOX_INSERT) */
     const char *about =
         json_string_value(json_object_get(json_object_get(event, "data"), "effect_id"));
@@ -50,14 +44,33 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
         tally_recordset_fail(rs, "out of memory while serialising an outbox message");
         return;
     }
+    tally_outbox_batch_add_text(b, topic, key, json_string_value(json_object_get(event, "id")),
+                                about, payload);
+    free(payload);
+}
+
+void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                 const char *event_id, const char *effect_id, const char *payload)
+{
+    tally_recordset_t *rs = &b->rows;
+    if (rs->failed)
+        return;
+    if (topic == NULL || payload == NULL) {
+        tally_recordset_fail(rs, "a message needs a topic and an event");
+        return;
+    }
+    if (event_id == NULL || *event_id == '\0') {
+        tally_recordset_fail(rs, "the event for topic '%s' has no string \"id\" to deduplicate by",
+                             topic);
+        return;
+    }
     bool ok =
         tally_recordset_row_begin(rs) && tally_recordset_text(rs, "topic", topic) &&
         tally_recordset_text(rs, "msg_key", key) &&
         tally_recordset_text(rs, "event_id", event_id) &&
-        tally_recordset_text(rs, "effect_id", about) &&
+        tally_recordset_text(rs, "effect_id", effect_id) &&
         (strstr(payload, "\\u0000") == NULL ? tally_recordset_json(rs, "payload", payload)
                                             : tally_recordset_text(rs, "payload_text", payload));
-    free(payload);
     if (!tally_recordset_row_end(rs, ok))
         tally_recordset_fail(rs,
                              "the message for topic '%s' could not be queued (out of memory, or "

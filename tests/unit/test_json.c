@@ -375,6 +375,58 @@ static void test_scalar_text(void **state)
     assert_null(tally_json_scalar_text(NULL));
 }
 
+/* tally_jtext writes what jansson's compact dump of the same object would: every kind of member,
+ * nesting, null, escaping; and refuses text that is not UTF-8. */
+static void test_jtext_matches_jansson(void **state)
+{
+    (void)state;
+    const char *tricky = "q\"b\\ \b\f\n\r\t \x01 \x1f caf\xc3\xa9 /";
+    json_t *nested = json_pack("{s:[i,s,n]}", "a", 1, "b");
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
+    tally_jtext_str(&j, "s", tricky);
+    tally_jtext_str(&j, "none", NULL);
+    tally_jtext_int(&j, "i", -42);
+    tally_jtext_bool(&j, "t", true);
+    tally_jtext_bool(&j, "f", false);
+    tally_jtext_real(&j, "r", 1.5, 1);
+    tally_jtext_begin(&j, "o");
+    tally_jtext_str(&j, "k", "v");
+    tally_jtext_begin(&j, "empty");
+    tally_jtext_end(&j);
+    tally_jtext_end(&j);
+    tally_jtext_raw(&j, "raw", "[1,2]");
+    tally_jtext_raw(&j, "rawnull", NULL);
+    tally_jtext_value(&j, "value", nested);
+    tally_jtext_end(&j);
+    char *got = tally_jtext_take(&j);
+    assert_non_null(got);
+
+    json_t *want = json_pack("{s:s, s:n, s:i, s:b, s:b, s:f, s:{s:s, s:{}}, s:[i,i], s:n, s:O}",
+                             "s", tricky, "none", "i", -42, "t", 1, "f", 0, "r", 1.5, "o", "k", "v",
+                             "empty", "raw", 1, 2, "rawnull", "value", nested);
+    assert_non_null(want);
+    char *want_text = json_dumps(want, JSON_COMPACT);
+    assert_string_equal(got, want_text);
+    json_t *back = json_loads(got, 0, NULL); /* and it is JSON */
+    assert_non_null(back);
+    assert_true(json_equal(back, want));
+    json_decref(back);
+    free(want_text);
+    json_decref(want);
+    json_decref(nested);
+    free(got);
+    /* the builder is empty again after take */
+    assert_null(j.s);
+
+    tally_jtext_begin(&j, NULL);
+    tally_jtext_str(&j, "bad", "\xff\xfe");
+    tally_jtext_end(&j);
+    assert_null(tally_jtext_take(&j));
+    assert_null(j.s);
+    assert_false(j.failed);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -390,6 +442,7 @@ int main(void)
         cmocka_unit_test(test_utf8_valid),
         cmocka_unit_test(test_json_pointer),
         cmocka_unit_test(test_scalar_text),
+        cmocka_unit_test(test_jtext_matches_jansson),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -33,6 +33,9 @@ typedef struct tally_audit_event {
      * per-intent paths). Borrowed; copied when added. */
     const tally_audit_member_t *members;
     size_t n_members;
+    /** When @c data and @c members are NULL: the data as JSON text (an object), copied as is
+     * (tally_jtext_t builds it). */
+    const char *data_text;
 } tally_audit_event_t;
 
 typedef struct tally_audit_batch tally_audit_batch_t;

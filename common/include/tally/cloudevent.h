@@ -7,6 +7,7 @@
 #include <jansson.h>
 
 #include "tally/error.h"
+#include "tally/json.h"
 
 /**
  * @brief A CloudEvent {specversion "1.0", id (fresh UUID), source, type, time (RFC 3339 UTC),
@@ -17,6 +18,16 @@
  */
 json_t *tally_ce_new(const char *type, const char *source, const char *subject, json_t *data,
                      char id_out[37]) TALLY_WUR;
+
+/**
+ * @brief The envelope of the same CloudEvent as text: writes its members (specversion, id,
+ * source, type, time, datacontenttype, subject) into the object open in @p j; the caller adds
+ * "data" and closes the object. For events written once per effect (tally_jtext_t).
+ * @param id_out receives the event id.
+ * @returns false when the clock could not be read (@p j is marked failed).
+ */
+bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *source,
+                            const char *subject, char id_out[37]);
 
 /** Why an intent message was refused; the names are the DLQ's machine-readable reasons. */
 typedef enum {

@@ -41,4 +41,38 @@ json_t *tally_json_pointer(const json_t *doc, const char *ptr);
  * true/false. @returns malloc'd string, or NULL for null, objects and arrays. */
 char *tally_json_scalar_text(const json_t *v) TALLY_WUR;
 
+/**
+ * @brief A JSON object written as text member by member, with no jansson value in between:
+ * for the documents written once per effect (audit data, outcome events, the rows of a
+ * statement). Zero-initialise, then tally_jtext_begin. Strings are escaped as jansson's
+ * compact output escapes them (\" \\ \b \f \n \r \t, \u00XX for other control
+ * characters, UTF-8 as is). Sticky failure (out of memory, text that is not UTF-8):
+ * tally_jtext_take then returns NULL.
+ */
+typedef struct tally_jtext {
+    char *s;
+    size_t len, cap;
+    bool failed;
+} tally_jtext_t;
+
+/** @brief Open an object: `{` at the top (@p key NULL), or `"key":{` inside one. */
+void tally_jtext_begin(tally_jtext_t *j, const char *key);
+/** @brief Close the innermost open object. */
+void tally_jtext_end(tally_jtext_t *j);
+/** @brief `"key":"s"`, or null for NULL. */
+void tally_jtext_str(tally_jtext_t *j, const char *key, const char *s);
+/** @brief `"key":` and @p json, text that already is JSON (copied as is), or null for NULL. */
+void tally_jtext_raw(tally_jtext_t *j, const char *key, const char *json);
+/** @brief `"key":` and the value of @p v (jansson's compact form), or null for NULL. */
+void tally_jtext_value(tally_jtext_t *j, const char *key, const json_t *v);
+void tally_jtext_int(tally_jtext_t *j, const char *key, long long v);
+void tally_jtext_bool(tally_jtext_t *j, const char *key, bool v);
+/** @brief A real with @p decimals digits after the point (finite values only; else null). */
+void tally_jtext_real(tally_jtext_t *j, const char *key, double v, int decimals);
+/**
+ * @brief The text built (malloc'd, the caller frees it), or NULL when anything failed; @p j is
+ * empty again either way.
+ */
+char *tally_jtext_take(tally_jtext_t *j) TALLY_WUR;
+
 #endif

@@ -25,6 +25,14 @@ tally_outbox_batch_t *tally_outbox_batch_new(void) TALLY_WUR;
 void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const char *key,
                             const json_t *event);
 
+/**
+ * @brief Queue a message whose event is already JSON text (@p payload, copied): the same row as
+ * tally_outbox_batch_add, with the event's id (@p event_id) and the effect its data names
+ * (@p effect_id, may be NULL) given by the caller that wrote it.
+ */
+void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                 const char *event_id, const char *effect_id, const char *payload);
+
 /** @brief Number of queued messages. */
 size_t tally_outbox_batch_len(const tally_outbox_batch_t *b);
 
