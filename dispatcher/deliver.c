@@ -350,10 +350,7 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         tally_jtext_str(&rec, "transport_error", x->v.message);
     if (res->retry_after_ms >= 0)
         tally_jtext_int(&rec, "retry_after_ms", res->retry_after_ms);
-    json_t *ex = tally_conn_excerpt(res->body, res->body_len, 2048);
-    if (ex)
-        tally_jtext_value(&rec, "response", ex);
-    json_decref(ex);
+    tally_conn_excerpt_text(&rec, "response", res->body, res->body_len, 2048);
     tally_jtext_end(&rec);
     x->call_record = tally_jtext_take(&rec);
     tally_metric_observe(d->m_connector_seconds, res->seconds, call->tool->name);

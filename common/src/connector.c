@@ -292,19 +292,27 @@ static json_t *base64_string(const char *data, size_t len)
     return s;
 }
 
+/* How much of the body an excerpt keeps (cut back to a character boundary so a multi-byte
+ * character is not split), and whether that part can be kept as text. */
+static size_t excerpt_cut(const char *body, size_t len, size_t max, bool *text)
+{
+    size_t n = len < max ? len : max;
+    if (n < len)
+        while (n > 0 && ((unsigned char)body[n] & 0xC0) == 0x80)
+            n--;
+    *text = n == 0 || (memchr(body, '\0', n) == NULL && tally_utf8_valid(body, n));
+    return n;
+}
+
 json_t *tally_conn_excerpt(const char *body, size_t len, size_t max)
 {
     if (!body)
         len = 0;
-    size_t n = len < max ? len : max;
-    /* Cut back to a character boundary so a multi-byte character is not split. */
-    if (n < len)
-        while (n > 0 && ((unsigned char)body[n] & 0xC0) == 0x80)
-            n--;
+    bool text;
+    size_t n = excerpt_cut(body, len, max, &text);
     json_t *o = json_object();
     if (!o)
         return NULL;
-    bool text = n == 0 || (memchr(body, '\0', n) == NULL && tally_utf8_valid(body, n));
     json_t *v = text ? json_stringn(n ? body : "", n) : base64_string(body, n);
     if (!v || json_object_set_new(o, text ? "text" : "base64", v) != 0) {
         json_decref(o);
@@ -318,6 +326,30 @@ json_t *tally_conn_excerpt(const char *body, size_t len, size_t max)
         }
     }
     return o;
+}
+
+void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body, size_t len,
+                             size_t max)
+{
+    if (!body)
+        len = 0;
+    bool text;
+    size_t n = excerpt_cut(body, len, max, &text);
+    if (!text) { /* binary: the jansson form, base64 and all (rare) */
+        json_t *o = tally_conn_excerpt(body, len, max);
+        if (!o)
+            j->failed = true;
+        tally_jtext_value(j, key, o);
+        json_decref(o);
+        return;
+    }
+    tally_jtext_begin(j, key);
+    tally_jtext_strn(j, "text", body, n);
+    if (n < len) {
+        tally_jtext_bool(j, "truncated", true);
+        tally_jtext_int(j, "bytes", (long long)len);
+    }
+    tally_jtext_end(j);
 }
 
 static bool has_nul_escape(const char *s, size_t len)

@@ -468,10 +468,9 @@ static void jtext_put(tally_jtext_t *j, const char *s, size_t n)
     j->s[j->len] = '\0';
 }
 
-static void jtext_string(tally_jtext_t *j, const char *s)
+static void jtext_string(tally_jtext_t *j, const char *s, size_t n)
 {
     static const char hex[] = "0123456789ABCDEF"; /* as jansson writes it */
-    size_t n = strlen(s);
     if (!tally_utf8_valid(s, n)) {
         j->failed = true;
         return;
@@ -482,6 +481,10 @@ static void jtext_string(tally_jtext_t *j, const char *s)
     *p++ = '"';
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
+        if (c >= 0x20 && c != '"' && c != '\\') {
+            *p++ = (char)c;
+            continue;
+        }
         const char *esc = c == '"'    ? "\\\""
                           : c == '\\' ? "\\\\"
                           : c == '\b' ? "\\b"
@@ -493,13 +496,11 @@ static void jtext_string(tally_jtext_t *j, const char *s)
         if (esc) {
             *p++ = esc[0];
             *p++ = esc[1];
-        } else if (c < 0x20) {
+        } else { /* another control character */
             memcpy(p, "\\u00", 4);
             p[4] = hex[c >> 4];
             p[5] = hex[c & 0x0f];
             p += 6;
-        } else {
-            *p++ = (char)c;
         }
     }
     *p++ = '"';
@@ -514,7 +515,7 @@ static void jtext_key(tally_jtext_t *j, const char *key)
         return;
     if (j->len > 0 && j->s[j->len - 1] != '{')
         jtext_put(j, ",", 1);
-    jtext_string(j, key);
+    jtext_string(j, key, strlen(key));
     jtext_put(j, ":", 1);
 }
 
@@ -533,9 +534,19 @@ void tally_jtext_str(tally_jtext_t *j, const char *key, const char *s)
 {
     jtext_key(j, key);
     if (s)
-        jtext_string(j, s);
+        jtext_string(j, s, strlen(s));
     else
         jtext_put(j, "null", 4);
+}
+
+void tally_jtext_strn(tally_jtext_t *j, const char *key, const char *s, size_t n)
+{
+    if (n > 0 && memchr(s, '\0', n) != NULL) {
+        j->failed = true;
+        return;
+    }
+    jtext_key(j, key);
+    jtext_string(j, n ? s : "", n);
 }
 
 void tally_jtext_raw(tally_jtext_t *j, const char *key, const char *json)

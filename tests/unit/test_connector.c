@@ -371,6 +371,27 @@ static void test_excerpt(void **state)
     assert_string_equal(json_string_value(json_object_get(e, "base64")), "Yf8Aeg==");
     assert_null(json_object_get(e, "truncated"));
     json_decref(e);
+
+    /* the text form is the same document: cut, truncated, escapes, binary, empty */
+    static const struct {
+        const char *body;
+        size_t len, max;
+    } cases[] = {
+        {"h\xc3\xa9llo", 6, 2}, {"a\xff\x00z", 4, 100}, {"{\"q\":\"\n\\\"\"}", 10, 2048},
+        {"", 0, 2048},          {NULL, 5, 2048},        {"abc", 3, 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        json_t *want = tally_conn_excerpt(cases[i].body, cases[i].len, cases[i].max);
+        char *want_text = json_dumps(want, JSON_COMPACT);
+        tally_jtext_t j = {0};
+        tally_conn_excerpt_text(&j, NULL, cases[i].body, cases[i].len, cases[i].max);
+        char *got = tally_jtext_take(&j);
+        assert_non_null(got);
+        assert_string_equal(got, want_text);
+        free(got);
+        free(want_text);
+        json_decref(want);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */

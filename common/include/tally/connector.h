@@ -12,6 +12,7 @@
 #include <jansson.h>
 
 #include "tally/error.h"
+#include "tally/json.h"
 #include "tally/registry.h"
 
 /** Default cap on a response body kept in memory; the rest is read and dropped. */
@@ -145,6 +146,10 @@ char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt) T
  * "truncated" when shortened. @returns a new reference, or NULL when out of memory.
  */
 json_t *tally_conn_excerpt(const char *body, size_t len, size_t max) TALLY_WUR;
+
+/** @brief The same excerpt written as the member @p key of the object open in @p j. */
+void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body, size_t len,
+                             size_t max);
 
 /**
  * @brief Tally-Signature value "t=<t>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>" in @p out.

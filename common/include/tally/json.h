@@ -61,6 +61,8 @@ void tally_jtext_begin(tally_jtext_t *j, const char *key);
 void tally_jtext_end(tally_jtext_t *j);
 /** @brief `"key":"s"`, or null for NULL. */
 void tally_jtext_str(tally_jtext_t *j, const char *key, const char *s);
+/** @brief `"key":"s"` of the @p n bytes at @p s (which must not hold U+0000). */
+void tally_jtext_strn(tally_jtext_t *j, const char *key, const char *s, size_t n);
 /** @brief `"key":` and @p json, text that already is JSON (copied as is), or null for NULL. */
 void tally_jtext_raw(tally_jtext_t *j, const char *key, const char *json);
 /** @brief `"key":` and the value of @p v (jansson's compact form), or null for NULL. */
