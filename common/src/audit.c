@@ -12,8 +12,6 @@
  * serialised once, with no copy of the object kept in between. */
 struct tally_audit_batch {
     tally_recordset_t rows;
-    char *data; /* the text of the data of the event being added, when given as members */
-    size_t data_cap;
 };
 
 /* Columns come from the JSON by name; "n" keeps the insertion order in events.seq. */
@@ -24,73 +22,22 @@ tally_audit_batch_t *tally_audit_batch_new(void)
     return calloc(1, sizeof(tally_audit_batch_t));
 }
 
-/* @p s as a JSON string at @p p, escaped as recordset.c escapes: \" \\ and \u00XX for control
- * characters. Room for 6 bytes per byte of @p s and 2 more is the caller's. @returns the end, or
- * NULL when @p s is not UTF-8. */
-static char *put_string(char *p, const char *s, size_t n)
+/* The object of @p n members @p m as JSON text (malloc'd): NULL when out of memory or a key
+ * or value is not UTF-8. Members whose value is NULL are left out. */
+static char *members_text(const tally_audit_member_t *m, size_t n)
 {
-    static const char hex[] = "0123456789abcdef";
-    if (!tally_utf8_valid(s, n))
-        return NULL;
-    *p++ = '"';
-    for (size_t i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c != '"' && c != '\\') {
-            *p++ = (char)c;
-        } else if (c >= 0x20) {
-            *p++ = '\\';
-            *p++ = (char)c;
-        } else {
-            memcpy(p, "\\u00", 4);
-            p[4] = hex[c >> 4];
-            p[5] = hex[c & 0x0f];
-            p += 6;
-        }
-    }
-    *p++ = '"';
-    return p;
-}
-
-/* The object of @p n members @p m as JSON text, in the batch's scratch space: NULL when out of
- * memory or a key or value is not UTF-8. */
-static const char *members_text(tally_audit_batch_t *b, const tally_audit_member_t *m, size_t n)
-{
-    size_t need = 3; /* {} and the terminator */
-    for (size_t i = 0; i < n; i++)
-        if (m[i].value)
-            need += 6 * (strlen(m[i].key) + strlen(m[i].value)) + 6; /* "k":"v", */
-    if (need > b->data_cap) {
-        size_t cap = b->data_cap ? b->data_cap : 512;
-        while (cap < need)
-            cap *= 2;
-        char *grown = realloc(b->data, cap);
-        if (grown == NULL)
-            return NULL;
-        b->data = grown;
-        b->data_cap = cap;
-    }
-    char *p = b->data;
-    *p++ = '{';
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
     for (size_t i = 0; i < n; i++) {
         if (m[i].value == NULL)
             continue;
-        if (p > b->data + 1)
-            *p++ = ',';
-        p = put_string(p, m[i].key, strlen(m[i].key));
-        if (p == NULL)
-            return NULL;
-        *p++ = ':';
-        size_t len = strlen(m[i].value);
-        if (m[i].json) {
-            memcpy(p, m[i].value, len);
-            p += len;
-        } else if ((p = put_string(p, m[i].value, len)) == NULL) {
-            return NULL;
-        }
+        if (m[i].json)
+            tally_jtext_raw(&j, m[i].key, m[i].value);
+        else
+            tally_jtext_str(&j, m[i].key, m[i].value);
     }
-    *p++ = '}';
-    *p = '\0';
-    return b->data;
+    tally_jtext_end(&j);
+    return tally_jtext_take(&j);
 }
 
 void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev)
@@ -106,9 +53,9 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
     tally_uuid_v7(event_id);
     /* serialised now: the caller may change or free its data after this returns */
     char *data = ev->data ? json_dumps(ev->data, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
-    const char *members = NULL;
+    char *members = NULL;
     if (ev->data == NULL && ev->members != NULL &&
-        (members = members_text(b, ev->members, ev->n_members)) == NULL) {
+        (members = members_text(ev->members, ev->n_members)) == NULL) {
         tally_recordset_fail(rs, "the data of an audit event could not be queued (out of memory, "
                                  "or text that is not UTF-8)");
         return;
@@ -128,6 +75,7 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
                                    : members ? members
                                              : ev->data_text);
     free(data);
+    free(members);
     if (!tally_recordset_row_end(rs, ok))
         tally_recordset_fail(
             rs, "an audit event could not be queued (out of memory, or text that is not UTF-8)");
@@ -155,6 +103,5 @@ void tally_audit_batch_free(tally_audit_batch_t *b)
     if (b == NULL)
         return;
     tally_recordset_release(&b->rows);
-    free(b->data);
     free(b);
 }
