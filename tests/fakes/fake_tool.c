@@ -2,9 +2,10 @@
  * integration tests, the demo and the benchmark. It stands for an outside service, so it uses
  * no tally code: libmicrohttpd serves HTTP, jansson parses JSON, libcrypto checks signatures.
  *
- * One thread per connection, so a request told to sleep (slow, hang) holds only its own
- * thread; thousands of such requests can wait at once. Sleeps are on a condition variable
- * that SIGTERM broadcasts, so shutdown never waits for a hang to run out. */
+ * A small pool of threads serves every connection with epoll. A request told to wait (slow,
+ * hang) is suspended rather than slept on, so it holds no thread: thousands can wait at once
+ * while the pool goes on serving. One timer thread resumes each at its deadline, and SIGTERM
+ * resumes them all, so shutdown never waits for a hang to run out. */
 #include "fake_faults.h"
 #include "fake_store.h"
 
@@ -29,8 +30,8 @@
 #define MAX_BODY            (16u << 20)
 #define MAX_COLLECTION      100
 #define SIGNATURE_TOLERANCE 300
-#define THREAD_STACK_SIZE   (512u << 10)
 #define MAX_SECRETS         16
+#define POOL_THREADS        2
 
 typedef struct secret {
     const char *env;
@@ -46,52 +47,201 @@ typedef struct server {
     bool verbose;
 } server_t;
 
-/* The body of one request, gathered over the upload calls. */
+typedef enum op { OP_EXECUTE, OP_STATUS, OP_REVERSE, OP_CONTAIN } op_t;
+
+static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain"};
+
+/* One request: its body, gathered over the upload calls, and, while it waits in a fault,
+ * what it has done so far. */
 typedef struct request {
     char *body;
     size_t len, cap;
     bool too_large;
     struct timespec started;
+
+    /* waiting: the request is in a wait (the fields below hold its state); parked: it counts
+     * in waits.parked (under waits.mu) until it is back in the handler. */
+    bool waiting, parked;
+    struct MHD_Connection *conn;
+    int64_t wake_ns; /* CLOCK_MONOTONIC */
+    size_t slot;     /* index in the wait heap while parked */
+    fake_fault_t fault;
+    op_t op;
+    char collection[MAX_COLLECTION + 1];
+    const char *key;
+    fake_request_info_t info;
+    uint64_t seq;
+    json_t *json;       /* the parsed body, for the apply after a slow wait */
+    fake_reply_t reply; /* the answer already made (apply_then_hang) */
 } request_t;
 
-/* ---- interruptible sleep ------------------------------------------------------------------ */
+/* ---- requests that wait ------------------------------------------------------------------ */
 
-static pthread_mutex_t nap_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t nap_cv;
-static bool stopping;
+/* The parked requests, in a min-heap on their deadline, and the thread that resumes them. */
+static struct waits {
+    pthread_mutex_t mu;
+    pthread_cond_t wake; /* CLOCK_MONOTONIC: the earliest deadline changed, or stopping */
+    pthread_cond_t idle; /* parked fell to 0 */
+    request_t **heap;
+    size_t n, cap;
+    size_t parked; /* suspended, or resumed and not yet back in the handler */
+    bool stopping;
+    pthread_t thread;
+} waits = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
-static void nap_init(void)
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static struct timespec ns_to_timespec(int64_t ns)
+{
+    return (struct timespec){(time_t)(ns / 1000000000), (long)(ns % 1000000000)};
+}
+
+static void heap_set(size_t i, request_t *rq)
+{
+    waits.heap[i] = rq;
+    rq->slot = i;
+}
+
+static void heap_up(size_t i)
+{
+    request_t *rq = waits.heap[i];
+    while (i > 0 && waits.heap[(i - 1) / 2]->wake_ns > rq->wake_ns) {
+        heap_set(i, waits.heap[(i - 1) / 2]);
+        i = (i - 1) / 2;
+    }
+    heap_set(i, rq);
+}
+
+static request_t *heap_pop(void)
+{
+    request_t *top = waits.heap[0], *last = waits.heap[--waits.n];
+    if (waits.n == 0)
+        return top;
+    size_t i = 0;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= waits.n)
+            break;
+        if (c + 1 < waits.n && waits.heap[c + 1]->wake_ns < waits.heap[c]->wake_ns)
+            c++;
+        if (waits.heap[c]->wake_ns >= last->wake_ns)
+            break;
+        heap_set(i, waits.heap[c]);
+        i = c;
+    }
+    heap_set(i, last);
+    return top;
+}
+
+/* Suspends the request's connection until delay_ms from now. Called from the handler, the
+ * only place MHD allows a suspend. Returns false when it cannot wait (stopping, or out of
+ * memory): the caller then answers at once, as a sleep cut short by SIGTERM did. */
+static bool park(struct MHD_Connection *conn, request_t *rq, unsigned delay_ms)
+{
+    pthread_mutex_lock(&waits.mu);
+    if (!waits.stopping && waits.n == waits.cap) {
+        size_t cap = waits.cap ? waits.cap * 2 : 1024;
+        request_t **grown = realloc(waits.heap, cap * sizeof *waits.heap);
+        if (grown) {
+            waits.heap = grown;
+            waits.cap = cap;
+        }
+    }
+    if (waits.stopping || waits.n == waits.cap) {
+        pthread_mutex_unlock(&waits.mu);
+        return false;
+    }
+    rq->conn = conn;
+    rq->wake_ns = now_ns() + (int64_t)delay_ms * 1000000;
+    rq->parked = true;
+    waits.parked++;
+    waits.heap[waits.n] = rq;
+    heap_up(waits.n++);
+    MHD_suspend_connection(conn);
+    if (rq->slot == 0)
+        pthread_cond_signal(&waits.wake);
+    pthread_mutex_unlock(&waits.mu);
+    return true;
+}
+
+/* The request is back in the handler, or ended without coming back (the client went away
+ * while it was resumed): it no longer counts as parked. */
+static void unpark(request_t *rq)
+{
+    pthread_mutex_lock(&waits.mu);
+    if (rq->parked) {
+        rq->parked = false;
+        if (--waits.parked == 0)
+            pthread_cond_broadcast(&waits.idle);
+    }
+    pthread_mutex_unlock(&waits.mu);
+}
+
+/* The timer thread: resumes each parked request at its deadline, and all of them once the
+ * server stops. A parked request cannot end before it is resumed, so its connection is still
+ * valid when resumed outside the lock. */
+static void *wake_parked(void *arg)
+{
+    (void)arg;
+    struct MHD_Connection *due[256];
+    pthread_mutex_lock(&waits.mu);
+    for (;;) {
+        size_t k = 0;
+        int64_t now = now_ns();
+        while (waits.n > 0 && k < 256 && (waits.stopping || waits.heap[0]->wake_ns <= now))
+            due[k++] = heap_pop()->conn;
+        if (k > 0) {
+            pthread_mutex_unlock(&waits.mu);
+            for (size_t i = 0; i < k; i++)
+                MHD_resume_connection(due[i]);
+            pthread_mutex_lock(&waits.mu);
+            continue;
+        }
+        if (waits.stopping)
+            break;
+        if (waits.n == 0) {
+            pthread_cond_wait(&waits.wake, &waits.mu);
+        } else {
+            struct timespec until = ns_to_timespec(waits.heap[0]->wake_ns);
+            pthread_cond_timedwait(&waits.wake, &waits.mu, &until);
+        }
+    }
+    pthread_mutex_unlock(&waits.mu);
+    return NULL;
+}
+
+static bool waits_start(void)
 {
     pthread_condattr_t attr;
     pthread_condattr_init(&attr);
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&nap_cv, &attr);
+    bool ok = pthread_cond_init(&waits.wake, &attr) == 0 &&
+              pthread_cond_init(&waits.idle, &attr) == 0 &&
+              pthread_create(&waits.thread, NULL, wake_parked, NULL) == 0;
     pthread_condattr_destroy(&attr);
+    return ok;
 }
 
-/* Sleeps ms milliseconds, or until the server stops. */
-static void nap(unsigned ms)
+/* Resumes every parked request and waits, up to 10 s, until each is back in the handler:
+ * MHD_stop_daemon must not find a connection suspended. */
+static void waits_stop(void)
 {
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_sec += ms / 1000;
-    until.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    pthread_mutex_lock(&nap_mu);
-    while (!stopping && pthread_cond_timedwait(&nap_cv, &nap_mu, &until) != ETIMEDOUT)
+    pthread_mutex_lock(&waits.mu);
+    waits.stopping = true;
+    pthread_cond_signal(&waits.wake);
+    pthread_mutex_unlock(&waits.mu);
+    pthread_join(waits.thread, NULL);
+
+    struct timespec until = ns_to_timespec(now_ns() + 10 * (int64_t)1000000000);
+    pthread_mutex_lock(&waits.mu);
+    while (waits.parked > 0 && pthread_cond_timedwait(&waits.idle, &waits.mu, &until) != ETIMEDOUT)
         ;
-    pthread_mutex_unlock(&nap_mu);
-}
-
-static void nap_wake_all(void)
-{
-    pthread_mutex_lock(&nap_mu);
-    stopping = true;
-    pthread_cond_broadcast(&nap_cv);
-    pthread_mutex_unlock(&nap_mu);
+    pthread_mutex_unlock(&waits.mu);
 }
 
 /* ---- HTTP helpers ------------------------------------------------------------------------ */
@@ -238,10 +388,6 @@ static const char *check_signature(const server_t *srv, const char *hdr, const c
 
 /* ---- the tool API ------------------------------------------------------------------------ */
 
-typedef enum op { OP_EXECUTE, OP_STATUS, OP_REVERSE, OP_CONTAIN } op_t;
-
-static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain"};
-
 /* "/<collection>", "/<collection>/reverse" or "/<collection>/contain"; collection [a-z_]+.
  * Returns the suffix ("", "/reverse", "/contain") or NULL when the path is none of these. */
 static const char *parse_tool_path(const char *url, char *collection, size_t sz)
@@ -331,6 +477,42 @@ static const char *validate(op_t op, const char *key, const request_t *rq, json_
     return NULL;
 }
 
+/* The end of every tool request: log it and send `r` (or, for drop_connection, nothing). */
+static enum MHD_Result answer(server_t *srv, struct MHD_Connection *conn, const request_t *rq,
+                              const fake_request_info_t *info, uint64_t seq, fake_fault_kind_t kind,
+                              fake_reply_t *r)
+{
+    const char *fault = fake_fault_name(kind);
+    if (kind == FAKE_FAULT_DROP_CONNECTION) {
+        fake_store_log_end(srv->st, seq, 0, fault);
+        log_line(srv, rq, info, 0, fault);
+        fake_reply_clear(r);
+        return MHD_NO; /* MHD closes the socket without an answer */
+    }
+    fake_store_log_end(srv->st, seq, r->status, fault);
+    log_line(srv, rq, info, r->status, fault);
+    return send_reply(conn, r, NULL);
+}
+
+/* A request whose wait is over (or cut short) does what follows the wait: slow applies,
+ * hang_before_apply refuses, apply_then_hang sends the answer it made before waiting. */
+static enum MHD_Result finish_wait(server_t *srv, struct MHD_Connection *conn, request_t *rq)
+{
+    unpark(rq);
+    rq->waiting = false;
+    fake_reply_t r = rq->reply;
+    rq->reply = (fake_reply_t){0};
+    if (rq->fault.kind == FAKE_FAULT_SLOW) {
+        apply(srv, rq->op, rq->collection, rq->key, rq, &rq->info, rq->json, 1, &r);
+    } else if (rq->fault.kind == FAKE_FAULT_HANG_BEFORE_APPLY) {
+        fake_reply_error(&r, rq->fault.status, "timed out before applying");
+        r.retry_after = true;
+    }
+    json_decref(rq->json);
+    rq->json = NULL;
+    return answer(srv, conn, rq, &rq->info, rq->seq, rq->fault.kind, &r);
+}
+
 static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, request_t *rq,
                                    const char *method, const char *url, const char *collection,
                                    const char *suffix)
@@ -389,17 +571,26 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         f = fake_faults_take(srv->ff, collection, OP_NAMES[op], key);
         switch (f.kind) {
         case FAKE_FAULT_SLOW:
-            nap(f.delay_ms);
-            apply(srv, op, collection, key, rq, &info, body, 1, &r);
-            break;
+        case FAKE_FAULT_HANG_BEFORE_APPLY:
+        case FAKE_FAULT_APPLY_THEN_HANG:
+            if (f.kind == FAKE_FAULT_APPLY_THEN_HANG)
+                apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            rq->waiting = true;
+            rq->fault = f;
+            rq->op = op;
+            snprintf(rq->collection, sizeof rq->collection, "%s", collection);
+            rq->key = key;
+            rq->info = info;
+            rq->info.collection = rq->collection;
+            rq->seq = seq;
+            rq->json = body;
+            rq->reply = r;
+            if (park(conn, rq, f.delay_ms))
+                return MHD_YES;
+            return finish_wait(srv, conn, rq);
         case FAKE_FAULT_REFUSE_503:
         case FAKE_FAULT_REFUSE_429:
             fake_reply_error(&r, f.status, "refused, try again later");
-            r.retry_after = true;
-            break;
-        case FAKE_FAULT_HANG_BEFORE_APPLY:
-            nap(f.delay_ms);
-            fake_reply_error(&r, f.status, "timed out before applying");
             r.retry_after = true;
             break;
         case FAKE_FAULT_ERROR_4XX:
@@ -423,10 +614,6 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
             fake_reply_clear(&r);
             fake_reply_error(&r, f.status, "injected server error after applying");
             break;
-        case FAKE_FAULT_APPLY_THEN_HANG:
-            apply(srv, op, collection, key, rq, &info, body, 1, &r);
-            nap(f.delay_ms);
-            break;
         case FAKE_FAULT_APPLY_TWICE:
             apply(srv, op, collection, key, rq, &info, body, 2, &r);
             if (f.status != 0) { /* an upstream duplicate whose answer never reached tally */
@@ -441,17 +628,7 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         }
     }
     json_decref(body);
-
-    const char *fault = fake_fault_name(f.kind);
-    if (f.kind == FAKE_FAULT_DROP_CONNECTION) {
-        fake_store_log_end(srv->st, seq, 0, fault);
-        log_line(srv, rq, &info, 0, fault);
-        fake_reply_clear(&r);
-        return MHD_NO; /* MHD closes the socket without an answer */
-    }
-    fake_store_log_end(srv->st, seq, r.status, fault);
-    log_line(srv, rq, &info, r.status, fault);
-    return send_reply(conn, &r, NULL);
+    return answer(srv, conn, rq, &info, seq, f.kind, &r);
 }
 
 /* ---- the control API (for tests; not part of DESIGN.md) ---------------------------------- */
@@ -539,6 +716,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
         return MHD_YES;
     }
 
+    if (rq->waiting)
+        return finish_wait(srv, conn, rq);
     if (strncmp(url, "/_control", 9) == 0 && (url[9] == '/' || url[9] == '\0'))
         return handle_control(srv, conn, rq, method, url);
     char collection[MAX_COLLECTION + 1];
@@ -556,6 +735,9 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     (void)conn;
     (void)toe;
     if (rq) {
+        unpark(rq);
+        json_decref(rq->json);
+        fake_reply_clear(&rq->reply);
         free(rq->body);
         free(rq);
         *con_cls = NULL;
@@ -693,7 +875,6 @@ int main(int argc, char **argv)
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
-    nap_init();
 
     rlim_t nofile = raise_nofile();
     unsigned limit = nofile > 128 ? (unsigned)(nofile - 64 < 1000000 ? nofile - 64 : 1000000) : 64;
@@ -703,17 +884,24 @@ int main(int argc, char **argv)
         fprintf(stderr, "tally-fake-tool: out of memory\n");
         return 1;
     }
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+    if (!waits_start()) {
+        fprintf(stderr, "tally-fake-tool: cannot start the timer thread\n");
+        fake_store_free(srv.st);
+        fake_faults_free(srv.ff);
+        return 1;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME;
     if (srv.verbose)
         flags |= MHD_USE_ERROR_LOG;
     struct MHD_Daemon *d = MHD_start_daemon(
         flags, 0, NULL, NULL, &on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
         MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)300,
-        MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)4096, MHD_OPTION_THREAD_STACK_SIZE,
-        (size_t)THREAD_STACK_SIZE, MHD_OPTION_NOTIFY_COMPLETED, &on_completed, NULL,
-        MHD_OPTION_END);
+        MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)4096, MHD_OPTION_THREAD_POOL_SIZE,
+        (unsigned)POOL_THREADS, MHD_OPTION_NOTIFY_COMPLETED, &on_completed, NULL, MHD_OPTION_END);
     if (!d) {
-        fprintf(stderr, "tally-fake-tool: cannot listen on %s: %s\n", listen_arg, strerror(errno));
+        int err = errno;
+        waits_stop();
+        fprintf(stderr, "tally-fake-tool: cannot listen on %s: %s\n", listen_arg, strerror(err));
         fake_store_free(srv.st);
         fake_faults_free(srv.ff);
         return 1;
@@ -736,7 +924,7 @@ int main(int argc, char **argv)
         if (sigwait(&sigs, &sig) == 0)
             break;
     }
-    nap_wake_all();
+    waits_stop();
     MHD_stop_daemon(d);
     fake_store_free(srv.st);
     fake_faults_free(srv.ff);
