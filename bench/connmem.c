@@ -1,8 +1,8 @@
 /* tally-bench-connmem — what one connector call in flight costs in memory, on its own.
  *
  * The dispatcher's memory target is about calls held open by a slow tool. Most of that memory
- * is libcurl's: an easy handle per call, and a connection per call for tools whose calls may
- * not be replayed (tally_conn_fresh_connection). This program measures it without the rest of
+ * is libcurl's: an easy handle and a connection per call (a connection carries one call at a
+ * time, so a held call holds one). This program measures it without the rest of
  * the dispatcher: a local server accepts every connection and never answers, so each call
  * stays in flight with its request sent, as at a slow tool. It prints
  *
@@ -130,7 +130,7 @@ int main(int argc, char **argv)
     free(easy);
 
     /* 2. Calls in flight through the connector, as the dispatcher makes them (a reversible
-     * tool: a fresh connection per call). */
+     * tool; each held call has a connection of its own). */
     char errstr[256], base_url[64];
     tally_connector_t *c = tally_connector_new(calls, 0, errstr, sizeof errstr);
     if (!c) {

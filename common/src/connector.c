@@ -550,7 +550,7 @@ static bool add_header(struct curl_slist **list, const char *name, const char *v
     return true;
 }
 
-bool tally_conn_fresh_connection(const tally_tool_t *tool, tally_conn_op_t op)
+bool tally_conn_no_replay(const tally_tool_t *tool, tally_conn_op_t op)
 {
     if (op != TALLY_CONN_EXECUTE && op != TALLY_CONN_CONTAIN)
         return false;
@@ -561,11 +561,7 @@ struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const cha
                                       long long now, tally_error_t *err)
 {
     struct curl_slist *list = NULL;
-    /* The tool closes first on a one-call connection, so the TIME_WAIT is on its side and
-     * the dispatcher's ephemeral ports are not used up at thousands of calls a second. */
-    const char *connection = tally_conn_fresh_connection(req->tool, req->op) ? "close" : NULL;
     bool ok = add_header(&list, "Idempotency-Key", req->idempotency_key, err) &&
-              add_header(&list, "Connection", connection, err) &&
               add_header(&list, "Tally-Run-Id", req->run_id, err) &&
               add_header(&list, "Tally-Effect-Id", req->effect_id, err) &&
               add_header(&list, "traceparent", req->traceparent, err) &&
@@ -624,6 +620,10 @@ typedef struct conn_xfer {
     tally_conn_op_t op;
     const char *method;
     struct timespec started;
+    /* tally_conn_no_replay: requests curl began to write in this call, and whether a second
+     * one (curl's own re-send) was refused */
+    int requests;
+    bool replay_refused;
     char errbuf[CURL_ERROR_SIZE];
 } conn_xfer_t;
 
@@ -894,10 +894,31 @@ static conn_xfer_t *xfer_take(tally_connector_t *c)
     x->resp_len = x->resp_total = 0;
     x->truncated = false;
     x->retry_after_ms = -1;
+    x->requests = 0;
+    x->replay_refused = false;
     x->errbuf[0] = '\0';
     if (x->resp)
         x->resp[0] = '\0';
     return x;
+}
+
+/* curl calls this right before it writes a request on a connection, new or reused. A second
+ * time within one call is curl re-sending the request on its own, after a reused connection
+ * closed before any answer: the tool may have applied the first. For a call that may not be
+ * replayed it is refused, so the call ends as sent without an answer (UNKNOWN). */
+static int on_prereq(void *clientp, char *remote_ip, char *local_ip, int remote_port,
+                     int local_port)
+{
+    conn_xfer_t *x = clientp;
+    (void)remote_ip;
+    (void)local_ip;
+    (void)remote_port;
+    (void)local_port;
+    if (++x->requests > 1) {
+        x->replay_refused = true;
+        return CURL_PREREQFUNC_ABORT;
+    }
+    return CURL_PREREQFUNC_OK;
 }
 
 static bool xfer_setup(conn_xfer_t *x, const tally_conn_request_t *req)
@@ -924,10 +945,10 @@ static bool xfer_setup(conn_xfer_t *x, const tally_conn_request_t *req)
               curl_easy_setopt(e, CURLOPT_BUFFERSIZE, 1024L) == CURLE_OK;
     if (!ok)
         return false;
-    if (tally_conn_fresh_connection(req->tool, req->op)) {
-        /* See the header: no reused connection, so curl can never replay this request. */
-        ok = curl_easy_setopt(e, CURLOPT_FRESH_CONNECT, 1L) == CURLE_OK &&
-             curl_easy_setopt(e, CURLOPT_FORBID_REUSE, 1L) == CURLE_OK;
+    if (tally_conn_no_replay(req->tool, req->op)) {
+        /* See the header: curl may not send this request a second time. */
+        ok = curl_easy_setopt(e, CURLOPT_PREREQFUNCTION, on_prereq) == CURLE_OK &&
+             curl_easy_setopt(e, CURLOPT_PREREQDATA, x) == CURLE_OK;
         if (!ok)
             return false;
     }
@@ -1074,6 +1095,16 @@ static void finish(tally_connector_t *c, conn_xfer_t *x, bool listed, CURLcode r
     CURL *easy = x->easy;
     long status = 0;
     curl_easy_getinfo(easy, CURLINFO_RESPONSE_CODE, &status);
+    bool sent = conn_was_sent(easy, rc, status);
+    if (x->replay_refused) {
+        /* What the first request met: the connection closed with no answer (curl's own
+         * failure was replaced by the re-send that on_prereq refused). */
+        rc = CURLE_GOT_NOTHING;
+        sent = true;
+        snprintf(x->errbuf, sizeof x->errbuf,
+                 "the reused connection closed after the request was written, before any "
+                 "answer; curl's automatic re-send was refused (this call may not be replayed)");
+    }
     tally_conn_result_t res = {
         .opaque = x->opaque,
         .tool = x->tool,
@@ -1082,7 +1113,7 @@ static void finish(tally_connector_t *c, conn_xfer_t *x, bool listed, CURLcode r
         .url = x->url,
         .curl_code = (int)rc,
         .curl_error = x->errbuf,
-        .sent = conn_was_sent(easy, rc, status),
+        .sent = sent,
         .http_status = status,
         .retry_after_ms = x->retry_after_ms,
         .seconds = since(&x->started),

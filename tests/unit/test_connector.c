@@ -264,7 +264,7 @@ static void test_headers(void **state)
     assert_true(
         has_header(h, "traceparent: 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
     assert_true(has_header(h, "Content-Type: application/json"));
-    assert_true(has_header(h, "Connection: close")); /* reversible execute: one-call connection */
+    assert_false(has_header_prefix(h, "Connection")); /* kept alive, see test_no_silent_replay */
     assert_true(has_header(h, "Tally-Signature: t=1700000000,v1="
                               "7b1d5cfbd71e00e6b466b43e4c055c9d97b08c3c50955fb2e4b324bc1153ce6b"));
     assert_false(has_header_prefix(h, "If-Match"));
@@ -403,6 +403,7 @@ typedef struct responder {
     pthread_mutex_t mu;
     char last_request[8192];
     int requests;
+    int last_on_conn; /* the last request was the Nth on its connection */
 } responder_t;
 
 static responder_t rsp;
@@ -446,10 +447,12 @@ static void *serve_conn(void *arg)
     int fd = (int)(intptr_t)arg;
     char buf[8192];
     char big[4096];
+    int on_conn = 0;
     while (read_request(fd, buf, sizeof buf)) {
         pthread_mutex_lock(&rsp.mu);
         snprintf(rsp.last_request, sizeof rsp.last_request, "%s", buf);
         rsp.requests++;
+        rsp.last_on_conn = ++on_conn;
         pthread_mutex_unlock(&rsp.mu);
         const char *reply = NULL;
         bool keep = false;
@@ -669,7 +672,8 @@ static int requests_seen(void)
 
 /* curl silently re-sends a request whose reused connection died before any answer. For an
  * idempotent tool that is harmless (and allowed); for a reversible one it would be a blind
- * retry, so such calls never ride a reused connection and the drop is UNKNOWN after one send. */
+ * retry: such a call still rides the reused connection, but the re-send is refused, and the
+ * drop is UNKNOWN after exactly one request. */
 static void test_no_silent_replay_of_side_effects(void **state)
 {
     (void)state;
@@ -683,7 +687,7 @@ static void test_no_silent_replay_of_side_effects(void **state)
     tool.timeout_ms = 2000;
 
     tool.effect_class = TALLY_CLASS_IDEMPOTENT;
-    assert_false(tally_conn_fresh_connection(&tool, TALLY_CONN_EXECUTE));
+    assert_false(tally_conn_no_replay(&tool, TALLY_CONN_EXECUTE));
     got_t g = run_one(c, &tool, "/ka/ok"); /* leaves a keep-alive connection in the pool */
     assert_int_equal(g.v[0].verdict, TALLY_VERDICT_CONFIRMED);
     free(g.ref[0]);
@@ -694,9 +698,10 @@ static void test_no_silent_replay_of_side_effects(void **state)
     free(g.ref[0]);
 
     tool.effect_class = TALLY_CLASS_REVERSIBLE;
-    assert_true(tally_conn_fresh_connection(&tool, TALLY_CONN_EXECUTE));
-    assert_false(tally_conn_fresh_connection(&tool, TALLY_CONN_STATUS));
-    assert_false(tally_conn_fresh_connection(&tool, TALLY_CONN_COMPENSATE));
+    assert_true(tally_conn_no_replay(&tool, TALLY_CONN_EXECUTE));
+    assert_true(tally_conn_no_replay(&tool, TALLY_CONN_CONTAIN));
+    assert_false(tally_conn_no_replay(&tool, TALLY_CONN_STATUS));
+    assert_false(tally_conn_no_replay(&tool, TALLY_CONN_COMPENSATE));
     tool.effect_class = TALLY_CLASS_IDEMPOTENT;
     g = run_one(c, &tool, "/ka/ok");
     free(g.ref[0]);
@@ -707,6 +712,20 @@ static void test_no_silent_replay_of_side_effects(void **state)
     assert_int_equal(g.v[0].verdict, TALLY_VERDICT_UNKNOWN);
     assert_string_equal(g.v[0].code, "empty_reply");
     assert_int_equal(requests_seen() - before, 1);
+    pthread_mutex_lock(&rsp.mu);
+    assert_int_equal(rsp.last_on_conn, 2); /* it did ride the kept-alive connection */
+    pthread_mutex_unlock(&rsp.mu);
+    free(g.ref[0]);
+
+    /* And a reversible call that is answered leaves its connection for the next one. */
+    g = run_one(c, &tool, "/ka/ok");
+    assert_int_equal(g.v[0].verdict, TALLY_VERDICT_CONFIRMED);
+    free(g.ref[0]);
+    g = run_one(c, &tool, "/ka/ok");
+    assert_int_equal(g.v[0].verdict, TALLY_VERDICT_CONFIRMED);
+    pthread_mutex_lock(&rsp.mu);
+    assert_int_equal(rsp.last_on_conn, 2);
+    pthread_mutex_unlock(&rsp.mu);
     free(g.ref[0]);
     tally_connector_free(c, NULL);
 }

@@ -54,10 +54,13 @@ typedef struct tally_conn_request {
  * an empty reply, any answer — is "sent". The bias is deliberate: calling a sent request "not
  * sent" would retry it blindly, calling an unsent one "sent" only costs a status check.
  * @remark curl itself re-sends a request, without telling, when a *reused* keep-alive
- * connection dies before a single response byte arrives (it cannot be turned off). For a call
- * with side effects that would turn "reset after sending" (UNKNOWN) into a blind retry, so
- * such calls never use a reused connection (tally_conn_fresh_connection); read and idempotent
- * tools, status checks and reverse calls (retried with the same key anyway) reuse connections.
+ * connection dies before a single response byte arrives (there is no option to turn it off).
+ * For a call with side effects that would turn "reset after sending" (UNKNOWN) into a blind
+ * retry. Such calls (tally_conn_no_replay) still ride kept-alive connections, but curl's
+ * pre-request callback refuses a second request within one call: the re-send never leaves,
+ * and the call ends as sent with no answer (curl_code CURLE_GOT_NOTHING, `sent` true, so
+ * UNKNOWN for the reconciler to settle). Read and idempotent tools, status checks and reverse
+ * calls (retried with the same key anyway) let curl re-send.
  */
 typedef struct tally_conn_result {
     void *opaque;
@@ -167,8 +170,7 @@ char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *i
                      tally_error_t *err) TALLY_WUR;
 
 /**
- * @brief The request headers: Idempotency-Key, Connection: close (see
- * tally_conn_fresh_connection), Tally-Run-Id, Tally-Effect-Id, traceparent,
+ * @brief The request headers: Idempotency-Key, Tally-Run-Id, Tally-Effect-Id, traceparent,
  * If-Match (each when given), Content-Type: application/json and an empty Expect (when there
  * is a body), Accept: application/json, and Tally-Signature at time @p now when @p secret is
  * not NULL. Header values are refused (NULL, code "invalid_header") when they hold a control
@@ -179,11 +181,11 @@ struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const cha
                                       long long now, tally_error_t *err) TALLY_WUR;
 
 /**
- * @brief true when a call must go over a new connection that is closed after it ("Connection:
- * close", CURLOPT_FRESH_CONNECT): execute and contain calls of tools that are neither read
- * nor idempotent, so curl can never replay them on its own.
+ * @brief true when curl may not send a call's request a second time on its own (see the
+ * remark on tally_conn_result_t): execute and contain calls of tools that are neither read
+ * nor idempotent.
  */
-bool tally_conn_fresh_connection(const tally_tool_t *tool, tally_conn_op_t op);
+bool tally_conn_no_replay(const tally_tool_t *tool, tally_conn_op_t op);
 
 /** @brief The HTTP method of @p op for @p tool ("GET" for status when undeclared). */
 const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op);
