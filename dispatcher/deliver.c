@@ -80,10 +80,12 @@ static const char SQL_CLAIM[] =
 #define RECORDED_EFFECTS                                                                           \
     "e.effect_id = ANY (ARRAY(SELECT effect_id FROM x)) AND e.effect_id = x.effect_id"             \
     " AND coalesce(e.status, '') = 'DISPATCHING'"
+// clang-format off
 static const char SQL_RECORD[] =
-    "WITH r AS (SELECT * FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint,"
-    "   status text, receipt jsonb, external_ref text, error_code text, error_message text,"
-    "   delay_ms bigint)),"
+    "WITH r AS (SELECT r.effect_id, r.epoch, r.status, r.unnest::jsonb AS receipt, r.external_ref,"
+    "   r.error_code, r.error_message, r.delay_ms FROM"
+    TALLY_RECORDSET_ROWS("$1", "$2", "n int, effect_id uuid, epoch bigint, status text,"
+    "   external_ref text, error_code text, error_message text, delay_ms bigint", "r") "),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
     "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
     "   ORDER BY run_id FOR SHARE),"
@@ -110,20 +112,24 @@ static const char SQL_RECORD[] =
     " ob AS (INSERT INTO outbox (effect_id, tool, due_at)"
     "   SELECT effect_id, tool, next_attempt_at FROM upd WHERE status = 'PLANNED')"
     " SELECT effect_id::text, status, error_code, error_message FROM upd";
+// clang-format on
 
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
  * page to open) in ONE statement and transaction: the compare-and-set, the events and the
- * outcome messages of exactly the rows it wrote ($2 and $3 hold them for every row; a row whose
- * lease was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the
- * general path below, on the path every outcome takes. The messages are leased to this
+ * outcome messages of exactly the rows it wrote ($2 and $3 hold them for every row, their bulk
+ * columns — the events' data, the messages — $7 and $8, and $6 the receipts; a row whose lease
+ * was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the general
+ * path below, on the path every outcome takes. The messages are leased to this
  * worker's relay ($4, for $5 ms) and come back ('m' rows) to be handed to it: it publishes them
  * without a notification and a read of its own, and nobody else takes them first. */
 #define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
 #define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
 // clang-format off
 static const char SQL_RECORD_FINAL[] =
-    "WITH x AS (SELECT * FROM json_to_recordset($1::json) AS x(effect_id uuid, epoch bigint,"
-    "   status text, receipt jsonb, external_ref text, error_code text, error_message text)),"
+    "WITH x AS (SELECT x.effect_id, x.epoch, x.status, x.unnest::jsonb AS receipt, x.external_ref,"
+    "   x.error_code, x.error_message FROM"
+    TALLY_RECORDSET_ROWS("$1", "$6", "n int, effect_id uuid, epoch bigint, status text,"
+    "   external_ref text, error_code text, error_message text", "x") "),"
     " upd AS (UPDATE effects e SET status = x.status,"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
@@ -133,8 +139,8 @@ static const char SQL_RECORD_FINAL[] =
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
     "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
     "   RETURNING e.effect_id),"
-    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
-    " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
+    " ev AS (" TALLY_AUDIT_INSERT("$2", "$7", WON_EVENTS) "),"
+    " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", "$8", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload FROM mo";
 // clang-format on
@@ -680,8 +686,8 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
 /* SQL_RECORD_FINAL: the events and messages are built for every row first; @p won then says
  * which rows the statement wrote. */
 static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, const char *rows,
-                         bool *won, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
-                         tally_error_t *err)
+                         const char *receipts, int receipts_len, bool *won, tally_audit_batch_t *ab,
+                         tally_outbox_batch_t *ob, tally_error_t *err)
 {
     for (size_t i = 0; i < n_done; i++)
         won[i] = true;
@@ -697,9 +703,22 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     tally_relay_t *relay = tally_worker_relay(d->w);
     char lease[16];
     snprintf(lease, sizeof lease, "%d", TALLY_RELAY_HAND_LEASE_MS);
-    const char *params[5] = {rows, ev ? ev : "[]", mo ? mo : "[]",
-                             relay ? tally_relay_owner(relay) : NULL, lease};
-    PGresult *res = tally_pg_exec(d->rec_pg, SQL_RECORD_FINAL, 5, params, err);
+    int lengths[8] = {0, 0, 0, 0, 0, receipts_len, 0, 0};
+    int formats[8] = {0, 0, 0, 0, 0, 1, 1, 1};
+    const char *params[8] = {rows,
+                             ev ? ev : "[]",
+                             mo ? mo : "[]",
+                             relay ? tally_relay_owner(relay) : NULL,
+                             lease,
+                             receipts,
+                             tally_audit_batch_bulk(ab, &lengths[6]),
+                             tally_outbox_batch_bulk(ob, &lengths[7])};
+    if (!params[6] || !params[7]) {
+        tally_error_set(err, "oom", true, "results not written: out of memory");
+        return false;
+    }
+    PGresult *res =
+        tally_pg_exec_bin(d->rec_pg, SQL_RECORD_FINAL, 8, params, lengths, formats, err);
     if (!res)
         return false;
     memset(won, 0, n_done * sizeof *won);
@@ -748,7 +767,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
                    tally_recordset_text(&rows, "effect_id", x->call->effect_id) &&
                    tally_recordset_json(&rows, "epoch", epoch) &&
                    tally_recordset_text(&rows, "status", x->to_status) &&
-                   tally_recordset_json(&rows, "receipt", x->receipt_text) &&
+                   tally_recordset_bulk(&rows, x->receipt_text) &&
                    tally_recordset_text(&rows, "external_ref", x->external_ref) &&
                    tally_recordset_text(&rows, "error_code", code) &&
                    tally_recordset_text(&rows, "error_message", code ? x->error_message : NULL) &&
@@ -759,7 +778,9 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         }
     }
     const char *text = tally_recordset_close(&rows);
-    if (!text) {
+    int receipts_len = 0;
+    const char *receipts = tally_recordset_bulk_param(&rows, &receipts_len);
+    if (!text || !receipts) {
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
     }
@@ -769,13 +790,14 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
             (done[i].v.alert_owner && strcmp(done[i].to_status, "FAILED") == 0))
             final = false;
     if (final) {
-        ok = record_final(d, done, n_done, text, won, ab, ob, &err);
+        ok = record_final(d, done, n_done, text, receipts, receipts_len, won, ab, ob, &err);
         goto out;
     }
-    const char *params[1] = {text};
+    const char *params[2] = {text, receipts};
+    int lengths[2] = {0, receipts_len}, formats[2] = {0, 1};
     if (!tally_pg_begin(d->rec_pg, &err))
         goto out;
-    res = tally_pg_exec(d->rec_pg, SQL_RECORD, 1, params, &err);
+    res = tally_pg_exec_bin(d->rec_pg, SQL_RECORD, 2, params, lengths, formats, &err);
     if (!res)
         goto out;
     for (int row = 0; row < PQntuples(res); row++) {

@@ -8,14 +8,16 @@
 #include "tally/json.h"
 #include "tally/recordset.h"
 
-/* The batch is kept as the text of its JSON parameter (recordset.h): each event's data is
- * serialised once, with no copy of the object kept in between. */
+/* The batch is kept as the text of its JSON parameter (recordset.h) and each event's data as
+ * an element of the bulk column beside it: serialised once, with no copy of the object kept in
+ * between, and never lexed by PostgreSQL as part of the recordset. */
 struct tally_audit_batch {
     tally_recordset_t rows;
 };
 
-/* Columns come from the JSON by name; "n" keeps the insertion order in events.seq. */
-static const char SQL_INSERT[] = TALLY_AUDIT_INSERT("$1", "");
+/* Columns come from the JSON by name, the data from the bulk column; "n" keeps the insertion
+ * order in events.seq. */
+static const char SQL_INSERT[] = TALLY_AUDIT_INSERT("$1", "$2", "");
 
 tally_audit_batch_t *tally_audit_batch_new(void)
 {
@@ -70,10 +72,9 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
               tally_recordset_text(rs, "to_status", ev->to_status) &&
               tally_recordset_text(rs, "actor", ev->actor) &&
               tally_recordset_text(rs, "reason", ev->reason) &&
-              tally_recordset_json(rs, "data",
-                                   data      ? data
-                                   : members ? members
-                                             : ev->data_text);
+              tally_recordset_bulk(rs, data      ? data
+                                       : members ? members
+                                                 : ev->data_text);
     free(data);
     free(members);
     if (!tally_recordset_row_end(rs, ok))
@@ -96,6 +97,11 @@ const char *tally_audit_batch_text(tally_audit_batch_t *b, const char **why)
     if (why)
         *why = b->rows.failed ? b->rows.why : "";
     return tally_recordset_close(&b->rows);
+}
+
+const char *tally_audit_batch_bulk(tally_audit_batch_t *b, int *len)
+{
+    return tally_recordset_bulk_param(&b->rows, len);
 }
 
 void tally_audit_batch_free(tally_audit_batch_t *b)

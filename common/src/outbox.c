@@ -7,19 +7,15 @@
 
 #include "tally/recordset.h"
 
-/* The batch is kept as the text of its JSON parameter (recordset.h): each event is serialised
- * once, and travels into the statement as JSON (not as an escaped JSON string inside JSON,
- * which costs a second serialisation with every quote escaped). */
+/* The batch is kept as the text of its JSON parameter (recordset.h), and each event, serialised
+ * once, in the bulk column beside it: it reaches PostgreSQL byte for byte, neither escaped
+ * into a JSON string nor lexed out of one. */
 struct tally_outbox_batch {
     tally_recordset_t rows;
 };
 
-/* "n" keeps the order of the batch in message_outbox.id, which is the relay's order. The
- * payload arrives as json, whose text PostgreSQL keeps byte for byte: the compact
- * serialisation made in tally_outbox_batch_add. A payload holding \u0000 (a dead letter's
- * original bytes) comes as a JSON string instead, payload_text: json_to_recordset cannot
- * take that escape inside a nested value. */
-static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "");
+/* "n" keeps the order of the batch in message_outbox.id, which is the relay's order. */
+static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "$2", "");
 
 tally_outbox_batch_t *tally_outbox_batch_new(void)
 {
@@ -64,17 +60,14 @@ void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, con
                              topic);
         return;
     }
-    bool ok =
-        tally_recordset_row_begin(rs) && tally_recordset_text(rs, "topic", topic) &&
-        tally_recordset_text(rs, "msg_key", key) &&
-        tally_recordset_text(rs, "event_id", event_id) &&
-        tally_recordset_text(rs, "effect_id", effect_id) &&
-        (strstr(payload, "\\u0000") == NULL ? tally_recordset_json(rs, "payload", payload)
-                                            : tally_recordset_text(rs, "payload_text", payload));
+    bool ok = tally_recordset_row_begin(rs) && tally_recordset_text(rs, "topic", topic) &&
+              tally_recordset_text(rs, "msg_key", key) &&
+              tally_recordset_text(rs, "event_id", event_id) &&
+              tally_recordset_text(rs, "effect_id", effect_id) && tally_recordset_bulk(rs, payload);
     if (!tally_recordset_row_end(rs, ok))
         tally_recordset_fail(rs,
                              "the message for topic '%s' could not be queued (out of memory, or "
-                             "a key that is not UTF-8)",
+                             "a key or event that is not UTF-8)",
                              topic);
 }
 
@@ -88,7 +81,7 @@ bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg, tally_err
     return tally_recordset_flush(&b->rows, pg, SQL_INSERT, "outbox", err);
 }
 
-static const char SQL_INSERT_HANDED[] = TALLY_OUTBOX_INSERT_HANDED("$1", "", "$2", "$3");
+static const char SQL_INSERT_HANDED[] = TALLY_OUTBOX_INSERT_HANDED("$1", "$4", "", "$2", "$3");
 
 bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, const char *owner,
                                      int lease_ms, PGresult **rows, tally_error_t *err)
@@ -104,8 +97,13 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
         return true;
     char lease[16];
     snprintf(lease, sizeof lease, "%d", lease_ms);
-    const char *params[3] = {tally_recordset_close(rs), owner, lease};
-    *rows = tally_pg_exec(pg, SQL_INSERT_HANDED, 3, params, err);
+    int lengths[4] = {0, 0, 0, 0}, formats[4] = {0, 0, 0, 1};
+    const char *params[4] = {tally_recordset_close(rs), owner, lease,
+                             tally_recordset_bulk_param(rs, &lengths[3])};
+    if (params[3] == NULL)
+        tally_error_set(err, "oom", true, "outbox batch not written: out of memory");
+    else
+        *rows = tally_pg_exec_bin(pg, SQL_INSERT_HANDED, 4, params, lengths, formats, err);
     tally_recordset_release(rs);
     return *rows != NULL;
 }
@@ -115,6 +113,11 @@ const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why)
     if (why)
         *why = b->rows.failed ? b->rows.why : "";
     return tally_recordset_close(&b->rows);
+}
+
+const char *tally_outbox_batch_bulk(tally_outbox_batch_t *b, int *len)
+{
+    return tally_recordset_bulk_param(&b->rows, len);
 }
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b)

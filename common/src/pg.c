@@ -339,7 +339,7 @@ static const char *prepared_name(tally_pg_t *pg, const char *sql, int nparams)
 /* BEGIN and @p sql in one pipeline: one round trip. @returns the statement's result (or the
  * first error's) like PQexecParams, or NULL when the connection failed. */
 static PGresult *exec_with_begin(tally_pg_t *pg, const char *sql, const char *name, int nparams,
-                                 const char *const *params)
+                                 const char *const *params, const int *lengths, const int *formats)
 {
     PGconn *conn = pg->conn;
     pg->begin_pending = false;
@@ -347,8 +347,8 @@ static PGresult *exec_with_begin(tally_pg_t *pg, const char *sql, const char *na
         return NULL;
     PGresult *out = NULL;
     if (PQsendQueryParams(conn, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) &&
-        (name ? PQsendQueryPrepared(conn, name, nparams, params, NULL, NULL, 0)
-              : PQsendQueryParams(conn, sql, nparams, NULL, params, NULL, NULL, 0)) &&
+        (name ? PQsendQueryPrepared(conn, name, nparams, params, lengths, formats, 0)
+              : PQsendQueryParams(conn, sql, nparams, NULL, params, lengths, formats, 0)) &&
         PQpipelineSync(conn)) {
         /* results: BEGIN's, the statement's, then the sync; keep the first error, or the
          * statement's result */
@@ -386,16 +386,22 @@ static PGresult *exec_with_begin(tally_pg_t *pg, const char *sql, const char *na
 PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                         tally_error_t *err)
 {
+    return tally_pg_exec_bin(pg, sql, nparams, params, NULL, NULL, err);
+}
+
+PGresult *tally_pg_exec_bin(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                            const int *lengths, const int *formats, tally_error_t *err)
+{
     if (!ensure_connected(pg, err))
         return NULL;
     const char *name = prepared_name(pg, sql, nparams);
     PGresult *res;
     if (pg->begin_pending)
-        res = exec_with_begin(pg, sql, name, nparams, params);
+        res = exec_with_begin(pg, sql, name, nparams, params, lengths, formats);
     else if (name != NULL)
-        res = PQexecPrepared(pg->conn, name, nparams, params, NULL, NULL, 0);
+        res = PQexecPrepared(pg->conn, name, nparams, params, lengths, formats, 0);
     else
-        res = PQexecParams(pg->conn, sql, nparams, NULL, params, NULL, NULL, 0);
+        res = PQexecParams(pg->conn, sql, nparams, NULL, params, lengths, formats, 0);
     ExecStatusType st = PQresultStatus(res);
     if (res != NULL && (st == PGRES_TUPLES_OK || st == PGRES_COMMAND_OK))
         return res;

@@ -1,11 +1,14 @@
 /* test_recordset.c — the text of a json_to_recordset parameter that the audit and outbox
  * batches build: rows numbered in order, strings escaped, a row that cannot be added taken
- * back out, and the first failure reported by flush. */
+ * back out, and the first failure reported by flush; and the bulk column beside it, byte for
+ * byte the binary text[] that PostgreSQL's array_recv reads, one element per row. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
 #include <cmocka.h>
 
+#include <arpa/inet.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "tally/recordset.h"
@@ -15,6 +18,75 @@ static void assert_text(const tally_recordset_t *rs, const char *want)
 {
     assert_int_equal(rs->len, strlen(want));
     assert_memory_equal(rs->text, want, rs->len);
+}
+
+/* The bulk parameter's bytes against @p want, built here field by field: (length, bytes) per
+ * element, -1 for NULL. */
+static void assert_bulk(tally_recordset_t *rs, int32_t dims, int32_t flags, int32_t n,
+                        const char *const *values, size_t n_values)
+{
+    unsigned char want[512];
+    size_t at = 0;
+    int32_t head[5] = {dims, flags, 25, n, 1};
+    for (size_t i = 0; i < (dims ? 5u : 3u); i++) {
+        uint32_t be = htonl((uint32_t)head[i]);
+        memcpy(want + at, &be, 4);
+        at += 4;
+    }
+    for (size_t i = 0; i < n_values; i++) {
+        int32_t len = values[i] ? (int32_t)strlen(values[i]) : -1;
+        uint32_t be = htonl((uint32_t)len);
+        memcpy(want + at, &be, 4);
+        at += 4;
+        if (len > 0) {
+            memcpy(want + at, values[i], (size_t)len);
+            at += (size_t)len;
+        }
+    }
+    int len = -1;
+    const char *got = tally_recordset_bulk_param(rs, &len);
+    assert_non_null(got);
+    assert_int_equal(len, at);
+    assert_memory_equal(got, want, at);
+}
+
+static void test_the_bulk_column_has_one_element_per_row(void **st)
+{
+    (void)st;
+    tally_recordset_t rs = {0};
+    assert_bulk(&rs, 0, 0, 0, NULL, 0); /* no rows: an empty array */
+
+    assert_true(tally_recordset_row_begin(&rs));
+    assert_true(tally_recordset_bulk(&rs, "{\"say\":\"hi\\n\"}"));
+    assert_false(tally_recordset_bulk(&rs, "twice")); /* one value per row */
+    assert_true(tally_recordset_row_end(&rs, true));
+    assert_true(tally_recordset_row_begin(&rs)); /* no value: SQL NULL */
+    assert_true(tally_recordset_text(&rs, "k", "v"));
+    assert_true(tally_recordset_row_end(&rs, true));
+    assert_true(tally_recordset_row_begin(&rs)); /* taken back out with its value */
+    assert_true(tally_recordset_bulk(&rs, "dropped"));
+    assert_false(tally_recordset_row_end(&rs, false));
+    assert_true(tally_recordset_row_begin(&rs));
+    assert_false(tally_recordset_bulk(&rs, "\xff not UTF-8"));
+    assert_false(tally_recordset_row_end(&rs, false));
+    assert_true(tally_recordset_row_begin(&rs));
+    assert_true(tally_recordset_bulk(&rs, ""));
+    assert_true(tally_recordset_row_end(&rs, true));
+    assert_int_equal(rs.n, 3);
+    const char *const values[] = {"{\"say\":\"hi\\n\"}", NULL, ""};
+    assert_bulk(&rs, 1, 1, 3, values, 3);
+
+    /* flush (without a connection here: the batch failed) empties the column too */
+    tally_recordset_fail(&rs, "stop");
+    tally_error_t err;
+    assert_false(tally_recordset_flush(&rs, NULL, "SELECT 1", "audit", &err));
+    assert_bulk(&rs, 0, 0, 0, NULL, 0);
+    assert_true(tally_recordset_row_begin(&rs));
+    assert_true(tally_recordset_bulk(&rs, "again"));
+    assert_true(tally_recordset_row_end(&rs, true));
+    const char *const again[] = {"again"};
+    assert_bulk(&rs, 1, 0, 1, again, 1);
+    tally_recordset_release(&rs);
 }
 
 static void test_rows_are_numbered_and_strings_escaped(void **st)
@@ -83,6 +155,7 @@ int main(void)
         cmocka_unit_test(test_rows_are_numbered_and_strings_escaped),
         cmocka_unit_test(test_a_row_that_fails_is_taken_back_out),
         cmocka_unit_test(test_flush_reports_the_first_failure_and_empties_the_batch),
+        cmocka_unit_test(test_the_bulk_column_has_one_element_per_row),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -8,6 +8,7 @@
 
 #include "tally/error.h"
 #include "tally/pg.h"
+#include "tally/recordset.h"
 
 /** @brief A member of an event's data given as text (tally_audit_event_t.members). */
 typedef struct tally_audit_member {
@@ -52,18 +53,20 @@ bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error
 
 /**
  * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM
- * ("$2"), keeping only the rows that pass @p WHERE ("" for all; the rows are "r"). For a
- * statement that writes a batch together with the state change it records (see
- * tally_audit_batch_text); tally_audit_batch_flush is this with "$1" and "".
+ * ("$2") and their data from the binary text[] parameter @p BULK, keeping only the rows that
+ * pass @p WHERE ("" for all; the rows are "r"). For a statement that writes a batch together
+ * with the state change it records (see tally_audit_batch_text and tally_audit_batch_bulk);
+ * tally_audit_batch_flush is this with "$1", "$2" and "".
  */
-#define TALLY_AUDIT_INSERT(PARAM, WHERE)                                                           \
+#define TALLY_AUDIT_INSERT(PARAM, BULK, WHERE)                                                     \
     "INSERT INTO events (event_id, run_id, effect_id, obligation_id, kind, from_status,"           \
     " to_status, actor, reason, data)"                                                             \
     " SELECT r.event_id, r.run_id, r.effect_id, r.obligation_id, r.kind, r.from_status,"           \
-    " r.to_status, r.actor, r.reason, r.data"                                                      \
-    " FROM json_to_recordset(" PARAM "::json) AS r(n int, event_id uuid, run_id text,"             \
-    " effect_id uuid, obligation_id uuid, kind text, from_status text, to_status text,"            \
-    " actor text, reason text, data jsonb) " WHERE " ORDER BY r.n"
+    " r.to_status, r.actor, r.reason, r.unnest::jsonb FROM" TALLY_RECORDSET_ROWS(                  \
+        PARAM, BULK,                                                                               \
+        "n int, event_id uuid, run_id text, effect_id uuid, obligation_id uuid,"                   \
+        " kind text, from_status text, to_status text, actor text, reason text",                   \
+        "r") " " WHERE " ORDER BY r.n"
 
 /**
  * @brief The batch as the text of its parameter for TALLY_AUDIT_INSERT, or NULL when it has no
@@ -71,6 +74,13 @@ bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error
  * batch changes or is freed.
  */
 const char *tally_audit_batch_text(tally_audit_batch_t *b, const char **why);
+
+/**
+ * @brief The events' data as the bytes of the binary text[] parameter for TALLY_AUDIT_INSERT's
+ * @p BULK (format 1), their length in @p len; an empty array for an empty batch. NULL when out
+ * of memory. Valid until the batch changes or is freed.
+ */
+const char *tally_audit_batch_bulk(tally_audit_batch_t *b, int *len);
 
 void tally_audit_batch_free(tally_audit_batch_t *b);
 

@@ -7,6 +7,7 @@
 
 #include "tally/error.h"
 #include "tally/pg.h"
+#include "tally/recordset.h"
 
 /**
  * @brief A batch of messages to insert with one statement. Build with tally_outbox_batch_add,
@@ -51,34 +52,41 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
                                      int lease_ms, PGresult **rows, tally_error_t *err) TALLY_WUR;
 
 /**
- * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM,
- * keeping the rows that pass @p WHERE ("" for all; the rows are "r"; r.effect_id is the
- * "effect_id" of the message's data, as text, or NULL); see TALLY_AUDIT_INSERT.
+ * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM
+ * and their payloads from the binary text[] parameter @p BULK, keeping the rows that pass
+ * @p WHERE ("" for all; the rows are "r"; r.effect_id is the "effect_id" of the message's
+ * data, as text, or NULL); see TALLY_AUDIT_INSERT.
  */
-#define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
+#define TALLY_OUTBOX_INSERT(PARAM, BULK, WHERE)                                                    \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"                               \
-    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, "                            \
-    "r.payload::text)" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
+    " SELECT r.topic, r.msg_key, r.event_id, r.unnest" TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE)
 
 /**
  * @brief TALLY_OUTBOX_INSERT for rows handed to a relay (tally_relay_hand): leased to the
  * relay named by the text parameter @p OWNER for @p LEASE_MS (an int parameter) milliseconds
  * from now(), or not leased when OWNER is NULL; returns id, topic, msg_key, event_id, payload.
  */
-#define TALLY_OUTBOX_INSERT_HANDED(PARAM, WHERE, OWNER, LEASE_MS)                                  \
+// clang-format off
+#define TALLY_OUTBOX_INSERT_HANDED(PARAM, BULK, WHERE, OWNER, LEASE_MS)                            \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload, lease_owner, lease_until)"     \
-    " SELECT r.topic, r.msg_key, r.event_id, coalesce(r.payload_text, r.payload::text), " OWNER    \
-    "::text, CASE WHEN " OWNER "::text IS NOT NULL"                                                \
-    " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END" TALLY_OUTBOX_ROWS_(           \
-        PARAM, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
+    " SELECT r.topic, r.msg_key, r.event_id, r.unnest, " OWNER "::text,"                            \
+    " CASE WHEN " OWNER "::text IS NOT NULL"                                                       \
+    " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END"                               \
+    TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
 
-#define TALLY_OUTBOX_ROWS_(PARAM, WHERE)                                                           \
-    " FROM json_to_recordset(" PARAM "::json) AS r(n int, topic text, msg_key text,"               \
-    " event_id text, payload json, payload_text text, effect_id text) " WHERE " ORDER BY r.n"
+#define TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE)                                                     \
+    " FROM" TALLY_RECORDSET_ROWS(PARAM, BULK,                                                      \
+        "n int, topic text, msg_key text, event_id text, effect_id text", "r")                     \
+    " " WHERE " ORDER BY r.n"
+// clang-format on
 
 /** @brief The batch as the text of its parameter for TALLY_OUTBOX_INSERT; see
  * tally_audit_batch_text. */
 const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why);
+
+/** @brief The payloads as the binary text[] parameter for TALLY_OUTBOX_INSERT's @p BULK; see
+ * tally_audit_batch_bulk. */
+const char *tally_outbox_batch_bulk(tally_outbox_batch_t *b, int *len);
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b);
 

@@ -39,6 +39,13 @@ bool tally_pg_ok(const tally_pg_t *pg);
 PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                         tally_error_t *err) TALLY_WUR;
 
+/**
+ * @brief tally_pg_exec with some parameters in binary format: @p formats[i] 1 for binary (its
+ * length in @p lengths[i]), 0 for text (lengths[i] is ignored). NULL arrays: all text.
+ */
+PGresult *tally_pg_exec_bin(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
+                            const int *lengths, const int *formats, tally_error_t *err) TALLY_WUR;
+
 /** @brief Run a statement and discard its result. */
 bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                   tally_error_t *err) TALLY_WUR;

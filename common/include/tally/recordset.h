@@ -1,5 +1,6 @@
-/* recordset.h — the text of a json_to_recordset($1::json) parameter, built row by row, and the
- * one statement that writes it (the batches of audit.h and outbox.h). */
+/* recordset.h — the text of a json_to_recordset($1::json) parameter, built row by row, with
+ * one bulk column beside it as a binary text[] parameter, and the one statement that writes
+ * them (the batches of audit.h and outbox.h). */
 #ifndef TALLY_RECORDSET_H
 #define TALLY_RECORDSET_H
 
@@ -24,7 +25,24 @@ typedef struct tally_recordset {
     size_t n;         /* complete rows */
     bool failed;
     char why[200];
+    /* The bulk column: one element per complete row, in PostgreSQL's binary array format
+     * after a header written by tally_recordset_bulk_param. */
+    char *bulk;
+    size_t bulk_len, bulk_cap;
+    size_t bulk_row_start; /* bulk_len when the open row began */
+    bool bulk_in_row;      /* the open row has its bulk value */
+    bool bulk_nulls;
 } tally_recordset_t;
+
+/**
+ * @brief The rows of a batch as the relation @p ROW, for a FROM clause: the json_to_recordset
+ * of the parameter @p PARAM with the columns @p COLS (as in its column definition list),
+ * zipped row by row (ROWS FROM, no join) with the bulk column, the binary text[] parameter
+ * @p BULK, whose value is @p ROW.unnest (text).
+ */
+#define TALLY_RECORDSET_ROWS(PARAM, BULK, COLS, ROW)                                               \
+    " ROWS FROM (json_to_recordset(" PARAM "::json) AS (" COLS "), unnest(" BULK "::text[]))"      \
+    " AS " ROW
 
 /** @brief Open a row: `{"n":<n>` after "[" or ",". false when out of memory. */
 bool tally_recordset_row_begin(tally_recordset_t *rs) TALLY_WUR;
@@ -36,6 +54,16 @@ bool tally_recordset_text(tally_recordset_t *rs, const char *key, const char *s)
 /** @brief Add `,"key":` and @p json, text that already is JSON (copied as is), or null for
  * NULL. false when out of memory. */
 bool tally_recordset_json(tally_recordset_t *rs, const char *key, const char *json) TALLY_WUR;
+
+/**
+ * @brief The open row's value of the bulk column, @p s, or SQL NULL for NULL (the value of a
+ * row that sets none). For long text (a message, an event's data, a receipt): it reaches
+ * PostgreSQL as an element of a binary text[] parameter, which it neither lexes nor unescapes,
+ * where PostgreSQL 15 would copy a JSON string out of the recordset one character at a time
+ * and lex nested JSON once more to store it as jsonb. Once per row. false when out of memory,
+ * when @p s is not UTF-8, or when the row has its value already.
+ */
+bool tally_recordset_bulk(tally_recordset_t *rs, const char *s) TALLY_WUR;
 
 /** @brief Close the open row when @p ok, counting it; otherwise (or when out of memory) take
  * it back out, which is a no-op when no row is open. @returns whether the row was kept. */
@@ -53,7 +81,15 @@ void tally_recordset_fail(tally_recordset_t *rs, const char *fmt, ...)
 const char *tally_recordset_close(tally_recordset_t *rs);
 
 /**
- * @brief Run @p sql with the rows as $1 (one statement), then empty the batch. No rows is a
+ * @brief The bulk column as the bytes of a binary text[] parameter (format 1), one element per
+ * complete row, their length in @p len; an empty array when there are no rows. NULL when out of
+ * memory. Valid until @p rs changes.
+ */
+const char *tally_recordset_bulk_param(tally_recordset_t *rs, int *len);
+
+/**
+ * @brief Run @p sql with the rows as $1 and the bulk column as $2 (one statement), then empty
+ * the batch. No rows is a
  * no-op. A failed batch is not written: the error has code @p what and says
  * "<what> batch not written: <reason>"; the batch is emptied all the same.
  */
