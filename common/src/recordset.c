@@ -13,18 +13,27 @@
 
 #include "tally/json.h"
 
+/* Grows *buf (of *cap bytes) to hold at least @p need bytes. */
+static bool reserve(char **buf, size_t *cap, size_t need)
+{
+    if (need <= *cap)
+        return true;
+    size_t c = *cap ? *cap : 4096;
+    while (need > c)
+        c *= 2;
+    char *grown = realloc(*buf, c);
+    if (grown == NULL)
+        return false;
+    *buf = grown;
+    *cap = c;
+    return true;
+}
+
 static bool put(tally_recordset_t *rs, const char *s, size_t n)
 {
-    if (rs->len + n + 2 > rs->cap) { /* room for "]" and the terminator at flush */
-        size_t cap = rs->cap ? rs->cap : 4096;
-        while (rs->len + n + 2 > cap)
-            cap *= 2;
-        char *grown = realloc(rs->text, cap);
-        if (grown == NULL)
-            return false;
-        rs->text = grown;
-        rs->cap = cap;
-    }
+    /* room for "]" and the terminator at flush */
+    if (!reserve(&rs->text, &rs->cap, rs->len + n + 2))
+        return false;
     memcpy(rs->text + rs->len, s, n);
     rs->len += n;
     return true;
@@ -44,16 +53,8 @@ static bool bulk_put(tally_recordset_t *rs, const void *p, size_t n)
 {
     if (rs->bulk_cap == 0)
         rs->bulk_len = BULK_HEADER;
-    if (rs->bulk_len + n > rs->bulk_cap) {
-        size_t cap = rs->bulk_cap ? rs->bulk_cap : 4096;
-        while (rs->bulk_len + n > cap)
-            cap *= 2;
-        char *grown = realloc(rs->bulk, cap);
-        if (grown == NULL)
-            return false;
-        rs->bulk = grown;
-        rs->bulk_cap = cap;
-    }
+    if (!reserve(&rs->bulk, &rs->bulk_cap, rs->bulk_len + n))
+        return false;
     memcpy(rs->bulk + rs->bulk_len, p, n);
     rs->bulk_len += n;
     return true;
