@@ -73,7 +73,7 @@ bool tally_recordset_bulk(tally_recordset_t *rs, const char *s)
     if (s == NULL) {
         if (!bulk_put32(rs, -1))
             return false;
-        rs->bulk_nulls = true;
+        rs->bulk_row_null = true;
     } else {
         size_t n = strlen(s);
         if (n > INT32_MAX || !tally_utf8_valid(s, n) || !bulk_put32(rs, (int32_t)n) ||
@@ -108,7 +108,7 @@ bool tally_recordset_row_begin(tally_recordset_t *rs)
     if (rs->bulk_cap == 0 && !bulk_put(rs, "", 0))
         return false;
     rs->bulk_row_start = rs->bulk_len;
-    rs->bulk_in_row = false;
+    rs->bulk_in_row = rs->bulk_row_null = false;
     char head[48];
     int k = snprintf(head, sizeof(head), "%s{\"n\":%zu", rs->n ? "," : "[", rs->n);
     return put(rs, head, (size_t)k);
@@ -151,7 +151,7 @@ bool tally_recordset_row_end(tally_recordset_t *rs, bool ok)
     /* a row that set no bulk value has SQL NULL there, so element i is always row i */
     ok = ok && (rs->bulk_in_row || bulk_put32(rs, -1)) && put(rs, "}", 1);
     if (ok) {
-        rs->bulk_nulls = rs->bulk_nulls || !rs->bulk_in_row;
+        rs->bulk_nulls = rs->bulk_nulls || !rs->bulk_in_row || rs->bulk_row_null;
         rs->n++;
     } else {
         rs->len = rs->row_start;
@@ -159,7 +159,7 @@ bool tally_recordset_row_end(tally_recordset_t *rs, bool ok)
     }
     rs->row_start = rs->len;
     rs->bulk_row_start = rs->bulk_len;
-    rs->bulk_in_row = false;
+    rs->bulk_in_row = rs->bulk_row_null = false;
     return ok;
 }
 
@@ -180,7 +180,7 @@ static void reset(tally_recordset_t *rs)
     rs->row_start = 0;
     rs->n = 0;
     rs->bulk_len = rs->bulk_row_start = rs->bulk_cap ? BULK_HEADER : 0;
-    rs->bulk_in_row = false;
+    rs->bulk_in_row = rs->bulk_row_null = false;
     rs->bulk_nulls = false;
     rs->failed = false;
     rs->why[0] = '\0';

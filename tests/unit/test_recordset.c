@@ -81,11 +81,20 @@ static void test_the_bulk_column_has_one_element_per_row(void **st)
     tally_error_t err;
     assert_false(tally_recordset_flush(&rs, NULL, "SELECT 1", "audit", &err));
     assert_bulk(&rs, 0, 0, 0, NULL, 0);
+    assert_true(tally_recordset_row_begin(&rs)); /* a NULL taken back out leaves no null */
+    assert_true(tally_recordset_bulk(&rs, NULL));
+    assert_false(tally_recordset_bulk(&rs, "and then a value"));
+    assert_false(tally_recordset_row_end(&rs, false));
     assert_true(tally_recordset_row_begin(&rs));
     assert_true(tally_recordset_bulk(&rs, "again"));
     assert_true(tally_recordset_row_end(&rs, true));
     const char *const again[] = {"again"};
-    assert_bulk(&rs, 1, 0, 1, again, 1);
+    assert_bulk(&rs, 1, 0, 1, again, 1); /* no nulls: flags 0 */
+    assert_true(tally_recordset_row_begin(&rs));
+    assert_true(tally_recordset_bulk(&rs, NULL));
+    assert_true(tally_recordset_row_end(&rs, true));
+    const char *const with_null[] = {"again", NULL};
+    assert_bulk(&rs, 1, 1, 2, with_null, 2);
     tally_recordset_release(&rs);
 }
 

@@ -31,7 +31,8 @@ typedef struct tally_recordset {
     size_t bulk_len, bulk_cap;
     size_t bulk_row_start; /* bulk_len when the open row began */
     bool bulk_in_row;      /* the open row has its bulk value */
-    bool bulk_nulls;
+    bool bulk_row_null;    /* ... and it is NULL */
+    bool bulk_nulls;       /* a complete row's value is NULL */
 } tally_recordset_t;
 
 /**
