@@ -1,6 +1,10 @@
 /* connector.c — the HTTP connector engine (libcurl multi) and DESIGN §6 classification. */
 #include "tally/connector.h"
 
+#if LIBCURL_VERSION_NUM < 0x075000
+#error "tally needs libcurl 7.80 or newer (CURLOPT_PREREQFUNCTION, see on_prereq)"
+#endif
+
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>

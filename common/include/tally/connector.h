@@ -55,8 +55,8 @@ typedef struct tally_conn_request {
  * sent" would retry it blindly, calling an unsent one "sent" only costs a status check.
  * @remark curl itself re-sends a request, without telling, when a *reused* keep-alive
  * connection dies before a single response byte arrives (there is no option to turn it off).
- * For a call with side effects that would turn "reset after sending" (UNKNOWN) into a blind
- * retry. Such calls (tally_conn_no_replay) still ride kept-alive connections, but curl's
+ * For a call with side effects that re-send would turn "reset after sending" (UNKNOWN) into a
+ * blind retry. Such calls (tally_conn_no_replay) still ride kept-alive connections, but curl's
  * pre-request callback refuses a second request within one call: the re-send never leaves,
  * and the call ends as sent with no answer (curl_code CURLE_GOT_NOTHING, `sent` true, so
  * UNKNOWN for the reconciler to settle). Read and idempotent tools, status checks and reverse
