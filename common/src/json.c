@@ -39,27 +39,28 @@ typedef struct jbuf {
     bool failed;
 } jbuf_t;
 
+bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first)
+{
+    if (need <= *cap)
+        return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need)
+        c = c > SIZE_MAX / 2 ? need : c * 2;
+    char *grown = realloc(*buf, c);
+    if (grown == NULL)
+        return false;
+    *buf = grown;
+    *cap = c;
+    return true;
+}
+
 static void jbuf_reserve(jbuf_t *b, size_t more)
 {
     if (b->failed)
         return;
-    if (more > SIZE_MAX - b->len - 1) {
+    if (more > SIZE_MAX - b->len - 1 ||
+        !tally_text_reserve(&b->data, &b->cap, b->len + more + 1, 64))
         b->failed = true;
-        return;
-    }
-    size_t need = b->len + more + 1;
-    if (need <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 64;
-    while (cap < need)
-        cap = cap > SIZE_MAX / 2 ? need : cap * 2;
-    char *p = realloc(b->data, cap);
-    if (p == NULL) {
-        b->failed = true;
-        return;
-    }
-    b->data = p;
-    b->cap = cap;
 }
 
 static void jbuf_put(jbuf_t *b, const char *s, size_t n)
@@ -444,19 +445,9 @@ static bool jtext_reserve(tally_jtext_t *j, size_t more)
 {
     if (j->failed)
         return false;
-    if (j->len + more + 1 <= j->cap)
-        return true;
-    size_t cap = j->cap ? j->cap : 256;
-    while (cap < j->len + more + 1)
-        cap *= 2;
-    char *grown = realloc(j->s, cap);
-    if (grown == NULL) {
+    if (more > SIZE_MAX - j->len - 1 || !tally_text_reserve(&j->s, &j->cap, j->len + more + 1, 256))
         j->failed = true;
-        return false;
-    }
-    j->s = grown;
-    j->cap = cap;
-    return true;
+    return !j->failed;
 }
 
 static void jtext_put(tally_jtext_t *j, const char *s, size_t n)

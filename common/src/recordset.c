@@ -13,26 +13,10 @@
 
 #include "tally/json.h"
 
-/* Grows *buf (of *cap bytes) to hold at least @p need bytes. */
-static bool reserve(char **buf, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return true;
-    size_t c = *cap ? *cap : 4096;
-    while (need > c)
-        c *= 2;
-    char *grown = realloc(*buf, c);
-    if (grown == NULL)
-        return false;
-    *buf = grown;
-    *cap = c;
-    return true;
-}
-
 static bool put(tally_recordset_t *rs, const char *s, size_t n)
 {
     /* room for "]" and the terminator at flush */
-    if (!reserve(&rs->text, &rs->cap, rs->len + n + 2))
+    if (!tally_text_reserve(&rs->text, &rs->cap, rs->len + n + 2, 4096))
         return false;
     memcpy(rs->text + rs->len, s, n);
     rs->len += n;
@@ -53,7 +37,7 @@ static bool bulk_put(tally_recordset_t *rs, const void *p, size_t n)
 {
     if (rs->bulk_cap == 0)
         rs->bulk_len = BULK_HEADER;
-    if (!reserve(&rs->bulk, &rs->bulk_cap, rs->bulk_len + n))
+    if (!tally_text_reserve(&rs->bulk, &rs->bulk_cap, rs->bulk_len + n, 4096))
         return false;
     memcpy(rs->bulk + rs->bulk_len, p, n);
     rs->bulk_len += n;

@@ -130,17 +130,9 @@ static void sb_put(sbuf_t *b, const char *s, size_t n)
 {
     if (b->failed)
         return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (p == NULL) {
-            b->failed = true;
-            return;
-        }
-        b->s = p;
-        b->cap = cap;
+    if (!tally_text_reserve(&b->s, &b->cap, b->len + n + 1, 64)) {
+        b->failed = true;
+        return;
     }
     memcpy(b->s + b->len, s, n);
     b->len += n;
