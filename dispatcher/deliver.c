@@ -229,7 +229,6 @@ static bool done_enqueue(dispatcher_t *d, const dispatch_done_t *x)
 static void done_clear(dispatch_done_t *x)
 {
     dispatch_call_free(x->call);
-    json_decref(x->receipt);
     free(x->receipt_text);
     free(x->external_ref);
     free(x->call_record);
@@ -324,16 +323,12 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     x->seconds = res->seconds;
     tally_conn_classify_execute(res, &x->v);
     if (x->v.verdict == TALLY_VERDICT_CONFIRMED) {
-        x->receipt = tally_conn_receipt(res);
-        x->receipt_text = x->receipt ? json_dumps(x->receipt, JSON_COMPACT) : NULL;
-        if (!x->receipt_text) {
+        if (!tally_conn_receipt_text(res, call->tool, &x->receipt_text, &x->external_ref)) {
             x->v.verdict = TALLY_VERDICT_UNKNOWN;
             snprintf(x->v.code, sizeof x->v.code, "receipt_lost");
             snprintf(x->v.message, sizeof x->v.message,
                      "HTTP %ld but the receipt could not be kept (out of memory)",
                      res->http_status);
-        } else {
-            x->external_ref = tally_conn_external_ref(call->tool, x->receipt);
         }
     }
     decide(x);
@@ -637,7 +632,6 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                .tool = call->tool->name,
                                .operation_key = call->operation_key,
                                .status = x->to_status,
-                               .receipt = x->receipt,
                                .receipt_text = x->receipt_text,
                                .external_ref = x->external_ref,
                                .error_code = x->error_code[0] ? x->error_code : NULL,

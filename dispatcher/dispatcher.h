@@ -66,7 +66,6 @@ typedef struct dispatch_done {
     long long delay_ms;    /**< PLANNED: backoff before the next attempt */
     char error_code[32];
     char error_message[512];
-    json_t *receipt;    /**< CONFIRMED (owned) */
     char *receipt_text; /**< CONFIRMED: the receipt as compact JSON text (owned) */
     char *external_ref; /**< CONFIRMED, may be NULL */
     char *call_record;  /**< the "connector_call" audit data, JSON text (owned) */

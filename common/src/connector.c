@@ -410,6 +410,31 @@ char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt)
     return v ? tally_json_scalar_text(v) : NULL;
 }
 
+bool tally_conn_receipt_text(const tally_conn_result_t *res, const tally_tool_t *tool,
+                             char **receipt, char **external_ref)
+{
+    *receipt = *external_ref = NULL;
+    const char *body = res->body ? res->body : "";
+    if (res->curl_code == CURLE_OK && !res->body_truncated) {
+        /* The common case, a plain JSON object: no tree to build, print and free. The check
+         * for U+0000 is the scanner's own (it is unsure of \u0000). */
+        const char *ref = NULL;
+        size_t ref_len = 0;
+        const char *ptr = tool && tool->receipt_ref ? tool->receipt_ref : "/id";
+        *receipt = tally_json_object_compact(body, res->body_len, ptr, &ref, &ref_len);
+        if (*receipt) {
+            *external_ref = ref ? tally_json_scalar_text_of(ref, ref_len) : NULL;
+            return true;
+        }
+    }
+    json_t *doc = tally_conn_receipt(res);
+    *receipt = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+    if (*receipt)
+        *external_ref = tally_conn_external_ref(tool, doc);
+    json_decref(doc);
+    return *receipt != NULL;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Request building                                                                         */
 

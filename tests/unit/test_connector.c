@@ -360,6 +360,75 @@ static void test_receipt_and_ref(void **state)
     json_decref(rc);
 }
 
+/* The receipt as text: the body itself, compacted, when it is a plain object; what the tree
+ * path gives for everything else. Either way the same value and ref as tally_conn_receipt
+ * and tally_conn_external_ref. */
+static void test_receipt_text(void **state)
+{
+    (void)state;
+    const struct {
+        const char *body, *ptr;
+        bool truncated;
+        const char *want_text, *want_ref;
+    } cases[] = {
+        /* plain objects: the body without whitespace, 12.50 as the tool wrote it */
+        {"{ \"id\": \"ch_9\", \"amount\": 12.50 }\n", NULL, false,
+         "{\"id\":\"ch_9\",\"amount\":12.50}", "ch_9"},
+        {"{\"data\":{\"n\":[1,{\"ref\":42}]}}", "/data/n/1/ref", false,
+         "{\"data\":{\"n\":[1,{\"ref\":42}]}}", "42"},
+        {"{\"id\":\"a\\\"b\"}", NULL, false, "{\"id\":\"a\\\"b\"}", "a\"b"},
+        {"{\"amount\":5}", NULL, false, "{\"amount\":5}", NULL},
+        /* the scanner is unsure, jansson decides: its compact form */
+        {"{\"id\":\"x\",\"e\":1e2}", NULL, false, "{\"id\": \"x\", \"e\": 100.0}", "x"},
+        {"{\"\\u0069d\":\"esc\"}", NULL, false, "{\"id\": \"esc\"}", "esc"},
+        {"{\"id\":\"\\ud83d\\ude00\"}", NULL, false, "{\"id\": \"\xf0\x9f\x98\x80\"}",
+         "\xf0\x9f\x98\x80"},
+        /* not an object, not JSON, cut, or holding U+0000: a note */
+        {"[1,2]", NULL, false,
+         "{\"http_status\": 200, \"bytes\": 5, \"truncated\": false, \"body\": [1, 2]}", NULL},
+        {"accepted", NULL, false, NULL, NULL},
+        {"{\"id\":\"ch_1\"", NULL, true, NULL, NULL},
+        {"{\"id\":\"a\\u0000b\"}", NULL, false, NULL, NULL},
+        {"{\"id\":1,\"id\":2}", NULL, false, NULL, NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tally_tool_t tool = demo_tool();
+        if (cases[i].ptr)
+            tool.receipt_ref = (char *)cases[i].ptr;
+        row_t r = {"200", true, CURLE_OK, 200, cases[i].body, cases[i].truncated, 0, 0, 0, NULL};
+        tally_conn_result_t res = result_of(&r);
+        char *text = NULL, *ref = NULL;
+        assert_true(tally_conn_receipt_text(&res, &tool, &text, &ref));
+        assert_non_null(text);
+        /* the same value and ref as the tree */
+        json_t *tree = tally_conn_receipt(&res);
+        json_t *back = json_loads(text, TALLY_JSON_LOAD_FLAGS, NULL);
+        if (back == NULL || !json_equal(back, tree))
+            fail_msg("case %zu: %s is not the receipt", i, text);
+        char *tree_ref = tally_conn_external_ref(&tool, tree);
+        assert_true((ref == NULL && tree_ref == NULL) ||
+                    (ref && tree_ref && strcmp(ref, tree_ref) == 0));
+        if (cases[i].want_text) {
+            json_t *want = json_loads(cases[i].want_text, 0, NULL);
+            assert_true(json_equal(want, back));
+            json_decref(want);
+            if (strchr(cases[i].want_text, ' ') == NULL) /* kept as text: byte for byte */
+                assert_string_equal(text, cases[i].want_text);
+        } else {
+            assert_non_null(json_object_get(back, "http_status")); /* a note */
+        }
+        if (cases[i].want_ref)
+            assert_string_equal(ref, cases[i].want_ref);
+        else
+            assert_null(ref);
+        free(tree_ref);
+        json_decref(back);
+        json_decref(tree);
+        free(text);
+        free(ref);
+    }
+}
+
 static void test_excerpt(void **state)
 {
     (void)state;
@@ -871,6 +940,7 @@ int main(void)
         cmocka_unit_test(test_headers),
         cmocka_unit_test(test_url),
         cmocka_unit_test(test_receipt_and_ref),
+        cmocka_unit_test(test_receipt_text),
         cmocka_unit_test(test_excerpt),
         cmocka_unit_test(test_engine),
         cmocka_unit_test(test_engine_thread),

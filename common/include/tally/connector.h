@@ -131,8 +131,9 @@ void tally_conn_classify_compensate(const tally_conn_result_t *res, tally_conn_v
 
 /**
  * @brief The receipt of a call: the response body when it is a JSON object; otherwise an
- * object describing what came back ({"http_status", "body" (JSON value or text) or
- * "body_base64", "truncated", "bytes"}). Never contains U+0000, so it fits jsonb.
+ * object describing what came back ({"http_status", "bytes", "truncated", and "body" (a
+ * JSON value that is not an object) or "excerpt" (tally_conn_excerpt)}). Never contains U+0000, so
+ * it fits jsonb.
  * @returns a new reference, or NULL when out of memory.
  */
 json_t *tally_conn_receipt(const tally_conn_result_t *res) TALLY_WUR;
@@ -142,6 +143,15 @@ json_t *tally_conn_receipt(const tally_conn_result_t *res) TALLY_WUR;
  * @returns malloc'd text, or NULL when the pointer does not resolve to a scalar.
  */
 char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt) TALLY_WUR;
+
+/**
+ * @brief tally_conn_receipt as compact JSON text in @p receipt, and tally_conn_external_ref of
+ * it in @p external_ref (NULL when it does not resolve), both malloc'd. A body that is a plain
+ * JSON object (tally_json_object_compact) is kept as text without a jansson tree; anything
+ * else goes through tally_conn_receipt. false, with both NULL, when out of memory.
+ */
+bool tally_conn_receipt_text(const tally_conn_result_t *res, const tally_tool_t *tool,
+                             char **receipt, char **external_ref) TALLY_WUR;
 
 /**
  * @brief At most @p max bytes of the body for logs and the audit trail: {"text": ...} when it

@@ -50,6 +50,28 @@ json_t *tally_json_pointer(const json_t *doc, const char *ptr);
 char *tally_json_scalar_text(const json_t *v) TALLY_WUR;
 
 /**
+ * @brief A JSON object received as text (a tool's receipt), checked and compacted without a
+ * jansson tree (json_scan.c).
+ *
+ * When @p s[0..len) is an object that json_loadb(TALLY_JSON_LOAD_FLAGS) certainly loads,
+ * returns it without the whitespace between tokens (strings, numbers and escapes byte for
+ * byte, so it is the same JSON value), malloc'd, and points @p ref at the text of the value
+ * of RFC 6901 pointer @p ptr within it, @p ref_len bytes long (NULL and 0 when @p ptr is
+ * NULL or does not resolve).
+ *
+ * NULL when unsure, or out of memory: the caller then loads @p s with jansson, which decides.
+ * It is unsure of anything it does not decide itself — see json_scan.c: keys with escapes,
+ * \\u escapes of U+0000 or of surrogates, exponents, integers of more than 18 digits, more
+ * than 32 levels or 64 keys in an object, and of course anything that is not JSON.
+ */
+char *tally_json_object_compact(const char *s, size_t len, const char *ptr, const char **ref,
+                                size_t *ref_len) TALLY_WUR;
+
+/** @brief tally_json_scalar_text of the value written as the JSON text @p text[0..len) (a
+ * @p ref of tally_json_object_compact); NULL also when it is not JSON. */
+char *tally_json_scalar_text_of(const char *text, size_t len) TALLY_WUR;
+
+/**
  * @brief A JSON object written as text member by member, with no jansson value in between:
  * for the documents written once per effect (audit data, outcome events, the rows of a
  * statement). Zero-initialise, then tally_jtext_begin. Strings are escaped as jansson's
