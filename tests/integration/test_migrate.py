@@ -77,6 +77,32 @@ class MigrateTest(TallyCase):
         self.assertEqual(self.scalar("SELECT reason FROM events WHERE event_id = %s",
                                      (event_id,)), "append-only check")
 
+    def test_the_input_hash_is_64_lowercase_hex_digits(self):
+        """Version 7 checks it without a regular expression; the rule is the same."""
+        out = self.cli("migrate")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.query("INSERT INTO runs (run_id) VALUES ('r')")
+
+        def insert(step, input_hash):
+            self.query(
+                "INSERT INTO effects (effect_id, run_id, step, tool, effect_class, operation_key,"
+                " input_hash, args_canonical, intent_id, status)"
+                " VALUES (%s, 'r', %s, 't', 'idempotent', %s, %s, '{}', 'i', 'PLANNED')",
+                (str(uuid.uuid4()), step, step, input_hash))
+
+        good = "0123456789abcdef" * 4
+        insert("good", good)
+        bad = {"upper": good.upper(), "short": good[:63], "long": good + "0",
+               "not hex": good[:63] + "g", "newline": good[:63] + "\n", "space": " " + good[1:],
+               "multibyte": good[:62] + "\u00e9", "empty": ""}
+        for step, value in bad.items():
+            with self.subTest(step=step):
+                with self.assertRaises(psycopg2.Error) as cm:
+                    insert(step, value)
+                self.assertEqual(cm.exception.pgcode, "23514")  # check_violation
+                self.assertIn("effects_input_hash_check", str(cm.exception))
+        self.assertEqual(self.scalar("SELECT count(*) FROM effects"), 1)
+
     def test_concurrent_migrates_apply_each_version_once(self):
         latest = latest_version()
         procs = [subprocess.Popen([binary("tally"), "migrate"], env=self.env(),
