@@ -116,9 +116,9 @@ static const char SQL_RECORD[] =
 
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
  * page to open) in ONE statement and transaction: the compare-and-set, the events and the
- * outcome messages of exactly the rows it wrote ($2 and $3 hold them for every row, their bulk
- * columns — the events' data, the messages — $7 and $8, and $6 the receipts; a row whose lease
- * was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the general
+ * outcome messages of exactly the rows it wrote ($2 and $3, the columns of the events and of
+ * the messages, hold them for every row, and $6 the receipts; a row whose lease was taken over
+ * keeps neither). Three statements, a BEGIN and a COMMIT fewer than the general
  * path below, on the path every outcome takes. The messages are leased to this
  * worker's relay ($4, for $5 ms) and come back ('m' rows) to be handed to it: it publishes them
  * without a notification and a read of its own, and nobody else takes them first. */
@@ -139,8 +139,8 @@ static const char SQL_RECORD_FINAL[] =
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
     "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
     "   RETURNING e.effect_id),"
-    " ev AS (" TALLY_AUDIT_INSERT("$2", "$7", WON_EVENTS) "),"
-    " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", "$8", WON_MESSAGES, "$4", "$5") ")"
+    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
+    " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload FROM mo";
 // clang-format on
@@ -688,31 +688,21 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     if (!record_events(d, done, n_done, won, ab, ob, err))
         return false;
     const char *why_ev = "", *why_mo = "";
-    const char *ev = tally_audit_batch_text(ab, &why_ev);
-    const char *mo = tally_outbox_batch_text(ob, &why_mo);
-    if ((!ev && *why_ev) || (!mo && *why_mo)) {
-        tally_error_set(err, "oom", false, "results not written: %s", *why_ev ? why_ev : why_mo);
+    int lengths[6] = {0, 0, 0, 0, 0, receipts_len};
+    int formats[6] = {0, 1, 1, 0, 0, 1};
+    const char *ev = tally_audit_batch_param(ab, &lengths[1], &why_ev);
+    const char *mo = tally_outbox_batch_param(ob, &lengths[2], &why_mo);
+    if (!ev || !mo) {
+        tally_error_set(err, "oom", false, "results not written: %s", !ev ? why_ev : why_mo);
         return false;
     }
     tally_relay_t *relay = tally_worker_relay(d->w);
     char lease[16];
     snprintf(lease, sizeof lease, "%d", TALLY_RELAY_HAND_LEASE_MS);
-    int lengths[8] = {0, 0, 0, 0, 0, receipts_len, 0, 0};
-    int formats[8] = {0, 0, 0, 0, 0, 1, 1, 1};
-    const char *params[8] = {rows,
-                             ev ? ev : "[]",
-                             mo ? mo : "[]",
-                             relay ? tally_relay_owner(relay) : NULL,
-                             lease,
-                             receipts,
-                             tally_audit_batch_bulk(ab, &lengths[6]),
-                             tally_outbox_batch_bulk(ob, &lengths[7])};
-    if (!params[6] || !params[7]) {
-        tally_error_set(err, "oom", true, "results not written: out of memory");
-        return false;
-    }
+    const char *params[6] = {rows,  ev,      mo, relay ? tally_relay_owner(relay) : NULL,
+                             lease, receipts};
     PGresult *res =
-        tally_pg_exec_bin(d->rec_pg, SQL_RECORD_FINAL, 8, params, lengths, formats, err);
+        tally_pg_exec_bin(d->rec_pg, SQL_RECORD_FINAL, 6, params, lengths, formats, err);
     if (!res)
         return false;
     memset(won, 0, n_done * sizeof *won);

@@ -16,7 +16,7 @@
 #include "tally/id.h"
 #include "tally/json.h"
 #include "tally/log.h"
-#include "tally/recordset.h"
+#include "tally/columns.h"
 
 /* librdkafka's default message.max.bytes is 1,000,000: a DLQ record must stay below it even
  * when TALLY_MAX_MESSAGE_BYTES is larger, or the relay could never publish it. */
@@ -24,13 +24,19 @@
 #define DLQ_OVERHEAD  4096
 
 /* ---------------------------------------------------------------------------------------- */
-/* SQL. Every statement handles the whole batch; values travel as one JSON parameter.      */
+/* SQL                                                                                      */
 
-static const char SQL_RUNS[] = "INSERT INTO runs (run_id, tenant)"
-                               " SELECT DISTINCT ON (r.run_id) r.run_id, r.tenant"
-                               " FROM json_to_recordset($1::json) AS r(run_id text, tenant text)"
-                               " ORDER BY r.run_id, r.tenant NULLS LAST"
-                               " ON CONFLICT (run_id) DO NOTHING";
+/* Every statement handles the whole batch; its rows travel as one columns parameter
+ * (columns.h), typed here. */
+
+// clang-format off
+static const char SQL_RUNS[] =
+    "INSERT INTO runs (run_id, tenant)"
+    " SELECT DISTINCT ON (r.run_id) r.run_id, r.tenant"
+    " FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) ") AS r(run_id, tenant)"
+    " ORDER BY r.run_id, r.tenant NULLS LAST"
+    " ON CONFLICT (run_id) DO NOTHING";
+// clang-format on
 
 /* The run rows are share-locked so an operator's cancel of the same run serialises with this
  * batch: either the cancel sees these effects, or this batch sees the cancelled run.
@@ -38,12 +44,20 @@ static const char SQL_RUNS[] = "INSERT INTO runs (run_id, tenant)"
  * committed as DISPATCHING under a lease, times from the database clock, before its call
  * starts): they skip the dispatch outbox and a second transaction. The others (no room for
  * their tool in this worker just now) wait in the outbox as PLANNED. */
+// clang-format off
 static const char SQL_EFFECTS[] =
     "WITH r AS ("
-    "  SELECT * FROM json_to_recordset($1::json) AS r(ord int, effect_id uuid, run_id text,"
-    "    step text, step_num numeric, tool text, effect_class text, operation_key text,"
-    "    input_hash text, args_canonical text, tenant text, traceparent text, intent_id text,"
-    "    gated boolean, lease_ms int)),"
+    "  SELECT u.ord::int AS ord, u.effect_id::uuid AS effect_id, u.run_id, u.step,"
+    "    u.step_num::numeric AS step_num, u.tool, u.effect_class, u.operation_key, u.input_hash,"
+    "    u.args_canonical, u.tenant, u.traceparent, u.intent_id, u.gated::boolean AS gated,"
+    "    u.lease_ms::int AS lease_ms"
+    "  FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
+    TALLY_COLUMN("$1", 4) "," TALLY_COLUMN("$1", 5) "," TALLY_COLUMN("$1", 6) ","
+    TALLY_COLUMN("$1", 7) "," TALLY_COLUMN("$1", 8) "," TALLY_COLUMN("$1", 9) ","
+    TALLY_COLUMN("$1", 10) "," TALLY_COLUMN("$1", 11) "," TALLY_COLUMN("$1", 12) ","
+    TALLY_COLUMN("$1", 13) "," TALLY_COLUMN("$1", 14) "," TALLY_COLUMN("$1", 15) ")"
+    "  AS u(ord, effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
+    "    input_hash, args_canonical, tenant, traceparent, intent_id, gated, lease_ms)),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT run_id FROM r)"
     "    ORDER BY run_id FOR SHARE),"
     " ins AS ("
@@ -70,17 +84,22 @@ static const char SQL_EFFECTS[] =
     "  SELECT effect_id, tool FROM ins WHERE status = 'PLANNED')"
     " SELECT effect_id::text, status, status_reason, lease_epoch, attempts, lease_until"
     " FROM ins";
+// clang-format on
+#define EFFECT_COLS 15
 
 /* For the intents that created nothing: the effect holding their (tool, key), and the one
  * holding their (run, step), in one query. */
+// clang-format off
 static const char SQL_EXISTING[] =
     "SELECT k.ord, e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
     "  e.operation_key, e.status, e.input_hash, e.receipt::text, e.external_ref, e.error_code,"
     "  e.error_message, e.attempts, s.effect_id::text, s.tool, s.operation_key"
-    " FROM json_to_recordset($1::json) AS k(ord int, tool text, operation_key text,"
-    "   run_id text, step text)"
+    " FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
+    TALLY_COLUMN("$1", 4) "," TALLY_COLUMN("$1", 5) ") AS k(ord, tool, operation_key, run_id,"
+    "   step)"
     " LEFT JOIN effects e ON e.tool = k.tool AND e.operation_key = k.operation_key"
     " LEFT JOIN effects s ON s.run_id = k.run_id AND s.step = k.step";
+// clang-format on
 
 /* ---------------------------------------------------------------------------------------- */
 /* The batch in memory                                                                      */
@@ -300,22 +319,19 @@ static int cmp_effect_id(const void *a, const void *b)
     return strcmp((*x)->effect_id, (*y)->effect_id);
 }
 
-/* Run @p sql with the rows of @p rs as $1 (and @p param2, when not NULL, as $2); its result
- * goes to @p out, or is dropped when @p out is NULL. The rows are built as text
- * (recordset.h), with no jansson object per row. tally_recordset_flush runs a statement the
- * same way but keeps no result and takes no second parameter, so the text is closed here as
- * flush closes it: the builder always leaves room for "]" and the terminator. */
-static bool exec_rows(dispatcher_t *d, const char *sql, tally_recordset_t *rs, const char *param2,
+/* Run @p sql with the rows of @p c as $1 (and @p param2, when not NULL, as $2); its result
+ * goes to @p out, or is dropped when @p out is NULL. */
+static bool exec_rows(dispatcher_t *d, const char *sql, tally_columns_t *c, const char *param2,
                       PGresult **out, tally_error_t *err)
 {
-    const char *text = tally_recordset_close(rs);
-    if (!text) {
+    int lengths[2] = {0, 0}, formats[2] = {1, 0};
+    const char *params[2] = {tally_columns_param(c, &lengths[0]), param2};
+    if (!params[0]) {
         tally_error_set(err, "oom", true, "intake batch not written: %s",
-                        rs->failed ? rs->why : "no rows");
+                        c->failed ? c->why : "out of memory");
         return false;
     }
-    const char *params[2] = {text, param2};
-    PGresult *res = tally_pg_exec(d->pg, sql, param2 ? 2 : 1, params, err);
+    PGresult *res = tally_pg_exec_bin(d->pg, sql, param2 ? 2 : 1, params, lengths, formats, err);
     if (!res)
         return false;
     if (out)
@@ -553,8 +569,11 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
                          intake_counts_t *c, PGresult **handed, tally_error_t *err)
 {
     bool ok = false;
-    /* The statements' $1, built as text: rows of json_to_recordset, whose "n" they ignore */
-    tally_recordset_t runs = {0}, effects = {0}, existing = {0};
+    /* The statements' $1 */
+    tally_columns_t runs = {0}, effects = {0}, existing = {0};
+    tally_columns_init(&runs, 2);
+    tally_columns_init(&effects, EFFECT_COLS);
+    tally_columns_init(&existing, 5);
     intake_msg_t **sorted = calloc(d->n_batch ? d->n_batch : 1, sizeof *sorted);
     bool *created = calloc(d->n_batch ? d->n_batch : 1, sizeof *created);
     /* compensate_run / cancel_run: the same run-level SQL as `tally compensate|cancel` */
@@ -585,10 +604,9 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
             continue;
         }
         const tally_intent_t *in = &m->in;
-        bool run = tally_recordset_row_begin(&runs) &&
-                   tally_recordset_text(&runs, "run_id", in->run_id) &&
-                   tally_recordset_text(&runs, "tenant", in->tenant);
-        if (!tally_recordset_row_end(&runs, run))
+        bool run = tally_columns_row_begin(&runs) && tally_columns_text(&runs, in->run_id) &&
+                   tally_columns_text(&runs, in->tenant);
+        if (!tally_columns_row_end(&runs, run))
             goto oom;
         switch (in->type) {
         case TALLY_MSG_INTENT: {
@@ -606,24 +624,19 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
                 lease = lease_ms;
             }
             snprintf(ord, sizeof ord, "%d", (int)i);
-            tally_recordset_t *rs = &effects;
-            bool row = tally_recordset_row_begin(rs) && tally_recordset_json(rs, "ord", ord) &&
-                       tally_recordset_text(rs, "effect_id", m->effect_id) &&
-                       tally_recordset_text(rs, "run_id", in->run_id) &&
-                       tally_recordset_text(rs, "step", in->step) &&
-                       tally_recordset_text(rs, "step_num", in->step_is_number ? in->step : NULL) &&
-                       tally_recordset_text(rs, "tool", m->tool->name) &&
-                       tally_recordset_text(rs, "effect_class",
-                                            tally_effect_class_name(m->tool->effect_class)) &&
-                       tally_recordset_text(rs, "operation_key", m->op_key) &&
-                       tally_recordset_text(rs, "input_hash", m->input_hash) &&
-                       tally_recordset_text(rs, "args_canonical", m->canonical) &&
-                       tally_recordset_text(rs, "tenant", in->tenant) &&
-                       tally_recordset_text(rs, "traceparent", in->traceparent) &&
-                       tally_recordset_text(rs, "intent_id", in->id) &&
-                       tally_recordset_json(rs, "gated", gated ? "true" : "false") &&
-                       tally_recordset_json(rs, "lease_ms", lease);
-            if (!tally_recordset_row_end(rs, row))
+            tally_columns_t *rs = &effects; /* in SQL_EFFECTS' order */
+            bool row = tally_columns_row_begin(rs) && tally_columns_text(rs, ord) &&
+                       tally_columns_text(rs, m->effect_id) && tally_columns_text(rs, in->run_id) &&
+                       tally_columns_text(rs, in->step) &&
+                       tally_columns_text(rs, in->step_is_number ? in->step : NULL) &&
+                       tally_columns_text(rs, m->tool->name) &&
+                       tally_columns_text(rs, tally_effect_class_name(m->tool->effect_class)) &&
+                       tally_columns_text(rs, m->op_key) && tally_columns_text(rs, m->input_hash) &&
+                       tally_columns_text(rs, m->canonical) && tally_columns_text(rs, in->tenant) &&
+                       tally_columns_text(rs, in->traceparent) && tally_columns_text(rs, in->id) &&
+                       tally_columns_text(rs, gated ? "true" : "false") &&
+                       tally_columns_text(rs, lease);
+            if (!tally_columns_row_end(rs, row))
                 goto oom;
             sorted[n_sorted++] = m;
             break;
@@ -663,13 +676,11 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
                 continue;
             char ord[16];
             snprintf(ord, sizeof ord, "%d", (int)(m - d->batch));
-            tally_recordset_t *rs = &existing;
-            bool row = tally_recordset_row_begin(rs) && tally_recordset_json(rs, "ord", ord) &&
-                       tally_recordset_text(rs, "tool", m->tool->name) &&
-                       tally_recordset_text(rs, "operation_key", m->op_key) &&
-                       tally_recordset_text(rs, "run_id", m->in.run_id) &&
-                       tally_recordset_text(rs, "step", m->in.step);
-            if (!tally_recordset_row_end(rs, row))
+            tally_columns_t *rs = &existing; /* in SQL_EXISTING's order */
+            bool row = tally_columns_row_begin(rs) && tally_columns_text(rs, ord) &&
+                       tally_columns_text(rs, m->tool->name) && tally_columns_text(rs, m->op_key) &&
+                       tally_columns_text(rs, m->in.run_id) && tally_columns_text(rs, m->in.step);
+            if (!tally_columns_row_end(rs, row))
                 goto oom;
         }
         if (existing.n > 0) {
@@ -693,9 +704,9 @@ oom:
     tally_error_set(err, "oom", true, "out of memory building the intake batch");
 out:
     PQclear(res);
-    tally_recordset_release(&runs);
-    tally_recordset_release(&effects);
-    tally_recordset_release(&existing);
+    tally_columns_release(&runs);
+    tally_columns_release(&effects);
+    tally_columns_release(&existing);
     free(ops);
     free(op_results);
     free(sorted);

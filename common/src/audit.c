@@ -6,22 +6,36 @@
 
 #include "tally/id.h"
 #include "tally/json.h"
-#include "tally/recordset.h"
 
-/* The batch is kept as the text of its JSON parameter (recordset.h) and each event's data as
- * an element of the bulk column beside it: serialised once, with no copy of the object kept in
- * between, and never lexed by PostgreSQL as part of the recordset. */
+/* The batch is kept as its parameter's columns (columns.h): each event serialised once, with no
+ * copy of the object kept in between, and never lexed by PostgreSQL but for its data. */
 struct tally_audit_batch {
-    tally_recordset_t rows;
+    tally_columns_t cols;
 };
 
-/* Columns come from the JSON by name, the data from the bulk column; "n" keeps the insertion
- * order in events.seq. */
-static const char SQL_INSERT[] = TALLY_AUDIT_INSERT("$1", "$2", "");
+/* The columns, in TALLY_AUDIT_INSERT's order; "n", the row's place, keeps the insertion order
+ * in events.seq. */
+enum {
+    COL_EVENT_ID,
+    COL_RUN_ID,
+    COL_EFFECT_ID,
+    COL_OBLIGATION_ID,
+    COL_KIND,
+    COL_FROM_STATUS,
+    COL_TO_STATUS,
+    COL_ACTOR,
+    COL_REASON,
+    COL_DATA,
+    N_COLS
+};
+static const char SQL_INSERT[] = TALLY_AUDIT_INSERT("$1", "");
 
 tally_audit_batch_t *tally_audit_batch_new(void)
 {
-    return calloc(1, sizeof(tally_audit_batch_t));
+    tally_audit_batch_t *b = calloc(1, sizeof(tally_audit_batch_t));
+    if (b)
+        tally_columns_init(&b->cols, N_COLS);
+    return b;
 }
 
 /* The object of @p n members @p m as JSON text (malloc'd): NULL when out of memory or a key
@@ -44,11 +58,11 @@ static char *members_text(const tally_audit_member_t *m, size_t n)
 
 void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev)
 {
-    tally_recordset_t *rs = &b->rows;
-    if (rs->failed)
+    tally_columns_t *c = &b->cols;
+    if (c->failed)
         return;
     if (ev->kind == NULL || ev->actor == NULL) {
-        tally_recordset_fail(rs, "an audit event needs a kind and an actor");
+        tally_columns_fail(c, "an audit event needs a kind and an actor");
         return;
     }
     char event_id[37];
@@ -58,56 +72,65 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
     char *members = NULL;
     if (ev->data == NULL && ev->members != NULL &&
         (members = members_text(ev->members, ev->n_members)) == NULL) {
-        tally_recordset_fail(rs, "the data of an audit event could not be queued (out of memory, "
-                                 "or text that is not UTF-8)");
+        tally_columns_fail(c, "the data of an audit event could not be queued (out of memory, "
+                              "or text that is not UTF-8)");
         return;
     }
-    bool ok = (ev->data == NULL || data != NULL) && tally_recordset_row_begin(rs) &&
-              tally_recordset_text(rs, "event_id", event_id) &&
-              tally_recordset_text(rs, "run_id", ev->run_id) &&
-              tally_recordset_text(rs, "effect_id", ev->effect_id) &&
-              tally_recordset_text(rs, "obligation_id", ev->obligation_id) &&
-              tally_recordset_text(rs, "kind", ev->kind) &&
-              tally_recordset_text(rs, "from_status", ev->from_status) &&
-              tally_recordset_text(rs, "to_status", ev->to_status) &&
-              tally_recordset_text(rs, "actor", ev->actor) &&
-              tally_recordset_text(rs, "reason", ev->reason) &&
-              tally_recordset_bulk(rs, data      ? data
-                                       : members ? members
-                                                 : ev->data_text);
+    bool ok = (ev->data == NULL || data != NULL) && tally_columns_row_begin(c) &&
+              tally_columns_text(c, event_id) && tally_columns_text(c, ev->run_id) &&
+              tally_columns_text(c, ev->effect_id) && tally_columns_text(c, ev->obligation_id) &&
+              tally_columns_text(c, ev->kind) && tally_columns_text(c, ev->from_status) &&
+              tally_columns_text(c, ev->to_status) && tally_columns_text(c, ev->actor) &&
+              tally_columns_text(c, ev->reason) &&
+              tally_columns_text(c, data      ? data
+                                    : members ? members
+                                              : ev->data_text);
     free(data);
     free(members);
-    if (!tally_recordset_row_end(rs, ok))
-        tally_recordset_fail(
-            rs, "an audit event could not be queued (out of memory, or text that is not UTF-8)");
+    if (!tally_columns_row_end(c, ok))
+        tally_columns_fail(
+            c, "an audit event could not be queued (out of memory, or text that is not UTF-8)");
 }
 
 size_t tally_audit_batch_len(const tally_audit_batch_t *b)
 {
-    return b->rows.n;
+    return b->cols.n;
 }
 
 bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error_t *err)
 {
-    return tally_recordset_flush(&b->rows, pg, SQL_INSERT, "audit", err);
+    const char *why = NULL;
+    int len = 0;
+    const char *param = tally_audit_batch_param(b, &len, &why);
+    bool ok = false;
+    if (param == NULL && b->cols.failed) {
+        tally_error_set(err, "audit", false, "audit batch not written: %s", why);
+    } else if (param == NULL) {
+        tally_error_set(err, "oom", true, "audit batch not written: out of memory");
+    } else if (b->cols.n == 0) {
+        ok = true;
+    } else {
+        int format = 1;
+        PGresult *res = tally_pg_exec_bin(pg, SQL_INSERT, 1, &param, &len, &format, err);
+        ok = res != NULL;
+        PQclear(res);
+    }
+    tally_columns_reset(&b->cols);
+    return ok;
 }
 
-const char *tally_audit_batch_text(tally_audit_batch_t *b, const char **why)
+const char *tally_audit_batch_param(tally_audit_batch_t *b, int *len, const char **why)
 {
+    const char *param = tally_columns_param(&b->cols, len);
     if (why)
-        *why = b->rows.failed ? b->rows.why : "";
-    return tally_recordset_close(&b->rows);
-}
-
-const char *tally_audit_batch_bulk(tally_audit_batch_t *b, int *len)
-{
-    return tally_recordset_bulk_param(&b->rows, len);
+        *why = param ? "" : b->cols.failed ? b->cols.why : "out of memory";
+    return param;
 }
 
 void tally_audit_batch_free(tally_audit_batch_t *b)
 {
     if (b == NULL)
         return;
-    tally_recordset_release(&b->rows);
+    tally_columns_release(&b->cols);
     free(b);
 }

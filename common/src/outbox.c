@@ -5,31 +5,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tally/recordset.h"
-
-/* The batch is kept as the text of its JSON parameter (recordset.h), and each event, serialised
- * once, in the bulk column beside it: it reaches PostgreSQL byte for byte, neither escaped
- * into a JSON string nor lexed out of one. */
+/* The batch is kept as its parameter's columns (columns.h): each event, serialised once,
+ * reaches PostgreSQL byte for byte, neither escaped into a JSON string nor lexed out of one. */
 struct tally_outbox_batch {
-    tally_recordset_t rows;
+    tally_columns_t cols;
 };
 
+/* topic, msg_key, event_id, effect_id, payload (TALLY_OUTBOX_INSERT) */
+#define N_COLS 5
+
 /* "n" keeps the order of the batch in message_outbox.id, which is the relay's order. */
-static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "$2", "");
+static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "");
 
 tally_outbox_batch_t *tally_outbox_batch_new(void)
 {
-    return calloc(1, sizeof(tally_outbox_batch_t));
+    tally_outbox_batch_t *b = calloc(1, sizeof(tally_outbox_batch_t));
+    if (b)
+        tally_columns_init(&b->cols, N_COLS);
+    return b;
 }
 
 void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const char *key,
                             const json_t *event)
 {
-    tally_recordset_t *rs = &b->rows;
-    if (rs->failed)
+    tally_columns_t *c = &b->cols;
+    if (c->failed)
         return;
     if (event == NULL) { /* the rest is checked by tally_outbox_batch_add_text */
-        tally_recordset_fail(rs, "a message needs a topic and an event");
+        tally_columns_fail(c, "a message needs a topic and an event");
         return;
     }
     /* the effect the message is about, when its data names one (TALLY_OUTBOX_INSERT) */
@@ -37,7 +40,7 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
         json_string_value(json_object_get(json_object_get(event, "data"), "effect_id"));
     char *payload = json_dumps(event, JSON_COMPACT);
     if (payload == NULL) {
-        tally_recordset_fail(rs, "out of memory while serialising an outbox message");
+        tally_columns_fail(c, "out of memory while serialising an outbox message");
         return;
     }
     tally_outbox_batch_add_text(b, topic, key, json_string_value(json_object_get(event, "id")),
@@ -48,82 +51,91 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
 void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
                                  const char *event_id, const char *effect_id, const char *payload)
 {
-    tally_recordset_t *rs = &b->rows;
-    if (rs->failed)
+    tally_columns_t *c = &b->cols;
+    if (c->failed)
         return;
     if (topic == NULL || payload == NULL) {
-        tally_recordset_fail(rs, "a message needs a topic and an event");
+        tally_columns_fail(c, "a message needs a topic and an event");
         return;
     }
     if (event_id == NULL || *event_id == '\0') {
-        tally_recordset_fail(rs, "the event for topic '%s' has no string \"id\" to deduplicate by",
-                             topic);
+        tally_columns_fail(c, "the event for topic '%s' has no string \"id\" to deduplicate by",
+                           topic);
         return;
     }
-    bool ok = tally_recordset_row_begin(rs) && tally_recordset_text(rs, "topic", topic) &&
-              tally_recordset_text(rs, "msg_key", key) &&
-              tally_recordset_text(rs, "event_id", event_id) &&
-              tally_recordset_text(rs, "effect_id", effect_id) && tally_recordset_bulk(rs, payload);
-    if (!tally_recordset_row_end(rs, ok))
-        tally_recordset_fail(rs,
-                             "the message for topic '%s' could not be queued (out of memory, or "
-                             "a key or event that is not UTF-8)",
-                             topic);
+    bool ok = tally_columns_row_begin(c) && tally_columns_text(c, topic) &&
+              tally_columns_text(c, key) && tally_columns_text(c, event_id) &&
+              tally_columns_text(c, effect_id) && tally_columns_text(c, payload);
+    if (!tally_columns_row_end(c, ok))
+        tally_columns_fail(c,
+                           "the message for topic '%s' could not be queued (out of memory, or "
+                           "a key or event that is not UTF-8)",
+                           topic);
 }
 
 size_t tally_outbox_batch_len(const tally_outbox_batch_t *b)
 {
-    return b->rows.n;
+    return b->cols.n;
+}
+
+/* The parameter, or NULL with @p err set (the batch then failed, or memory ran out). */
+static const char *param_or_error(tally_outbox_batch_t *b, int *len, tally_error_t *err)
+{
+    const char *why = NULL;
+    const char *param = tally_outbox_batch_param(b, len, &why);
+    if (param == NULL && b->cols.failed)
+        tally_error_set(err, "outbox", false, "outbox batch not written: %s", why);
+    else if (param == NULL)
+        tally_error_set(err, "oom", true, "outbox batch not written: out of memory");
+    return param;
 }
 
 bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg, tally_error_t *err)
 {
-    return tally_recordset_flush(&b->rows, pg, SQL_INSERT, "outbox", err);
+    int len = 0, format = 1;
+    const char *param = param_or_error(b, &len, err);
+    bool ok = param != NULL;
+    if (ok && b->cols.n > 0) {
+        PGresult *res = tally_pg_exec_bin(pg, SQL_INSERT, 1, &param, &len, &format, err);
+        ok = res != NULL;
+        PQclear(res);
+    }
+    tally_columns_reset(&b->cols);
+    return ok;
 }
 
-static const char SQL_INSERT_HANDED[] = TALLY_OUTBOX_INSERT_HANDED("$1", "$4", "", "$2", "$3");
+static const char SQL_INSERT_HANDED[] = TALLY_OUTBOX_INSERT_HANDED("$1", "", "$2", "$3");
 
 bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, const char *owner,
                                      int lease_ms, PGresult **rows, tally_error_t *err)
 {
     *rows = NULL;
-    tally_recordset_t *rs = &b->rows;
-    if (rs->failed) {
-        tally_error_set(err, "outbox", false, "outbox batch not written: %s", rs->why);
-        tally_recordset_release(rs);
-        return false;
+    int lengths[3] = {0, 0, 0}, formats[3] = {1, 0, 0};
+    const char *param = param_or_error(b, &lengths[0], err);
+    bool ok = param != NULL;
+    if (ok && b->cols.n > 0) {
+        char lease[16];
+        snprintf(lease, sizeof lease, "%d", lease_ms);
+        const char *params[3] = {param, owner, lease};
+        *rows = tally_pg_exec_bin(pg, SQL_INSERT_HANDED, 3, params, lengths, formats, err);
+        ok = *rows != NULL;
     }
-    if (rs->n == 0)
-        return true;
-    char lease[16];
-    snprintf(lease, sizeof lease, "%d", lease_ms);
-    int lengths[4] = {0, 0, 0, 0}, formats[4] = {0, 0, 0, 1};
-    const char *params[4] = {tally_recordset_close(rs), owner, lease,
-                             tally_recordset_bulk_param(rs, &lengths[3])};
-    if (params[3] == NULL)
-        tally_error_set(err, "oom", true, "outbox batch not written: out of memory");
-    else
-        *rows = tally_pg_exec_bin(pg, SQL_INSERT_HANDED, 4, params, lengths, formats, err);
-    tally_recordset_release(rs);
-    return *rows != NULL;
+    tally_columns_reset(&b->cols);
+    return ok;
 }
 
-const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why)
+const char *tally_outbox_batch_param(tally_outbox_batch_t *b, int *len, const char **why)
 {
+    const char *param = tally_columns_param(&b->cols, len);
     if (why)
-        *why = b->rows.failed ? b->rows.why : "";
-    return tally_recordset_close(&b->rows);
-}
-
-const char *tally_outbox_batch_bulk(tally_outbox_batch_t *b, int *len)
-{
-    return tally_recordset_bulk_param(&b->rows, len);
+        *why = param ? "" : b->cols.failed ? b->cols.why : "out of memory";
+    return param;
 }
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b)
 {
     if (b == NULL)
         return;
-    tally_recordset_release(&b->rows);
+    tally_columns_release(&b->cols);
     free(b);
 }

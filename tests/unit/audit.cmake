@@ -1,2 +1,3 @@
-# The audit batch (common/src/audit.c): the text of its one INSERT's parameter.
-tally_unit_test(test_audit SOURCES audit.c recordset.c json.c error.c id.c pg.c log.c)
+# The audit batch (common/src/audit.c): its one INSERT's parameter, and the columns builder it uses.
+tally_unit_test(test_audit SOURCES audit.c columns.c json.c error.c id.c pg.c log.c)
+tally_unit_test(test_columns SOURCES columns.c json.c error.c)

@@ -1,8 +1,8 @@
 # The compensator's pure logic (compensator/summary.c, compensator/pager.c and the decision
 # table in common/src/runops.c): decisions per effect class and compensation mode, blast
 # radius, reverse body and If-Match, backoff, run summaries, PagerDuty bodies. No services.
-set(TALLY_COMPENSATE_COMMON runops.c backoff.c registry.c json.c error.c log.c pg.c metrics.c audit.c
-    outbox.c recordset.c cloudevent.c id.c ledger.c)
+set(TALLY_COMPENSATE_COMMON runops.c backoff.c registry.c json.c error.c log.c pg.c metrics.c audit.c columns.c
+    outbox.c cloudevent.c id.c ledger.c)
 tally_unit_test(test_compensate SOURCES ${TALLY_COMPENSATE_COMMON})
 target_sources(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator/summary.c
                                        ${CMAKE_SOURCE_DIR}/compensator/pager.c)

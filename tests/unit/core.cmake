@@ -1,5 +1,5 @@
 # The core library modules: canonical JSON and hashing, configuration, the ledger state machines,
-# the recordset text the audit and outbox batches are built in.
+# the recordset text the dispatcher's record statements are built in.
 tally_unit_test(test_json SOURCES json.c error.c)
 tally_unit_test(test_json_scan SOURCES json_scan.c json.c error.c)
 tally_unit_test(test_config SOURCES config.c error.c)

@@ -1,8 +1,7 @@
 /* test_audit.c — the audit batch's parameter: an event's data given as members is the same
  * object its jansson form would be, strings escaped, absent members left out, numbers kept as
- * numbers; data that cannot be queued fails the batch with a reason. The rows are read as the
- * text of the statement's $1 (tally_audit_batch_text) and parsed back, with each row's data
- * from the bulk column (tally_audit_batch_bulk) decoded as PostgreSQL's array_recv reads it. */
+ * numbers; data that cannot be queued fails the batch with a reason. The rows are read back
+ * from the statement's $1 (tally_audit_batch_param) as PostgreSQL's array_recv reads it. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -17,16 +16,16 @@
 
 #include "tally/audit.h"
 
-static const char *sent;   /* the text of $1, as the batch would send it */
-static char *sent_data[8]; /* each row's data, as the bulk column carries it (NULL: SQL NULL) */
-static size_t n_sent_data;
+#include "columns_decode.h"
 
-static int32_t be32(const unsigned char *p)
-{
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return (int32_t)ntohl(v);
-}
+/* TALLY_AUDIT_INSERT's columns, in order */
+static const char *const COLUMNS[] = {"event_id", "run_id",      "effect_id", "obligation_id",
+                                      "kind",     "from_status", "to_status", "actor",
+                                      "reason",   "data"};
+#define N_COLUMNS (sizeof COLUMNS / sizeof COLUMNS[0])
+
+static char *sent_data[8]; /* each row's data, as the parameter carries it (NULL: SQL NULL) */
+static size_t n_sent_data;
 
 static void clear_sent_data(void)
 {
@@ -35,58 +34,35 @@ static void clear_sent_data(void)
     n_sent_data = 0;
 }
 
-/* The bulk column: a one-dimensional text[] of one element per row, in array_recv's format. */
-static void decode_bulk(tally_audit_batch_t *b, size_t rows)
-{
-    clear_sent_data();
-    int len = -1;
-    const unsigned char *p = (const unsigned char *)tally_audit_batch_bulk(b, &len);
-    assert_non_null(p);
-    assert_true(len >= 20);
-    assert_int_equal(be32(p), 1);      /* dimensions */
-    int32_t flags = be32(p + 4);       /* has nulls */
-    assert_int_equal(be32(p + 8), 25); /* text */
-    assert_int_equal(be32(p + 12), rows);
-    assert_int_equal(be32(p + 16), 1); /* lower bound */
-    size_t at = 20;
-    bool nulls = false;
-    for (size_t i = 0; i < rows; i++) {
-        assert_true(at + 4 <= (size_t)len);
-        int32_t n = be32(p + at);
-        at += 4;
-        assert_true(i < sizeof sent_data / sizeof sent_data[0]);
-        if (n == -1) {
-            nulls = true;
-            sent_data[n_sent_data++] = NULL;
-            continue;
-        }
-        assert_true(n >= 0 && at + (size_t)n <= (size_t)len);
-        sent_data[n_sent_data++] = strndup((const char *)p + at, (size_t)n);
-        at += (size_t)n;
-    }
-    assert_int_equal(at, len);
-    assert_int_equal(flags, nulls ? 1 : 0);
-}
-
-/* The batch's rows, parsed, each with its data from the bulk column (the caller decrefs). */
+/* The batch's rows as objects of their columns, the data parsed (the caller decrefs). */
 static json_t *flushed_rows(tally_audit_batch_t *b)
 {
+    clear_sent_data();
     const char *why = NULL;
-    sent = tally_audit_batch_text(b, &why);
-    if (sent == NULL)
-        fail_msg("no rows: %s", why);
-    json_error_t jerr;
-    json_t *rows = json_loads(sent, 0, &jerr);
-    if (rows == NULL)
-        fail_msg("not JSON (%s): %s", jerr.text, sent);
-    assert_null(json_object_get(json_array_get(rows, 0), "data")); /* not in the JSON */
-    decode_bulk(b, json_array_size(rows));
-    for (size_t i = 0; i < json_array_size(rows); i++) {
+    int len = -1;
+    const char *param = tally_audit_batch_param(b, &len, &why);
+    if (param == NULL)
+        fail_msg("no parameter: %s", why);
+    decoded_columns_t d;
+    decode_columns(param, len, N_COLUMNS, &d);
+    json_t *rows = json_array();
+    for (size_t r = 0; r < d.n_rows; r++) {
+        json_t *row = json_object();
+        for (size_t c = 0; c + 1 < N_COLUMNS; c++) {
+            const char *v = decoded_value(&d, c, r);
+            json_object_set_new(row, COLUMNS[c], v ? json_string(v) : json_null());
+        }
+        const char *text = decoded_value(&d, N_COLUMNS - 1, r);
+        assert_true(n_sent_data < sizeof sent_data / sizeof sent_data[0]);
+        sent_data[n_sent_data++] = text ? strdup(text) : NULL;
+        json_error_t jerr;
         json_t *data = json_null();
-        if (sent_data[i] && (data = json_loads(sent_data[i], JSON_DECODE_ANY, &jerr)) == NULL)
-            fail_msg("data not JSON (%s): %s", jerr.text, sent_data[i]);
-        json_object_set_new(json_array_get(rows, i), "data", data);
+        if (text && (data = json_loads(text, JSON_DECODE_ANY, &jerr)) == NULL)
+            fail_msg("data not JSON (%s): %s", jerr.text, text);
+        json_object_set_new(row, "data", data);
+        json_array_append_new(rows, row);
     }
+    decoded_columns_free(&d);
     return rows;
 }
 

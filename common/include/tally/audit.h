@@ -8,7 +8,7 @@
 
 #include "tally/error.h"
 #include "tally/pg.h"
-#include "tally/recordset.h"
+#include "tally/columns.h"
 
 /** @brief A member of an event's data given as text (tally_audit_event_t.members). */
 typedef struct tally_audit_member {
@@ -52,35 +52,35 @@ size_t tally_audit_batch_len(const tally_audit_batch_t *b);
 bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
 
 /**
- * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM
- * ("$2") and their data from the binary text[] parameter @p BULK, keeping only the rows that
- * pass @p WHERE ("" for all; the rows are "r"). For a statement that writes a batch together
- * with the state change it records (see tally_audit_batch_text and tally_audit_batch_bulk);
- * tally_audit_batch_flush is this with "$1", "$2" and "".
+ * @brief The INSERT that writes a batch's rows from its columns parameter @p PARAM ("$2", a
+ * binary two-dimensional text[]: columns.h), keeping only the rows that pass @p WHERE ("" for
+ * all; the rows are "r", typed as the events table's columns, with their place "n"). For a
+ * statement that writes a batch together with the state change it records (see
+ * tally_audit_batch_param); tally_audit_batch_flush is this with "$1" and "".
  */
-#define TALLY_AUDIT_INSERT(PARAM, BULK, WHERE)                                                     \
+// clang-format off
+#define TALLY_AUDIT_INSERT(PARAM, WHERE)                                                           \
     "INSERT INTO events (event_id, run_id, effect_id, obligation_id, kind, from_status,"           \
     " to_status, actor, reason, data)"                                                             \
     " SELECT r.event_id, r.run_id, r.effect_id, r.obligation_id, r.kind, r.from_status,"           \
-    " r.to_status, r.actor, r.reason, r.unnest::jsonb FROM" TALLY_RECORDSET_ROWS(                  \
-        PARAM, BULK,                                                                               \
-        "n int, event_id uuid, run_id text, effect_id uuid, obligation_id uuid,"                   \
-        " kind text, from_status text, to_status text, actor text, reason text",                   \
-        "r") " " WHERE " ORDER BY r.n"
+    " r.to_status, r.actor, r.reason, r.data"                                                      \
+    " FROM (SELECT u.event_id::uuid AS event_id, u.run_id, u.effect_id::uuid AS effect_id,"        \
+    " u.obligation_id::uuid AS obligation_id, u.kind, u.from_status, u.to_status, u.actor,"        \
+    " u.reason, u.data::jsonb AS data, u.n FROM unnest("                                           \
+    TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) "," TALLY_COLUMN(PARAM, 3) ","               \
+    TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) "," TALLY_COLUMN(PARAM, 6) ","               \
+    TALLY_COLUMN(PARAM, 7) "," TALLY_COLUMN(PARAM, 8) "," TALLY_COLUMN(PARAM, 9) ","               \
+    TALLY_COLUMN(PARAM, 10) ") WITH ORDINALITY AS u(event_id, run_id, effect_id, obligation_id,"   \
+    " kind, from_status, to_status, actor, reason, data, n)) AS r " WHERE " ORDER BY r.n"
+// clang-format on
 
 /**
- * @brief The batch as the text of its parameter for TALLY_AUDIT_INSERT, or NULL when it has no
- * rows or failed (@p why, when not NULL, then says why, or is "" for no rows). Valid until the
+ * @brief The batch as the bytes of its parameter for TALLY_AUDIT_INSERT (binary, format 1),
+ * @p len bytes long; an empty array for an empty batch. NULL when the batch failed (@p why,
+ * when not NULL, then says why) or out of memory (@p why "out of memory"). Valid until the
  * batch changes or is freed.
  */
-const char *tally_audit_batch_text(tally_audit_batch_t *b, const char **why);
-
-/**
- * @brief The events' data as the bytes of the binary text[] parameter for TALLY_AUDIT_INSERT's
- * @p BULK (format 1), their length in @p len; an empty array for an empty batch. NULL when out
- * of memory. Valid until the batch changes or is freed.
- */
-const char *tally_audit_batch_bulk(tally_audit_batch_t *b, int *len);
+const char *tally_audit_batch_param(tally_audit_batch_t *b, int *len, const char **why);
 
 void tally_audit_batch_free(tally_audit_batch_t *b);
 

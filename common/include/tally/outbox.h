@@ -7,7 +7,7 @@
 
 #include "tally/error.h"
 #include "tally/pg.h"
-#include "tally/recordset.h"
+#include "tally/columns.h"
 
 /**
  * @brief A batch of messages to insert with one statement. Build with tally_outbox_batch_add,
@@ -37,8 +37,8 @@ void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, con
 /** @brief Number of queued messages. */
 size_t tally_outbox_batch_len(const tally_outbox_batch_t *b);
 
-/** @brief INSERT every queued message in one statement (json_to_recordset), then empty the
- * batch. A batch of 0 is a no-op. */
+/** @brief INSERT every queued message in one statement, then empty the batch. A batch of 0 is
+ * a no-op. */
 bool tally_outbox_batch_flush(tally_outbox_batch_t *b, tally_pg_t *pg,
                               tally_error_t *err) TALLY_WUR;
 
@@ -52,14 +52,14 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
                                      int lease_ms, PGresult **rows, tally_error_t *err) TALLY_WUR;
 
 /**
- * @brief The INSERT that writes a batch's rows from the json_to_recordset parameter @p PARAM
- * and their payloads from the binary text[] parameter @p BULK, keeping the rows that pass
- * @p WHERE ("" for all; the rows are "r"; r.effect_id is the "effect_id" of the message's
- * data, as text, or NULL); see TALLY_AUDIT_INSERT.
+ * @brief The INSERT that writes a batch's rows from its columns parameter @p PARAM (a binary
+ * two-dimensional text[]: columns.h), keeping the rows that pass @p WHERE ("" for all; the
+ * rows are "r"; r.effect_id is the "effect_id" of the message's data, as text, or NULL); see
+ * TALLY_AUDIT_INSERT.
  */
-#define TALLY_OUTBOX_INSERT(PARAM, BULK, WHERE)                                                    \
+#define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"                               \
-    " SELECT r.topic, r.msg_key, r.event_id, r.unnest" TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE)
+    " SELECT r.topic, r.msg_key, r.event_id, r.payload" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
 
 /**
  * @brief TALLY_OUTBOX_INSERT for rows handed to a relay (tally_relay_hand): leased to the
@@ -67,26 +67,25 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
  * from now(), or not leased when OWNER is NULL; returns id, topic, msg_key, event_id, payload.
  */
 // clang-format off
-#define TALLY_OUTBOX_INSERT_HANDED(PARAM, BULK, WHERE, OWNER, LEASE_MS)                            \
+#define TALLY_OUTBOX_INSERT_HANDED(PARAM, WHERE, OWNER, LEASE_MS)                                  \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload, lease_owner, lease_until)"     \
-    " SELECT r.topic, r.msg_key, r.event_id, r.unnest, " OWNER "::text,"                            \
+    " SELECT r.topic, r.msg_key, r.event_id, r.payload, " OWNER "::text,"                          \
     " CASE WHEN " OWNER "::text IS NOT NULL"                                                       \
     " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END"                               \
-    TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
+    TALLY_OUTBOX_ROWS_(PARAM, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
 
-#define TALLY_OUTBOX_ROWS_(PARAM, BULK, WHERE)                                                     \
-    " FROM" TALLY_RECORDSET_ROWS(PARAM, BULK,                                                      \
-        "n int, topic text, msg_key text, event_id text, effect_id text", "r")                     \
+#define TALLY_OUTBOX_ROWS_(PARAM, WHERE)                                                           \
+    " FROM unnest(" TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) ","                          \
+    TALLY_COLUMN(PARAM, 3) "," TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) ")"               \
+    " WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, n)"                       \
     " " WHERE " ORDER BY r.n"
 // clang-format on
 
-/** @brief The batch as the text of its parameter for TALLY_OUTBOX_INSERT; see
- * tally_audit_batch_text. */
-const char *tally_outbox_batch_text(tally_outbox_batch_t *b, const char **why);
-
-/** @brief The payloads as the binary text[] parameter for TALLY_OUTBOX_INSERT's @p BULK; see
- * tally_audit_batch_bulk. */
-const char *tally_outbox_batch_bulk(tally_outbox_batch_t *b, int *len);
+/**
+ * @brief The batch as the bytes of its parameter for TALLY_OUTBOX_INSERT; see
+ * tally_audit_batch_param.
+ */
+const char *tally_outbox_batch_param(tally_outbox_batch_t *b, int *len, const char **why);
 
 void tally_outbox_batch_free(tally_outbox_batch_t *b);
 

@@ -1,6 +1,8 @@
 /* recordset.h — the text of a json_to_recordset($1::json) parameter, built row by row, with
- * one bulk column beside it as a binary text[] parameter, and the one statement that writes
- * them (the batches of audit.h and outbox.h). */
+ * one bulk column beside it as a binary text[] parameter, and a statement that writes them.
+ * For the statements whose plan needs json_to_recordset's guess of 100 rows (the dispatcher's
+ * record statements); the others take their rows as columns (columns.h), which PostgreSQL
+ * reads without lexing them. */
 #ifndef TALLY_RECORDSET_H
 #define TALLY_RECORDSET_H
 

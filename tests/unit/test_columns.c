@@ -1,0 +1,150 @@
+/* test_columns.c — the columns parameter (columns.h) is the two-dimensional text[] PostgreSQL's
+ * array_recv reads: [column][row], NULLs flagged, an empty array for no rows; a row that is
+ * not whole, or holds text that is not UTF-8, is taken back out; the memory is kept across
+ * batches. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tally/columns.h"
+
+#include "columns_decode.h"
+
+static void add_row(tally_columns_t *c, const char *a, const char *b, const char *x)
+{
+    assert_true(tally_columns_row_begin(c));
+    assert_true(tally_columns_text(c, a));
+    assert_true(tally_columns_text(c, b));
+    assert_true(tally_columns_text(c, x));
+    assert_true(tally_columns_row_end(c, true));
+}
+
+static void test_rows_become_columns(void **st)
+{
+    (void)st;
+    tally_columns_t c = {0};
+    tally_columns_init(&c, 3);
+    add_row(&c, "a1", "b1", "");
+    add_row(&c, "a2", NULL, "caf\xc3\xa9 \"quoted\" \\ \n");
+    assert_int_equal(c.n, 2);
+    int len = 0;
+    const char *p = tally_columns_param(&c, &len);
+    /* byte for byte: the header, then column 1 of both rows, column 2, column 3 */
+    const char want[] = "\0\0\0\2"
+                        "\0\0\0\1"   /* has nulls */
+                        "\0\0\0\x19" /* text */
+                        "\0\0\0\3\0\0\0\1"
+                        "\0\0\0\2\0\0\0\1"
+                        "\0\0\0\2a1\0\0\0\2a2"
+                        "\0\0\0\2b1\xff\xff\xff\xff"
+                        "\0\0\0\0\0\0\0\x12"
+                        "caf\xc3\xa9 \"quoted\" \\ \n";
+    assert_int_equal(len, sizeof want - 1);
+    assert_memory_equal(p, want, sizeof want - 1);
+    decoded_columns_t d;
+    decode_columns(p, len, 3, &d);
+    assert_int_equal(d.n_rows, 2);
+    assert_string_equal(decoded_value(&d, 0, 1), "a2");
+    assert_null(decoded_value(&d, 1, 1));
+    assert_string_equal(decoded_value(&d, 2, 0), "");
+    decoded_columns_free(&d);
+    tally_columns_release(&c);
+}
+
+static void test_no_rows_is_an_empty_array(void **st)
+{
+    (void)st;
+    tally_columns_t c = {0};
+    tally_columns_init(&c, 4);
+    int len = -1;
+    const char *p = tally_columns_param(&c, &len);
+    assert_int_equal(len, 12);
+    assert_memory_equal(p, "\0\0\0\0\0\0\0\0\0\0\0\x19", 12);
+    /* a row taken back out leaves the batch as it was, nulls flag included */
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, NULL));
+    assert_false(tally_columns_row_end(&c, false));
+    p = tally_columns_param(&c, &len);
+    assert_int_equal(len, 12);
+    assert_memory_equal(p, "\0\0\0\0\0\0\0\0\0\0\0\x19", 12);
+    tally_columns_release(&c);
+}
+
+static void test_a_row_must_be_whole_and_utf8(void **st)
+{
+    (void)st;
+    tally_columns_t c = {0};
+    tally_columns_init(&c, 2);
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "kept"));
+    assert_true(tally_columns_text(&c, "kept"));
+    assert_false(tally_columns_text(&c, "a third value")); /* the row is full */
+    assert_true(tally_columns_row_end(&c, true));
+    /* too short: taken back out */
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "short"));
+    assert_false(tally_columns_row_end(&c, true));
+    /* not UTF-8: refused, and the row goes */
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "fine"));
+    assert_false(tally_columns_text(&c, "\xff\xfe"));
+    assert_false(tally_columns_row_end(&c, false));
+    /* the caller's failure of a row it could not finish */
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, NULL));
+    assert_false(tally_columns_row_end(&c, false));
+    assert_int_equal(c.n, 1);
+    int len = 0;
+    decoded_columns_t d;
+    const char *p = tally_columns_param(&c, &len);
+    decode_columns(p, len, 2, &d);
+    assert_int_equal(d.n_rows, 1);
+    assert_string_equal(decoded_value(&d, 0, 0), "kept");
+    assert_string_equal(decoded_value(&d, 1, 0), "kept");
+    decoded_columns_free(&d);
+    /* a value outside a row, or a row end without a row, changes nothing */
+    assert_false(tally_columns_text(&c, "stray"));
+    assert_false(tally_columns_row_end(&c, true));
+    assert_int_equal(c.n, 1);
+    /* once failed, nothing more goes in and there is no parameter */
+    tally_columns_fail(&c, "first reason");
+    tally_columns_fail(&c, "second reason");
+    assert_string_equal(c.why, "first reason");
+    assert_false(tally_columns_row_begin(&c));
+    assert_null(tally_columns_param(&c, &len));
+    assert_int_equal(len, 0);
+    /* reset: a new batch, the failure gone, the memory kept */
+    size_t cap = c.col[0].cap;
+    tally_columns_reset(&c);
+    assert_int_equal(c.n, 0);
+    assert_false(c.failed);
+    assert_true(cap > 0);
+    assert_int_equal(c.col[0].cap, cap);
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "again"));
+    assert_true(tally_columns_text(&c, NULL));
+    assert_true(tally_columns_row_end(&c, true));
+    p = tally_columns_param(&c, &len);
+    decode_columns(p, len, 2, &d);
+    assert_int_equal(d.n_rows, 1);
+    assert_string_equal(decoded_value(&d, 0, 0), "again");
+    assert_null(decoded_value(&d, 1, 0));
+    decoded_columns_free(&d);
+    tally_columns_release(&c);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rows_become_columns),
+        cmocka_unit_test(test_no_rows_is_an_empty_array),
+        cmocka_unit_test(test_a_row_must_be_whole_and_utf8),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
