@@ -14,7 +14,7 @@
 #include "dispatcher.h"
 #include "tally/backoff.h"
 #include "tally/json.h"
-#include "tally/recordset.h"
+#include "tally/columns.h"
 #include "tally/audit.h"
 #include "tally/crashpoint.h"
 #include "tally/log.h"
@@ -80,12 +80,27 @@ static const char SQL_CLAIM[] =
 #define RECORDED_EFFECTS                                                                           \
     "e.effect_id = ANY (ARRAY(SELECT effect_id FROM x)) AND e.effect_id = x.effect_id"             \
     " AND coalesce(e.status, '') = 'DISPATCHING'"
+/* The finished calls, $1 of both record statements: a columns parameter (columns.h) built by
+ * record_batch, typed here, and their number, N. The rows are zipped with generate_series(1, N)
+ * for the planner's sake alone: a prepared statement's generic plan guesses 10 rows for an
+ * unnest of a parameter — and at that guess the UPDATE below joined a thousand results to
+ * their effects by a nested loop over all of them (about 270 ms a batch) — but 1,000 for a
+ * generate_series it cannot count, and the plans below are made for a batch of hundreds. */
 // clang-format off
+#define RECORDED_ROWS(PARAM, N)                                                                    \
+    " (SELECT u.effect_id::uuid AS effect_id, u.epoch::bigint AS epoch, u.status,"                 \
+    "   u.receipt::jsonb AS receipt, u.external_ref, u.error_code, u.error_message,"               \
+    "   u.delay_ms::bigint AS delay_ms FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"         \
+    "   unnest(" TALLY_COLUMN(PARAM, 2) "), unnest(" TALLY_COLUMN(PARAM, 3) "),"                   \
+    "   unnest(" TALLY_COLUMN(PARAM, 4) "), unnest(" TALLY_COLUMN(PARAM, 5) "),"                   \
+    "   unnest(" TALLY_COLUMN(PARAM, 6) "), unnest(" TALLY_COLUMN(PARAM, 7) "),"                   \
+    "   unnest(" TALLY_COLUMN(PARAM, 8) "), generate_series(1, " N "::int))"                       \
+    "   AS u(effect_id, epoch, status, receipt, external_ref, error_code, error_message,"          \
+    "   delay_ms, k))"
+enum { REC_EFFECT_ID, REC_EPOCH, REC_STATUS, REC_RECEIPT, REC_EXTERNAL_REF, REC_ERROR_CODE,
+       REC_ERROR_MESSAGE, REC_DELAY_MS, REC_COLS };
 static const char SQL_RECORD[] =
-    "WITH r AS (SELECT r.effect_id, r.epoch, r.status, r.unnest::jsonb AS receipt, r.external_ref,"
-    "   r.error_code, r.error_message, r.delay_ms FROM"
-    TALLY_RECORDSET_ROWS("$1", "$2", "n int, effect_id uuid, epoch bigint, status text,"
-    "   external_ref text, error_code text, error_message text, delay_ms bigint", "r") "),"
+    "WITH r AS (SELECT * FROM" RECORDED_ROWS("$1", "$2") " AS r),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
     "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
     "   ORDER BY run_id FOR SHARE),"
@@ -117,19 +132,16 @@ static const char SQL_RECORD[] =
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
  * page to open) in ONE statement and transaction: the compare-and-set, the events and the
  * outcome messages of exactly the rows it wrote ($2 and $3, the columns of the events and of
- * the messages, hold them for every row, and $6 the receipts; a row whose lease was taken over
- * keeps neither). Three statements, a BEGIN and a COMMIT fewer than the general
- * path below, on the path every outcome takes. The messages are leased to this
- * worker's relay ($4, for $5 ms) and come back ('m' rows) to be handed to it: it publishes them
- * without a notification and a read of its own, and nobody else takes them first. */
+ * the messages, hold them for every row; a row whose lease was taken over keeps neither). Three
+ * statements, a BEGIN and a COMMIT fewer than the general path below, on the path every outcome
+ * takes. The messages are leased to this worker's relay ($4, for $5 ms) and come back ('m' rows) to
+ * be handed to it: it publishes them without a notification and a read of its own, and nobody else
+ * takes them first. */
 #define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
 #define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
 // clang-format off
 static const char SQL_RECORD_FINAL[] =
-    "WITH x AS (SELECT x.effect_id, x.epoch, x.status, x.unnest::jsonb AS receipt, x.external_ref,"
-    "   x.error_code, x.error_message FROM"
-    TALLY_RECORDSET_ROWS("$1", "$6", "n int, effect_id uuid, epoch bigint, status text,"
-    "   external_ref text, error_code text, error_message text", "x") "),"
+    "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
     " upd AS (UPDATE effects e SET status = x.status,"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
@@ -680,7 +692,7 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
 /* SQL_RECORD_FINAL: the events and messages are built for every row first; @p won then says
  * which rows the statement wrote. */
 static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, const char *rows,
-                         const char *receipts, int receipts_len, bool *won, tally_audit_batch_t *ab,
+                         int rows_len, const char *n_rows, bool *won, tally_audit_batch_t *ab,
                          tally_outbox_batch_t *ob, tally_error_t *err)
 {
     for (size_t i = 0; i < n_done; i++)
@@ -688,8 +700,8 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     if (!record_events(d, done, n_done, won, ab, ob, err))
         return false;
     const char *why_ev = "", *why_mo = "";
-    int lengths[6] = {0, 0, 0, 0, 0, receipts_len};
-    int formats[6] = {0, 1, 1, 0, 0, 1};
+    int lengths[6] = {rows_len, 0, 0, 0, 0, 0};
+    int formats[6] = {1, 1, 1, 0, 0, 0};
     const char *ev = tally_audit_batch_param(ab, &lengths[1], &why_ev);
     const char *mo = tally_outbox_batch_param(ob, &lengths[2], &why_mo);
     if (!ev || !mo) {
@@ -699,8 +711,7 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     tally_relay_t *relay = tally_worker_relay(d->w);
     char lease[16];
     snprintf(lease, sizeof lease, "%d", TALLY_RELAY_HAND_LEASE_MS);
-    const char *params[6] = {rows,  ev,      mo, relay ? tally_relay_owner(relay) : NULL,
-                             lease, receipts};
+    const char *params[6] = {rows, ev, mo, relay ? tally_relay_owner(relay) : NULL, lease, n_rows};
     PGresult *res =
         tally_pg_exec_bin(d->rec_pg, SQL_RECORD_FINAL, 6, params, lengths, formats, err);
     if (!res)
@@ -729,7 +740,8 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
 {
     double now = dispatch_now();
     qsort(done, n_done, sizeof *done, cmp_done);
-    tally_recordset_t rows = {0}; /* $1 of the record statements, built as text */
+    tally_columns_t rows = {0}; /* $1 of the record statements (RECORDED_ROWS) */
+    tally_columns_init(&rows, REC_COLS);
     bool *won = calloc(n_done, sizeof *won);
     tally_audit_batch_t *ab = tally_audit_batch_new();
     tally_outbox_batch_t *ob = tally_outbox_batch_new();
@@ -747,24 +759,23 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         snprintf(epoch, sizeof epoch, "%lld", (long long)x->call->epoch);
         snprintf(delay, sizeof delay, "%lld", x->delay_ms);
         const char *code = x->error_code[0] ? x->error_code : NULL;
-        bool row = tally_recordset_row_begin(&rows) &&
-                   tally_recordset_text(&rows, "effect_id", x->call->effect_id) &&
-                   tally_recordset_json(&rows, "epoch", epoch) &&
-                   tally_recordset_text(&rows, "status", x->to_status) &&
-                   tally_recordset_bulk(&rows, x->receipt_text) &&
-                   tally_recordset_text(&rows, "external_ref", x->external_ref) &&
-                   tally_recordset_text(&rows, "error_code", code) &&
-                   tally_recordset_text(&rows, "error_message", code ? x->error_message : NULL) &&
-                   tally_recordset_json(&rows, "delay_ms", delay);
-        if (!tally_recordset_row_end(&rows, row)) {
+        bool row = tally_columns_row_begin(&rows) &&
+                   tally_columns_text(&rows, x->call->effect_id) &&
+                   tally_columns_text(&rows, epoch) && tally_columns_text(&rows, x->to_status) &&
+                   tally_columns_text(&rows, x->receipt_text) &&
+                   tally_columns_text(&rows, x->external_ref) && tally_columns_text(&rows, code) &&
+                   tally_columns_text(&rows, code ? x->error_message : NULL) &&
+                   tally_columns_text(&rows, delay);
+        if (!tally_columns_row_end(&rows, row)) {
             tally_error_set(&err, "oom", true, "out of memory, or text that is not UTF-8");
             goto out;
         }
     }
-    const char *text = tally_recordset_close(&rows);
-    int receipts_len = 0;
-    const char *receipts = tally_recordset_bulk_param(&rows, &receipts_len);
-    if (!text || !receipts) {
+    int rows_len = 0;
+    const char *param = tally_columns_param(&rows, &rows_len);
+    char n_rows[24];
+    snprintf(n_rows, sizeof n_rows, "%zu", rows.n);
+    if (!param) {
         tally_error_set(&err, "oom", true, "out of memory");
         goto out;
     }
@@ -774,11 +785,11 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
             (done[i].v.alert_owner && strcmp(done[i].to_status, "FAILED") == 0))
             final = false;
     if (final) {
-        ok = record_final(d, done, n_done, text, receipts, receipts_len, won, ab, ob, &err);
+        ok = record_final(d, done, n_done, param, rows_len, n_rows, won, ab, ob, &err);
         goto out;
     }
-    const char *params[2] = {text, receipts};
-    int lengths[2] = {0, receipts_len}, formats[2] = {0, 1};
+    const char *params[2] = {param, n_rows};
+    int lengths[2] = {rows_len, 0}, formats[2] = {1, 0};
     if (!tally_pg_begin(d->rec_pg, &err))
         goto out;
     res = tally_pg_exec_bin(d->rec_pg, SQL_RECORD, 2, params, lengths, formats, &err);
@@ -811,7 +822,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         PQclear(handed);
 out:
     PQclear(res);
-    tally_recordset_release(&rows);
+    tally_columns_release(&rows);
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
     if (!ok) {

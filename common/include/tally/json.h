@@ -30,7 +30,7 @@ bool tally_input_hash(const json_t *args, char out[65]) TALLY_WUR;
 /**
  * @brief Grow the text buffer *@p buf of *@p cap bytes (realloc) to hold at least @p need
  * bytes, doubling from its capacity, or from @p first when it has none. The one growth rule of
- * every text builder (JSON text, recordsets, batch columns, registry messages). false, the buffer
+ * every text builder (JSON text, batch columns, registry messages). false, the buffer
  * left as it was, when out of memory.
  */
 bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first) TALLY_WUR;
