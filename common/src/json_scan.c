@@ -173,17 +173,43 @@ static bool path_goes_on(const scan_t *c, size_t depth, const char *key, size_t 
     return c->tok_idx[depth] == idx;
 }
 
-static bool scan_object(scan_t *c, size_t depth, bool on_path)
+/* An object's or array's opening @p open, copied; whether @p close follows at once (copied too:
+ * the value is empty). */
+static bool open_empty(scan_t *c, char open, char close)
 {
-    size_t key_off[SCAN_MAX_KEYS], key_len[SCAN_MAX_KEYS], n_keys = 0;
-    c->out[c->o++] = '{';
+    c->out[c->o++] = open;
     c->i++;
     skip_ws(c);
-    if (c->i < c->n && c->s[c->i] == '}') {
-        c->out[c->o++] = '}';
+    if (c->i < c->n && c->s[c->i] == close) {
+        c->out[c->o++] = close;
         c->i++;
         return true;
     }
+    return false;
+}
+
+/* After a member or an element: ',' (0: another follows) or @p close (1: the end), copied;
+ * -1 for anything else. */
+static int after_item(scan_t *c, char close)
+{
+    skip_ws(c);
+    if (c->i >= c->n)
+        return -1;
+    char ch = c->s[c->i++];
+    c->out[c->o++] = ch;
+    if (ch == close)
+        return 1;
+    if (ch != ',')
+        return -1;
+    skip_ws(c);
+    return 0;
+}
+
+static bool scan_object(scan_t *c, size_t depth, bool on_path)
+{
+    size_t key_off[SCAN_MAX_KEYS], key_len[SCAN_MAX_KEYS], n_keys = 0;
+    if (open_empty(c, '{', '}'))
+        return true;
     for (;;) {
         if (c->i >= c->n || c->s[c->i] != '"' || n_keys == SCAN_MAX_KEYS)
             return false;
@@ -206,43 +232,23 @@ static bool scan_object(scan_t *c, size_t depth, bool on_path)
         bool next_on = on_path && path_goes_on(c, depth, c->s + koff, klen, 0);
         if (!scan_value(c, depth + 1, next_on))
             return false;
-        skip_ws(c);
-        if (c->i >= c->n)
-            return false;
-        char ch = c->s[c->i++];
-        c->out[c->o++] = ch;
-        if (ch == '}')
-            return true;
-        if (ch != ',')
-            return false;
-        skip_ws(c);
+        int end = after_item(c, '}');
+        if (end != 0)
+            return end == 1;
     }
 }
 
 static bool scan_array(scan_t *c, size_t depth, bool on_path)
 {
-    c->out[c->o++] = '[';
-    c->i++;
-    skip_ws(c);
-    if (c->i < c->n && c->s[c->i] == ']') {
-        c->out[c->o++] = ']';
-        c->i++;
+    if (open_empty(c, '[', ']'))
         return true;
-    }
     for (size_t idx = 0;; idx++) {
         bool next_on = on_path && path_goes_on(c, depth, NULL, 0, idx);
         if (!scan_value(c, depth + 1, next_on))
             return false;
-        skip_ws(c);
-        if (c->i >= c->n)
-            return false;
-        char ch = c->s[c->i++];
-        c->out[c->o++] = ch;
-        if (ch == ']')
-            return true;
-        if (ch != ',')
-            return false;
-        skip_ws(c);
+        int end = after_item(c, ']');
+        if (end != 0)
+            return end == 1;
     }
 }
 

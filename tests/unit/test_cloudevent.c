@@ -14,6 +14,8 @@
 #include "tally/cloudevent.h"
 #include "tally/json.h"
 
+#include "test_rng.h"
+
 #define MAX_BYTES (1024 * 1024)
 
 static char detail[512];
@@ -714,16 +716,6 @@ static void test_deep_nesting(void **state)
     assert_int_equal(parse_str(msg, &in), TALLY_DLQ_NONE);
     tally_intent_clear(&in);
     free(msg);
-}
-
-/* xorshift64*: reproducible inputs, so a failure can be replayed. */
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static uint64_t rng(void)
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return rng_state * 0x2545F4914F6CDD1Dull;
 }
 
 static void check_any_input(const unsigned char *buf, size_t len)
