@@ -90,7 +90,7 @@ static const char SQL_CLAIM[] =
 #define RECORDED_ROWS(PARAM, N)                                                                    \
     " (SELECT u.effect_id::uuid AS effect_id, u.epoch::bigint AS epoch, u.status,"                 \
     "   u.receipt::jsonb AS receipt, u.external_ref, u.error_code, u.error_message,"               \
-    "   u.delay_ms::bigint AS delay_ms FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"         \
+    "   u.delay_ms::bigint AS delay_ms FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"        \
     "   unnest(" TALLY_COLUMN(PARAM, 2) "), unnest(" TALLY_COLUMN(PARAM, 3) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 4) "), unnest(" TALLY_COLUMN(PARAM, 5) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 6) "), unnest(" TALLY_COLUMN(PARAM, 7) "),"                   \
@@ -130,13 +130,13 @@ static const char SQL_RECORD[] =
 // clang-format on
 
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
- * page to open) in ONE statement and transaction: the compare-and-set, the events and the
- * outcome messages of exactly the rows it wrote ($2 and $3, the columns of the events and of
- * the messages, hold them for every row; a row whose lease was taken over keeps neither). Three
- * statements, a BEGIN and a COMMIT fewer than the general path below, on the path every outcome
- * takes. The messages are leased to this worker's relay ($4, for $5 ms) and come back ('m' rows) to
- * be handed to it: it publishes them without a notification and a read of its own, and nobody else
- * takes them first. */
+ * page to open) in ONE statement and transaction: the compare-and-set of the results ($1, and
+ * $6 their number), the events and the outcome messages of exactly the rows it wrote ($2 and
+ * $3, the columns of the events and of the messages, hold them for every row; a row whose lease
+ * was taken over keeps neither). Three statements, a BEGIN and a COMMIT fewer than the general
+ * path below, on the path every outcome takes. The messages are leased to this worker's relay
+ * ($4, for $5 ms) and come back ('m' rows) to be handed to it: it publishes them without a
+ * notification and a read of its own, and nobody else takes them first. */
 #define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
 #define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
 // clang-format off

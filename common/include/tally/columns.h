@@ -67,8 +67,8 @@ void tally_columns_fail(tally_columns_t *c, const char *fmt, ...)
 
 /**
  * @brief The batch as the bytes of a binary text[] parameter (format 1), @p len bytes: the
- * array [column][row], or an empty array when there are no rows. NULL when the batch failed
- * or out of memory. Valid until the batch changes.
+ * array [column][row], or an empty array when there are no rows. NULL when the batch failed,
+ * a row is still open, or out of memory. Valid until the batch changes.
  */
 const char *tally_columns_param(tally_columns_t *c, int *len) TALLY_WUR;
 
