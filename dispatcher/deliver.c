@@ -97,8 +97,7 @@ static const char SQL_CLAIM[] =
     "   unnest(" TALLY_COLUMN(PARAM, 8) "), generate_series(1, " N "::int))"                       \
     "   AS u(effect_id, epoch, status, receipt, external_ref, error_code, error_message,"          \
     "   delay_ms, k))"
-enum { REC_EFFECT_ID, REC_EPOCH, REC_STATUS, REC_RECEIPT, REC_EXTERNAL_REF, REC_ERROR_CODE,
-       REC_ERROR_MESSAGE, REC_DELAY_MS, REC_COLS };
+#define REC_COLS 8 /* RECORDED_ROWS' columns, from effect_id to delay_ms */
 static const char SQL_RECORD[] =
     "WITH r AS (SELECT * FROM" RECORDED_ROWS("$1", "$2") " AS r),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"

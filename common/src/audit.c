@@ -13,21 +13,10 @@ struct tally_audit_batch {
     tally_columns_t cols;
 };
 
-/* The columns, in TALLY_AUDIT_INSERT's order; "n", the row's place, keeps the insertion order
- * in events.seq. */
-enum {
-    COL_EVENT_ID,
-    COL_RUN_ID,
-    COL_EFFECT_ID,
-    COL_OBLIGATION_ID,
-    COL_KIND,
-    COL_FROM_STATUS,
-    COL_TO_STATUS,
-    COL_ACTOR,
-    COL_REASON,
-    COL_DATA,
-    N_COLS
-};
+/* event_id, run_id, effect_id, obligation_id, kind, from_status, to_status, actor, reason,
+ * data: TALLY_AUDIT_INSERT's columns, in order; the row's place, "n", keeps the insertion
+ * order in events.seq. */
+#define N_COLS 10
 static const char SQL_INSERT[] = TALLY_AUDIT_INSERT("$1", "");
 
 tally_audit_batch_t *tally_audit_batch_new(void)
