@@ -64,16 +64,23 @@ static const char SQL_RUN[] = "SELECT (SELECT to_jsonb(r) || jsonb_build_object(
                               "   extract(epoch FROM now() - r.updated_at)::float8, 'now', now())"
                               " FROM runs r WHERE r.run_id = $1)";
 
-/* The run's events, and those of its effects and obligations that were written
- * without the run id (a conflict answered for another run still names this
- * run's effect). */
+/* The run's events, and those of its effects and obligations that were written under another
+ * run id or none (a conflict answered for another run still names this run's effect). Each
+ * part is read through its own index (schema 8); one WHERE with ORs cannot use them and scans
+ * every event of the ledger. An effect's transitions and connector calls always carry its
+ * run id, so the first part finds them, and the effect index leaves them out. */
+#define EVENT_COLUMNS                                                                              \
+    "SELECT seq, event_id, occurred_at, run_id, effect_id, obligation_id, kind, from_status,"      \
+    " to_status, actor, reason, data FROM events"
+// clang-format off
 static const char SQL_EVENTS[] =
     "SELECT coalesce(jsonb_agg(to_jsonb(v) ORDER BY v.seq), '[]') FROM ("
-    " SELECT seq, event_id, occurred_at, run_id, effect_id, obligation_id, kind, from_status,"
-    "   to_status, actor, reason, data FROM events"
-    " WHERE run_id = $1"
-    "   OR effect_id IN (SELECT effect_id FROM effects WHERE run_id = $1)"
-    "   OR obligation_id IN (SELECT obligation_id FROM obligations WHERE run_id = $1)) v";
+    EVENT_COLUMNS " WHERE run_id = $1"
+    " UNION " EVENT_COLUMNS " WHERE effect_id IN (SELECT effect_id FROM effects WHERE run_id = $1)"
+    "   AND kind NOT IN ('transition', 'connector_call')"
+    " UNION " EVENT_COLUMNS
+    "   WHERE obligation_id IN (SELECT obligation_id FROM obligations WHERE run_id = $1)) v";
+// clang-format on
 
 static const char SQL_EFFECTS[] =
     "SELECT coalesce(jsonb_agg(to_jsonb(e) || jsonb_build_object("

@@ -36,13 +36,20 @@ SQL_CHECKS = [
      "SELECT effect_id FROM effects WHERE status = 'FAILED' AND error_code IS NULL"),
     ("every effect's run exists",
      "SELECT e.effect_id FROM effects e LEFT JOIN runs r USING (run_id) WHERE r.run_id IS NULL"),
+    # The events index (schema 8) and `tally doctor` find an effect's transitions and
+    # connector calls through its run alone.
+    ("every transition and connector call of an effect names the effect's run",
+     "SELECT v.event_id, v.kind, v.run_id, e.run_id FROM events v JOIN effects e USING (effect_id)"
+     " WHERE v.kind IN ('transition', 'connector_call') AND v.run_id IS DISTINCT FROM e.run_id"),
     ("every effect has the event of its creation",
      "SELECT e.effect_id FROM effects e WHERE NOT EXISTS (SELECT 1 FROM events v"
-     " WHERE v.effect_id = e.effect_id AND v.kind = 'transition' AND v.from_status IS NULL)"),
+     " WHERE v.run_id = e.run_id AND v.effect_id = e.effect_id AND v.kind = 'transition'"
+     "   AND v.from_status IS NULL)"),
     ("every effect's current state is the target of its last transition event",
      "SELECT e.effect_id, e.status, t.to_status FROM effects e"
-     " JOIN LATERAL (SELECT to_status FROM events v WHERE v.effect_id = e.effect_id"
-     "   AND v.kind = 'transition' ORDER BY v.seq DESC LIMIT 1) t ON true"
+     " JOIN LATERAL (SELECT to_status FROM events v WHERE v.run_id = e.run_id"
+     "   AND v.effect_id = e.effect_id AND v.kind = 'transition' ORDER BY v.seq DESC LIMIT 1) t"
+     "   ON true"
      " WHERE t.to_status IS DISTINCT FROM e.status"),
     ("attempts stay within the tool's cap plus one",
      "SELECT effect_id, attempts FROM effects WHERE attempts > 100"),

@@ -81,6 +81,42 @@ class DoctorTest(CliCase):
         self.assertEqual(out.returncode, 1)
         self.assertIn("no run 'no-such-run'", out.stderr)
 
+    def test_doctor_shows_events_of_its_effects_written_for_another_run(self):
+        # The timeline is read in three parts, each through its own index (schema 8): the
+        # run's events, other runs' events that name its effects, and events that name only
+        # its obligations. Each part has an event here that no other part finds.
+        self.dispatcher()
+        run, other = run_id(), run_id()
+        effect = self.confirmed_charge(run, 1)
+        args = {"tenant_id": "t1", "payment_id": f"{run}-p1", "amount": 5}
+        self.publish(self.intent(other, 1, "charge_card", args))  # a replay, from another run
+        self.publish(self.intent(other, 2, "charge_card", dict(args, amount=7)))  # a conflict
+        wait_for(lambda: self.scalar("SELECT count(*) FROM events WHERE run_id = %s"
+                                     " AND effect_id = %s AND kind IN ('intent', 'conflict')",
+                                     (other, effect)) == 2,
+                 timeout=30, what="the replay's and the conflict's events")
+        oid = self.obligation(effect, "RESOLVED")
+        self.audit(None, None, oid, "operator", None, None, "ivy", "checked upstream by hand")
+
+        expected = self.query(
+            "SELECT event_id::text, kind, run_id FROM events WHERE run_id = %s"
+            " OR effect_id = %s OR obligation_id = %s ORDER BY seq", (run, effect, oid))
+        found = {(k, r) for _, k, r in expected}
+        self.assertTrue({("intent", other), ("conflict", other), ("operator", None),
+                         ("transition", run), ("connector_call", run)} <= found, found)
+        rc, doc = self.tally_json("doctor", "--run", run)
+        self.assertEqual(rc, 0)
+        self.assertEqual([(e["event_id"], e["kind"], e["run_id"]) for e in doc["events"]],
+                         [tuple(e) for e in expected])
+        out = self.tally("doctor", "--run", run)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("checked upstream by hand", out.stdout)
+        # The other run's timeline has the two events under its own id.
+        rc, doc = self.tally_json("doctor", "--run", other)
+        self.assertEqual(rc, 0)
+        self.assertEqual(sorted(e["kind"] for e in doc["events"] if e["effect_id"] == effect),
+                         ["conflict", "intent"])
+
     def test_summary_of_a_settled_run_has_each_kind_of_entry(self):
         self.dispatcher()
         self.compensator()

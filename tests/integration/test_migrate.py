@@ -77,6 +77,19 @@ class MigrateTest(TallyCase):
         self.assertEqual(self.scalar("SELECT reason FROM events WHERE event_id = %s",
                                      (event_id,)), "append-only check")
 
+    def test_an_event_id_is_written_once(self):
+        # Schema 8 made event_id the primary key in place of its own unique index.
+        out = self.cli("migrate")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        event_id = str(uuid.uuid4())
+        insert = "INSERT INTO events (event_id, kind, actor) VALUES (%s, 'operator', %s)"
+        self.query(insert, (event_id, "first"))
+        with self.assertRaises(psycopg2.Error) as cm:
+            self.query(insert, (event_id, "second"))
+        self.assertEqual(cm.exception.pgcode, "23505")
+        self.assertEqual(self.query("SELECT actor FROM events WHERE event_id = %s", (event_id,)),
+                         [("first",)])
+
     def test_the_input_hash_is_64_lowercase_hex_digits(self):
         """Version 7 checks it without a regular expression; the rule is the same."""
         out = self.cli("migrate")
