@@ -26,7 +26,9 @@
  * step in the run (saga order) and, for run compensations, no later effect still in flight,
  * STUCK, or confirmed but without its obligation yet (the sweep is about to create it).
  * $1 worker, $2 JSON {tool: lease ms}, $3 default lease ms, $4 limit, $5 JSON array of the
- * tools whose compensation needs approval. */
+ * tools whose compensation needs approval. The time each effect was confirmed is read from its
+ * transitions through its run: the events table is indexed by run, and by effect only for the
+ * kinds that may name another run's effect (schema 8). */
 static const char SQL_LEASE[] =
     "WITH cand AS ("
     "  SELECT o.obligation_id, o.status AS from_status"
@@ -68,7 +70,8 @@ static const char SQL_LEASE[] =
                       "   e.operation_key, e.args_canonical, e.traceparent, e.intent_id, "
                       "e.attempts,"
                       "   to_char(coalesce((SELECT max(ev.occurred_at) FROM events ev"
-                      "       WHERE ev.effect_id = e.effect_id AND ev.to_status = 'CONFIRMED'), "
+                      "       WHERE ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
+                      "         AND ev.to_status = 'CONFIRMED'), "
                       "e.updated_at)"
                       "     AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')";
 

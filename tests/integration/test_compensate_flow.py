@@ -298,6 +298,15 @@ class CompensateFlowTest(CompensateCase):
 
     def test_run_is_compensated_last_step_first(self):
         run_id, steps = self.four_step_run()
+        # The blast radius's time is when the effect was confirmed, from its transition event,
+        # not the row's last update: move that away so the two cannot be confused.
+        email = steps[2]["effect_id"]
+        self.query("UPDATE effects SET updated_at = updated_at + interval '1 hour'"
+                   " WHERE effect_id = %s RETURNING 1", (email,))
+        confirmed_at = self.scalar(
+            "SELECT to_char(max(occurred_at) AT TIME ZONE 'UTC',"
+            " 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') FROM events"
+            " WHERE effect_id = %s AND to_status = 'CONFIRMED'", (email,))
         res = self.compensate(run_id)
         self.assertEqual((res["found"], res["obligations_created"], res["status_after"]),
                          (True, 4, "COMPENSATING"))
@@ -331,7 +340,7 @@ class CompensateFlowTest(CompensateCase):
         self.assertEqual(br["target"], {"field": "to", "value": steps[2]["args"]["to"]})
         self.assertEqual(br["receipt"]["id"], steps[2]["ref"])
         self.assertEqual(br["containment"]["status"], "done")
-        self.assertTrue(br["time"])
+        self.assertEqual(br["time"], confirmed_at)
 
         # the summary (runs.summary and tally.run.compensated.v1)
         s = run["summary"]
