@@ -27,7 +27,10 @@ double comp_now(void)
 static void declare_metrics(compensator_t *c, tally_metrics_t *m)
 {
     c->m_obligations =
-        tally_metrics_gauge(m, "tally_obligations", "Obligations in the ledger by state", "state");
+        tally_metrics_gauge(m, "tally_obligations",
+                            "Obligations in the ledger by state (the terminal states are "
+                            "counted again 10-60 s apart, the live ones on every sweep)",
+                            "state");
     c->m_stuck = tally_metrics_gauge(m, "tally_stuck_obligations",
                                      "Obligations that are STUCK: a human must decide", NULL);
     c->m_drain = tally_metrics_histogram(

@@ -32,6 +32,9 @@ extern const tally_worker_ops_t tally_compensator_ops;
  * so a reverse call still legitimately running is not taken over. */
 #define COMP_LEASE_MARGIN_MS 2000
 
+/** The obligation states counted for tally_obligations (settle.c). */
+#define COMP_OBLIGATION_STATES 8
+
 /** A leased obligation, from the lease until its outcome is recorded. */
 typedef struct comp_ob {
     char obligation_id[37];
@@ -104,6 +107,10 @@ typedef struct compensator {
     json_t *settle_runs; /**< runs whose obligations moved: settle them next (array of ids) */
 
     comp_pager_t *pager;
+
+    double gauge_counts[COMP_OBLIGATION_STATES]; /**< the last counts, settle.c's order */
+    bool live_moved;            /**< live counts changed since the terminal ones were read */
+    double terminal_counted_at; /**< monotonic seconds; 0: not yet */
 
     tally_metric_t *m_obligations; /**< tally_obligations{state} */
     tally_metric_t *m_stuck;       /**< tally_stuck_obligations */

@@ -369,8 +369,13 @@ class CompensateFlowTest(CompensateCase):
         self.assertEqual(sorted(m["data"]["tool"] for m in compensated),
                          ["charge_card", "create_hold"])
 
+        # The terminal states are counted again within 10 s of the live counts moving.
+        wait_for(lambda: self.metric_value(self.metrics(comp), "tally_obligations",
+                                           state="RESOLVED") == 2,
+                 timeout=20, interval=0.5, what="the gauge to count the two RESOLVED")
         metrics = self.metrics(comp)
         self.assertEqual(self.metric_value(metrics, "tally_obligations", state="RESOLVED"), 2)
+        self.assertEqual(self.metric_value(metrics, "tally_obligations", state="PENDING"), 0)
         self.assertEqual(self.metric_value(metrics, "tally_stuck_obligations"), 0)
         self.assertEqual(self.metric_value(metrics, "tally_obligation_drain_seconds_count"), 4)
         self.assertIsNotNone(self.metric_value(
