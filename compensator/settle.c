@@ -307,7 +307,8 @@ static int sweep_confirmed(compensator_t *c)
 }
 
 /* Reads the counts of states [from, to) of OBLIGATION_STATES (a state without rows is 0) into
- * c->gauge_counts; true when one of them changed. False on an error, said in the log. */
+ * c->gauge_counts and the gauge; *moved says whether one of them changed. False on an error,
+ * said in the log. */
 static bool count_states(compensator_t *c, const char *sql, size_t from, size_t to, bool *moved)
 {
     tally_error_t err;
