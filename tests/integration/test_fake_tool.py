@@ -15,6 +15,7 @@ import threading
 import time
 import unittest
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import tallytest
@@ -152,6 +153,24 @@ class ProtocolTest(FakeToolCase):
         self.assertEqual(hdrs.get("Idempotent-Replayed"), "true")
         self.assertEqual(again, rec)
         self.assertEqual(len(self.tool.records()["records"]), 1)
+
+    def test_records_show_strings_and_bodies_as_sent(self):
+        # The answer is written as text: quotes and backslashes escaped, UTF-8 kept (http.client
+        # sends header values as Latin-1, so "Ã©" goes out as the UTF-8 bytes of "é"), the body
+        # as it came, whitespace and all. A string that is not UTF-8 cannot be shown as JSON.
+        key = 'k"\\1'
+        status, _, rec = self.tool.execute("charges", key, b'{ "n" : 1,\n "s": "\\u00e9" }',
+                                           **{"Tally-Run-Id": "run-\u00c3\u00a9"})
+        self.assertEqual(status, 201, rec)
+        self.assertEqual(rec["idempotency_key"], key)
+        self.assertEqual(rec["run_id"], "run-\u00e9")
+        self.assertEqual(rec["body"], {"n": 1, "s": "\u00e9"})
+        status, _, found = self.tool.status_of("charges", urllib.parse.quote(key))
+        self.assertEqual((status, found), (200, [rec]))
+        self.assertEqual(self.tool.requests()[-1]["idempotency_key"], key)
+
+        status, _, body = self.tool.execute("charges", "k2", b"{}", **{"Tally-Run-Id": "\u00ff"})
+        self.assertEqual((status, sorted(body)), (500, ["error"]))
 
     def test_same_key_with_other_bytes_is_422(self):
         self.assertEqual(self.tool.execute("charges", "k", b'{"a":1,"b":2}')[0], 201)
