@@ -111,6 +111,7 @@ typedef struct compensator {
     double gauge_counts[COMP_OBLIGATION_STATES]; /**< the last counts, settle.c's order */
     bool live_moved;            /**< live counts changed since the terminal ones were read */
     double terminal_counted_at; /**< monotonic seconds; 0: not yet */
+    int settled_sweep_in;       /**< sweeps until the late-confirmation sweep reads settled runs */
 
     tally_metric_t *m_obligations; /**< tally_obligations{state} */
     tally_metric_t *m_stuck;       /**< tally_stuck_obligations */

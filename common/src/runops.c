@@ -217,40 +217,49 @@ static const char SQL_RUN_STATUS[] =
     " WHERE r.run_id = x.run_id AND r.status = x.from_status"
     " RETURNING r.run_id";
 
-/* Runs under compensation: COMPENSATING, or settled/STUCK runs that had compensation
- * obligations. Their CONFIRMED effects without an obligation for their own external ref (an
- * effect confirmed after compensation began) get one, with the reason of the run's first. */
-static const char SQL_SWEEP_CONFIRMED[] =
-    "WITH cand AS ("
-    "  SELECT e.effect_id, e.run_id, e.external_ref, e.receipt,"
-    "    coalesce((SELECT o.reason FROM obligations o WHERE o.run_id = e.run_id"
-    "      AND o.reason IN ('compensate_run', 'cancel_run') ORDER BY o.created_at LIMIT 1),"
-    "      'compensate_run') AS reason"
-    "  FROM runs r JOIN effects e ON e.run_id = r.run_id"
-    "  WHERE r.status IN ('COMPENSATING', 'COMPENSATED', 'PARTIALLY_COMPENSATED', 'STUCK')"
-    "    AND (r.status = 'COMPENSATING' OR EXISTS (SELECT 1 FROM obligations o"
-    "      WHERE o.run_id = r.run_id AND o.reason IN ('compensate_run', 'cancel_run')))"
-    "    AND e.status = 'CONFIRMED'"
-    "    AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.effect_id = e.effect_id"
-    "      AND o.external_ref IS NOT DISTINCT FROM e.external_ref)"
-    "  ORDER BY e.run_id, e.step_num DESC NULLS FIRST, e.seq DESC"
-    "  LIMIT $1),"
-    " ins AS ("
-    "  INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"
-    "  SELECT gen_random_uuid(), run_id, effect_id, reason, external_ref, receipt FROM cand"
-    "  ON CONFLICT (effect_id, external_ref) DO NOTHING"
-    "  RETURNING obligation_id, run_id, effect_id, reason, external_ref),"
-    " ru AS ("
-    "  UPDATE runs r SET status = 'COMPENSATING',"
-    "    status_reason = 'an effect was confirmed after the compensation had ended',"
-    "    updated_at = now()"
-    "  FROM runs old"
-    "  WHERE old.run_id = r.run_id AND r.run_id IN (SELECT run_id FROM ins)"
-    "    AND r.status IN ('COMPENSATED', 'PARTIALLY_COMPENSATED')"
-    "  RETURNING r.run_id, old.status)"
-    " SELECT 'obligation', obligation_id::text, run_id, effect_id::text, reason, external_ref"
-    " FROM ins"
-    " UNION ALL SELECT 'run', NULL, run_id, NULL, status, NULL FROM ru";
+/* Runs under compensation in the states @p STATES: COMPENSATING, or settled/STUCK runs that had
+ * compensation obligations. Their CONFIRMED effects without an obligation for their own
+ * external ref (an effect confirmed after compensation began) get one, with the reason of the
+ * run's first. The states are literals so the partial index runs_compensation_idx serves them. */
+#define SQL_SWEEP_CONFIRMED(STATES)                                                                \
+    "WITH cand AS ("                                                                               \
+    "  SELECT e.effect_id, e.run_id, e.external_ref, e.receipt,"                                   \
+    "    coalesce((SELECT o.reason FROM obligations o WHERE o.run_id = e.run_id"                   \
+    "      AND o.reason IN ('compensate_run', 'cancel_run') ORDER BY o.created_at LIMIT 1),"       \
+    "      'compensate_run') AS reason"                                                            \
+    "  FROM runs r JOIN effects e ON e.run_id = r.run_id"                                          \
+    "  WHERE r.status IN (" STATES ")"                                                             \
+    "    AND (r.status = 'COMPENSATING' OR EXISTS (SELECT 1 FROM obligations o"                    \
+    "      WHERE o.run_id = r.run_id AND o.reason IN ('compensate_run', 'cancel_run')))"           \
+    "    AND e.status = 'CONFIRMED'"                                                               \
+    "    AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.effect_id = e.effect_id"              \
+    "      AND o.external_ref IS NOT DISTINCT FROM e.external_ref)"                                \
+    "  ORDER BY e.run_id, e.step_num DESC NULLS FIRST, e.seq DESC"                                 \
+    "  LIMIT $1),"                                                                                 \
+    " ins AS ("                                                                                    \
+    "  INSERT INTO obligations (obligation_id, run_id, effect_id, reason, external_ref, receipt)"  \
+    "  SELECT gen_random_uuid(), run_id, effect_id, reason, external_ref, receipt FROM cand"       \
+    "  ON CONFLICT (effect_id, external_ref) DO NOTHING"                                           \
+    "  RETURNING obligation_id, run_id, effect_id, reason, external_ref),"                         \
+    " ru AS ("                                                                                     \
+    "  UPDATE runs r SET status = 'COMPENSATING',"                                                 \
+    "    status_reason = 'an effect was confirmed after the compensation had ended',"              \
+    "    updated_at = now()"                                                                       \
+    "  FROM runs old"                                                                              \
+    "  WHERE old.run_id = r.run_id AND r.run_id IN (SELECT run_id FROM ins)"                       \
+    "    AND r.status IN ('COMPENSATED', 'PARTIALLY_COMPENSATED')"                                 \
+    "  RETURNING r.run_id, old.status)"                                                            \
+    " SELECT 'obligation', obligation_id::text, run_id, effect_id::text, reason, external_ref"     \
+    " FROM ins"                                                                                    \
+    " UNION ALL SELECT 'run', NULL, run_id, NULL, status, NULL FROM ru"
+
+/* COMPENSATING and STUCK runs: the ones whose effects may still move. */
+static const char SQL_SWEEP_CONFIRMED_OPEN[] = SQL_SWEEP_CONFIRMED("'COMPENSATING', 'STUCK'");
+
+/* Every run that had compensation, the settled ones (whose number grows with the ledger's
+ * history) included. */
+static const char SQL_SWEEP_CONFIRMED_ALL[] =
+    SQL_SWEEP_CONFIRMED("'COMPENSATING', 'COMPENSATED', 'PARTIALLY_COMPENSATED', 'STUCK'");
 
 static const char SQL_PLAN_RUN[] = "SELECT status FROM runs WHERE run_id = $1";
 
@@ -675,15 +684,16 @@ out:
     return ok;
 }
 
-bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, const char *actor, const char *source,
-                                  tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
-                                  size_t *created, tally_error_t *err)
+bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, bool settled, const char *actor,
+                                  const char *source, tally_outbox_batch_t *ob,
+                                  tally_audit_batch_t *ab, size_t *created, tally_error_t *err)
 {
     *created = 0;
     char lim[16];
     snprintf(lim, sizeof lim, "%d", limit > 0 ? limit : 1);
     const char *params[1] = {lim};
-    PGresult *res = tally_pg_exec(pg, SQL_SWEEP_CONFIRMED, 1, params, err);
+    PGresult *res = tally_pg_exec(pg, settled ? SQL_SWEEP_CONFIRMED_ALL : SQL_SWEEP_CONFIRMED_OPEN,
+                                  1, params, err);
     if (res == NULL) {
         return false;
     }

@@ -148,8 +148,9 @@ class CompensateCase(DispatchCase):
         return {"effect_id": effect_id, "key": key, "receipt": receipt, "ref": ref,
                 "tool": tool, "step": step, "args": args}
 
-    def confirm_late(self, eff, run_id):
-        """An effect DISPATCHING/UNKNOWN becomes CONFIRMED, as the reconciler would do it."""
+    def confirm_late(self, eff, run_id, from_status="UNKNOWN"):
+        """An effect DISPATCHING/UNKNOWN becomes CONFIRMED, as the reconciler (or the
+        dispatcher, from DISPATCHING) would do it."""
         receipt = eff["receipt"] or self.execute_upstream(
             eff["tool"], eff["key"], canonical(eff["args"]), run_id, eff["effect_id"])
         self.query("UPDATE effects SET status = 'CONFIRMED', receipt = %s, external_ref = %s,"
@@ -157,8 +158,9 @@ class CompensateCase(DispatchCase):
                    " WHERE effect_id = %s",
                    (json.dumps(receipt), receipt["id"], eff["effect_id"]))
         self.query("INSERT INTO events (event_id, run_id, effect_id, kind, from_status,"
-                   " to_status, actor) VALUES (%s, %s, %s, 'transition', 'UNKNOWN',"
-                   " 'CONFIRMED', 'test')", (str(uuid.uuid4()), run_id, eff["effect_id"]))
+                   " to_status, actor) VALUES (%s, %s, %s, 'transition', %s,"
+                   " 'CONFIRMED', 'test')", (str(uuid.uuid4()), run_id, eff["effect_id"],
+                                             from_status))
         eff["receipt"], eff["ref"] = receipt, receipt["id"]
 
     def four_step_run(self, run_id=None, n=1):
@@ -486,6 +488,49 @@ class CompensateFlowTest(CompensateCase):
         reqs = self.fake_requests(op="reverse")
         self.assertEqual([r["collection"] for r in reqs], ["holds", "charges"])
         self.assertEqual(run["summary"]["counts"]["compensated"], 2)
+        self.assertEqual(comp.terminate(), 0)
+        self.invariants(obligations_settled=True)
+        self.compensation_invariants()
+
+    def test_effect_confirmed_after_the_run_settled_is_compensated_too(self):
+        """compensate_run leaves a PLANNED effect to its dispatcher (cancel_run would cancel
+        it), so it can be confirmed after the run settled. Settled runs are not read on every
+        sweep (there are as many as runs ever compensated), but on one in 30: the effect gets
+        its obligation then, and the run is compensated again."""
+        run_id = new_run_id()
+        tag = uuid.uuid4().hex[:8]
+        self.add_effect(run_id, 1, "charge_card", {"tenant_id": "t1", "payment_id": f"s-{tag}",
+                                                   "amount": 10})
+        later = self.add_effect(run_id, 2, "create_hold", {"hold_id": f"s-{tag}", "amount": 10},
+                                status="PLANNED")
+        self.assertEqual(self.compensate(run_id)["obligations_created"], 1)
+        comp = self.compensator()
+        run = self.wait_run(run_id, "COMPENSATED")
+        self.assertEqual(run["summary"]["counts"]["compensated"], 1)
+
+        # the dispatcher claims it and its call is answered, after the settlement
+        self.query("DELETE FROM outbox WHERE effect_id = %s", (later["effect_id"],))
+        self.query("UPDATE effects SET status = 'DISPATCHING', lease_owner = 'test',"
+                   " lease_until = now() + interval '1 hour', lease_epoch = lease_epoch + 1,"
+                   " attempts = attempts + 1, updated_at = now() WHERE effect_id = %s",
+                   (later["effect_id"],))
+        self.query("INSERT INTO events (event_id, run_id, effect_id, kind, from_status,"
+                   " to_status, actor) VALUES (%s, %s, %s, 'transition', 'PLANNED',"
+                   " 'DISPATCHING', 'test')", (str(uuid.uuid4()), run_id, later["effect_id"]))
+        self.confirm_late(later, run_id, from_status="DISPATCHING")
+
+        self.wait_obligation(run_id, "create_hold", "RESOLVED", timeout=60)
+
+        def settled_again():
+            r = self.run_row(run_id)
+            return r["status"] == "COMPENSATED" and r["summary"]["counts"]["compensated"] == 2
+        wait_for(settled_again, timeout=60, what=f"run {run_id} to settle again")
+        self.assertEqual(self.scalar(
+            "SELECT count(*) FROM events WHERE run_id = %s AND kind = 'transition'"
+            " AND effect_id IS NULL AND from_status = 'COMPENSATED'"
+            " AND to_status = 'COMPENSATING'", (run_id,)), 1)
+        self.assertEqual([r["collection"] for r in self.fake_requests(op="reverse")],
+                         ["charges", "holds"])
         self.assertEqual(comp.terminate(), 0)
         self.invariants(obligations_settled=True)
         self.compensation_invariants()

@@ -119,16 +119,22 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
 
 /**
  * @brief The compensator's sweep, in the caller's transaction: CONFIRMED effects of runs under
- * compensation (COMPENSATING, or COMPENSATED / PARTIALLY_COMPENSATED / STUCK runs that had
- * compensation obligations) without an obligation for their external ref get one (one
- * statement, at most @p limit, ON CONFLICT DO NOTHING), with the reason of the run's earlier
- * obligations. A COMPENSATED or PARTIALLY_COMPENSATED run that gains one turns COMPENSATING
- * again. Events are queued on @p ob and @p ab as for tally_runops_apply.
+ * compensation (COMPENSATING, or STUCK runs that had compensation obligations, and with
+ * @p settled also COMPENSATED and PARTIALLY_COMPENSATED ones) without an obligation for their
+ * external ref get one (one statement, at most @p limit, ON CONFLICT DO NOTHING), with the
+ * reason of the run's earlier obligations. A COMPENSATED or PARTIALLY_COMPENSATED run that
+ * gains one turns COMPENSATING again. Events are queued on @p ob and @p ab as for
+ * tally_runops_apply.
+ * @param settled also read the settled runs, whose number grows with the ledger's history. A
+ *   run settles only when none of its effects is DISPATCHING or UNKNOWN and every CONFIRMED one
+ *   has its obligation, and a STUCK effect makes it STUCK, so an effect of a settled run is
+ *   rarely confirmed later; the caller reads them less often.
  * @param created receives the number of new obligations.
  */
-bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, const char *actor, const char *source,
-                                  tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
-                                  size_t *created, tally_error_t *err) TALLY_WUR;
+bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, bool settled, const char *actor,
+                                  const char *source, tally_outbox_batch_t *ob,
+                                  tally_audit_batch_t *ab, size_t *created,
+                                  tally_error_t *err) TALLY_WUR;
 
 /**
  * @brief The plan of @p op for `--dry-run`, without changing anything: a JSON array with one
