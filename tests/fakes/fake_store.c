@@ -133,30 +133,14 @@ static void text_str(text_t *t, const char *s)
             continue;
         }
         text_put(t, (const char *)run, (size_t)(p - run));
+        /* the short escapes jansson writes, else \u00XX */
+        static const char ESC_IN[] = "\"\\\b\f\n\r\t", ESC_OUT[] = "\"\\bfnrt";
+        const char *hit = strchr(ESC_IN, *p);
         char esc[8];
-        switch (*p) {
-        case '"':
-        case '\\':
-            esc[0] = '\\', esc[1] = (char)*p, esc[2] = '\0';
-            break;
-        case '\b':
-            snprintf(esc, sizeof esc, "\\b");
-            break;
-        case '\f':
-            snprintf(esc, sizeof esc, "\\f");
-            break;
-        case '\n':
-            snprintf(esc, sizeof esc, "\\n");
-            break;
-        case '\r':
-            snprintf(esc, sizeof esc, "\\r");
-            break;
-        case '\t':
-            snprintf(esc, sizeof esc, "\\t");
-            break;
-        default:
+        if (hit)
+            snprintf(esc, sizeof esc, "\\%c", ESC_OUT[hit - ESC_IN]);
+        else
             snprintf(esc, sizeof esc, "\\u%04X", *p);
-        }
         text_lit(t, esc);
         run = ++p;
     }
