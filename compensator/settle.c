@@ -280,8 +280,8 @@ out:
 
 /* The late-confirmation sweep reads the COMPENSATED and PARTIALLY_COMPENSATED runs on the
  * first sweep and then on every this many (30 s at the default TALLY_SWEEP_MS). They are
- * every run ever compensated, and reading all their CONFIRMED effects took 57 ms a sweep on a
- * ledger of 100,000 effects, growing with it; an effect of such a run is seldom confirmed
+ * every run ever compensated, and reading all their CONFIRMED effects took about 60 ms a sweep
+ * on a ledger of 100,000 effects, growing with it; an effect of such a run is seldom confirmed
  * later (tally_runops_sweep_confirmed). COMPENSATING and STUCK runs are read on every sweep. */
 #define SETTLED_SWEEP_EVERY 30
 
