@@ -61,7 +61,9 @@ void fake_now_rfc3339(char *buf, size_t bufsz)
 }
 
 /* A growing JSON text. `ok` turns false at the first failed allocation or string that is not
- * UTF-8 (jansson refuses those too) and stays false. */
+ * UTF-8 (jansson refuses those too) and stays false. common/ has the like (tally_jtext_*,
+ * tally_utf8_valid), but the fake tool stands for an outside service and links no tally code
+ * (CMakeLists.txt here). */
 typedef struct text {
     char *s;
     size_t len, cap;
