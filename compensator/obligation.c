@@ -16,64 +16,69 @@
 #include "tally/log.h"
 #include "tally/outbox.h"
 
-/* clang-format off: SQL assembled from fragments reads best one clause per line */
+/* SQL assembled from fragments reads best one clause per line. */
+// clang-format off
 
 /* The sort key of a step: numeric steps by value, other steps in arrival order after them. */
 #define STEP_KEY(e) "(" e ".step_num IS NULL, coalesce(" e ".step_num, 0), " e ".seq)"
+/* The same order, latest first, for a window over a run's obligations. */
+#define STEP_KEY_DESC(e)                                                                           \
+    e ".step_num IS NULL DESC, coalesce(" e ".step_num, 0) DESC, " e ".seq DESC"
 
 /* One statement leases what may run now: due PENDING rows and RUNNING rows whose lease expired,
  * not waiting for approval, whose effect is settled, with no unfinished obligation of a later
  * step in the run (saga order) and, for run compensations, no later effect still in flight,
  * STUCK, or confirmed but without its obligation yet (the sweep is about to create it).
  * $1 worker, $2 JSON {tool: lease ms}, $3 default lease ms, $4 limit, $5 JSON array of the
- * tools whose compensation needs approval. The time each effect was confirmed is read from its
- * transitions through its run: the events table is indexed by run, and by effect only for the
- * kinds that may name another run's effect (schema 8). */
+ * tools whose compensation needs approval.
+ * Saga order is read per run, once: `front` ranks each run's unfinished obligations by step,
+ * and only those of the latest step (rank 1: several when one effect has several obligations)
+ * may run. An obligation held behind a later one — every earlier step of a run whose latest is
+ * STUCK, while a human is paged — is thus dropped before anything is looked up for it. Asked
+ * per candidate instead, after the other checks, it cost 320–360 ms a sweep against 90–115 ms
+ * (EXPLAIN ANALYZE; a ledger of 100,000 effects with 21,600 obligations held behind 5,400
+ * STUCK ones); every compensator sweeps once a second.
+ * The time each effect was confirmed is read from its transitions through its run: the events
+ * table is indexed by run, and by effect only for the kinds that may name another run's
+ * effect (schema 8). */
 static const char SQL_LEASE[] =
-    "WITH cand AS ("
-    "  SELECT o.obligation_id, o.status AS from_status"
+    "WITH front AS ("
+    "  SELECT o.obligation_id, e.tool, e.status AS effect_status, e.step_num, e.seq,"
+    "    rank() OVER (PARTITION BY o.run_id ORDER BY " STEP_KEY_DESC("e") ") AS pos"
     "  FROM obligations o JOIN effects e ON e.effect_id = o.effect_id"
-    "  WHERE ((o.status = 'PENDING' AND o.next_attempt_at <= now())"
+    "  WHERE o.status IN ('PENDING', 'AWAITING_APPROVAL', 'RUNNING', 'STUCK')),"
+    " cand AS ("
+    "  SELECT o.obligation_id, o.status AS from_status"
+    "  FROM front f JOIN obligations o ON o.obligation_id = f.obligation_id"
+    "  WHERE f.pos = 1"
+    "    AND ((o.status = 'PENDING' AND o.next_attempt_at <= now())"
     "      OR (o.status = 'RUNNING' AND o.lease_until < now()))"
     "    AND (o.approved_at IS NOT NULL"
-    "      OR e.tool NOT IN (SELECT json_array_elements_text($5::json)))"
-    "    AND e.status NOT IN ('DISPATCHING', 'UNKNOWN')"
-    "    AND NOT EXISTS (SELECT 1 FROM obligations o2 JOIN effects e2"
-    "        ON e2.effect_id = o2.effect_id"
-    "      WHERE o2.run_id = o.run_id"
-    "        AND o2.status NOT IN ('RESOLVED', 'SKIPPED', 'UNCOMPENSATABLE', 'CANCELLED')"
-    "        AND " STEP_KEY("e2") " > " STEP_KEY(
-        "e") ")"
-             "    AND (o.reason = 'duplicate' OR NOT EXISTS (SELECT 1 FROM effects e3"
-             "      WHERE e3.run_id = o.run_id AND " STEP_KEY("e3") " > " STEP_KEY(
-                 "e") "        AND (e3.status IN ('DISPATCHING', 'UNKNOWN', 'STUCK')"
-                      "          OR (e3.status = 'CONFIRMED' AND NOT EXISTS (SELECT 1 FROM "
-                      "obligations o3"
-                      "            WHERE o3.effect_id = e3.effect_id"
-                      "              AND o3.external_ref IS NOT DISTINCT FROM e3.external_ref)))))"
-                      "  ORDER BY o.next_attempt_at"
-                      "  LIMIT $4"
-                      "  FOR UPDATE OF o SKIP LOCKED)"
-                      " UPDATE obligations o SET status = 'RUNNING', lease_owner = $1,"
-                      "   lease_until = now() + coalesce(($2::json ->> e.tool)::int, $3::int)"
-                      "     * interval '1 millisecond',"
-                      "   lease_epoch = o.lease_epoch + 1, attempts = o.attempts + 1, updated_at = "
-                      "now()"
-                      " FROM cand, effects e"
-                      " WHERE o.obligation_id = cand.obligation_id AND e.effect_id = o.effect_id"
-                      " RETURNING o.obligation_id::text, o.run_id, o.effect_id::text, o.reason, "
-                      "o.external_ref,"
-                      "   coalesce(o.receipt, e.receipt)::text, cand.from_status, o.lease_epoch, "
-                      "o.attempts,"
-                      "   o.approved_at IS NOT NULL, e.step, e.step_num IS NOT NULL, e.tool, "
-                      "e.effect_class,"
-                      "   e.operation_key, e.args_canonical, e.traceparent, e.intent_id, "
-                      "e.attempts,"
-                      "   to_char(coalesce((SELECT max(ev.occurred_at) FROM events ev"
-                      "       WHERE ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
-                      "         AND ev.to_status = 'CONFIRMED'), "
-                      "e.updated_at)"
-                      "     AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')";
+    "      OR f.tool NOT IN (SELECT json_array_elements_text($5::json)))"
+    "    AND f.effect_status NOT IN ('DISPATCHING', 'UNKNOWN')"
+    "    AND (o.reason = 'duplicate' OR NOT EXISTS (SELECT 1 FROM effects e3"
+    "      WHERE e3.run_id = o.run_id AND " STEP_KEY("e3") " > " STEP_KEY("f")
+    "        AND (e3.status IN ('DISPATCHING', 'UNKNOWN', 'STUCK')"
+    "          OR (e3.status = 'CONFIRMED' AND NOT EXISTS (SELECT 1 FROM obligations o3"
+    "            WHERE o3.effect_id = e3.effect_id"
+    "              AND o3.external_ref IS NOT DISTINCT FROM e3.external_ref)))))"
+    "  ORDER BY o.next_attempt_at"
+    "  LIMIT $4"
+    "  FOR UPDATE OF o SKIP LOCKED)"
+    " UPDATE obligations o SET status = 'RUNNING', lease_owner = $1,"
+    "   lease_until = now() + coalesce(($2::json ->> e.tool)::int, $3::int)"
+    "     * interval '1 millisecond',"
+    "   lease_epoch = o.lease_epoch + 1, attempts = o.attempts + 1, updated_at = now()"
+    " FROM cand, effects e"
+    " WHERE o.obligation_id = cand.obligation_id AND e.effect_id = o.effect_id"
+    " RETURNING o.obligation_id::text, o.run_id, o.effect_id::text, o.reason, o.external_ref,"
+    "   coalesce(o.receipt, e.receipt)::text, cand.from_status, o.lease_epoch, o.attempts,"
+    "   o.approved_at IS NOT NULL, e.step, e.step_num IS NOT NULL, e.tool, e.effect_class,"
+    "   e.operation_key, e.args_canonical, e.traceparent, e.intent_id, e.attempts,"
+    "   to_char(coalesce((SELECT max(ev.occurred_at) FROM events ev"
+    "       WHERE ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
+    "         AND ev.to_status = 'CONFIRMED'), e.updated_at)"
+    "     AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')";
 
 /* Every outcome of a batch in one statement, each a compare-and-set on (status, lease_epoch). */
 static const char SQL_RECORD[] =
@@ -110,7 +115,7 @@ static const char SQL_HOLD[] =
     "   AND e.tool IN (SELECT json_array_elements_text($1::json))"
     " RETURNING o.obligation_id::text, o.run_id, o.effect_id::text, e.tool";
 
-/* clang-format on */
+// clang-format on
 
 /* ---------------------------------------------------------------------------------------- */
 

@@ -387,6 +387,31 @@ class CompensateFlowTest(CompensateCase):
         self.invariants(obligations_settled=True)
         self.compensation_invariants()
 
+    def test_steps_that_are_not_numbers_are_reversed_first_latest_arrival_first(self):
+        # A step that is not a number sorts after every numbered step, and such steps among
+        # themselves by arrival: here 1, "zeta", 2, "alpha" arrive in that order, so the
+        # reverses go alpha, zeta, 2, 1 — not by name, and not with the named steps last.
+        run_id = new_run_id()
+        tag = uuid.uuid4().hex[:8]
+        order = [1, "zeta", 2, "alpha"]
+        for i, step in enumerate(order):
+            self.add_effect(run_id, step, "create_hold", {"hold_id": f"hold-{tag}-{i}",
+                                                          "amount": 100 + i})
+        res = self.compensate(run_id)
+        self.assertEqual(res["obligations_created"], 4)
+        comp = self.compensator()
+        run = self.wait_run(run_id, "COMPENSATED")
+
+        step_of = {f"reverse:{o['obligation_id']}": o["step"] for o in self.obligations(run_id)}
+        reqs = [r for r in self.fake_requests() if r["op"] == "reverse"]
+        self.assertEqual([step_of[r["idempotency_key"]] for r in reqs],
+                         ["alpha", "zeta", "2", "1"])
+        self.assertEqual([c["step"] for c in run["summary"]["compensated"]],
+                         ["alpha", "zeta", 2, 1])
+        self.assertEqual(comp.terminate(), 0)
+        self.invariants(obligations_settled=True)
+        self.compensation_invariants()
+
     def test_compensate_asked_twice_creates_no_second_obligation(self):
         run_id, _ = self.four_step_run()
         first = self.compensate(run_id)
