@@ -115,6 +115,17 @@ static size_t utf8_len(const unsigned char *p)
     return n;
 }
 
+bool fake_utf8_valid(const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        size_t n = utf8_len(p);
+        if (n == 0)
+            return false;
+        p += n;
+    }
+    return true;
+}
+
 /* `s` as a JSON string escaped as jansson escapes it, UTF-8 kept as it is; NULL as null. */
 static void text_str(text_t *t, const char *s)
 {

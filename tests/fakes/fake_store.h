@@ -80,6 +80,9 @@ char *fake_store_requests(fake_store_t *st);
 
 #define FAKE_STORE_LOG_SIZE 10000
 
+/* Whether `s` is UTF-8 (RFC 3629). */
+bool fake_utf8_valid(const char *s);
+
 /* RFC 3339 UTC time with milliseconds of now into buf (at least 32 bytes). */
 void fake_now_rfc3339(char *buf, size_t bufsz);
 

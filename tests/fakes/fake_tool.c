@@ -477,6 +477,20 @@ static const char *validate(op_t op, const char *key, const request_t *rq, json_
     return NULL;
 }
 
+/* A record keeps its key, run id and effect id, and shows them as JSON strings: one that is not
+ * UTF-8 is refused before anything is applied. Returns the error message, or NULL. */
+static const char *not_utf8(op_t op, const char *key, const fake_request_info_t *info)
+{
+    if (key && !fake_utf8_valid(key))
+        return op == OP_STATUS ? "the idempotency_key query parameter must be UTF-8"
+                               : "the Idempotency-Key header must be UTF-8";
+    if (info->run_id && !fake_utf8_valid(info->run_id))
+        return "the Tally-Run-Id header must be UTF-8";
+    if (info->effect_id && !fake_utf8_valid(info->effect_id))
+        return "the Tally-Effect-Id header must be UTF-8";
+    return NULL;
+}
+
 /* The end of every tool request: log it and send `r` (or, for drop_connection, nothing). */
 static enum MHD_Result answer(server_t *srv, struct MHD_Connection *conn, const request_t *rq,
                               const fake_request_info_t *info, uint64_t seq, fake_fault_kind_t kind,
@@ -565,7 +579,7 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         fake_reply_error(&r, 401, sig_error);
     } else if (rq->too_large) {
         fake_reply_error(&r, 413, "request body too large");
-    } else if ((why = validate(op, key, rq, &body)) != NULL) {
+    } else if ((why = not_utf8(op, key, &info)) || (why = validate(op, key, rq, &body))) {
         fake_reply_error(&r, 400, why);
     } else {
         f = fake_faults_take(srv->ff, collection, OP_NAMES[op], key);

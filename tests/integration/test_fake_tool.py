@@ -157,7 +157,7 @@ class ProtocolTest(FakeToolCase):
     def test_records_show_strings_and_bodies_as_sent(self):
         # The answer is written as text: quotes and backslashes escaped, UTF-8 kept (http.client
         # sends header values as Latin-1, so "Ã©" goes out as the UTF-8 bytes of "é"), the body
-        # as it came, whitespace and all. A string that is not UTF-8 cannot be shown as JSON.
+        # as it came, whitespace and all.
         key = 'k"\\1'
         status, _, rec = self.tool.execute("charges", key, b'{ "n" : 1,\n "s": "\\u00e9" }',
                                            **{"Tally-Run-Id": "run-\u00c3\u00a9"})
@@ -169,8 +169,18 @@ class ProtocolTest(FakeToolCase):
         self.assertEqual((status, found), (200, [rec]))
         self.assertEqual(self.tool.requests()[-1]["idempotency_key"], key)
 
-        status, _, body = self.tool.execute("charges", "k2", b"{}", **{"Tally-Run-Id": "\u00ff"})
-        self.assertEqual((status, sorted(body)), (500, ["error"]))
+        # A key, run id or effect id that is not UTF-8 could not be shown as JSON: refused
+        # (byte 0xFF: http.client sends "\u00ff" as that one byte), and nothing is applied.
+        for bad_key, headers, name in [("k\u00ff", {}, "Idempotency-Key"),
+                                       ("k2", {"Tally-Run-Id": "\u00ff"}, "Tally-Run-Id"),
+                                       ("k3", {"Tally-Effect-Id": "e\u00ff"}, "Tally-Effect-Id")]:
+            status, _, body = self.tool.execute("charges", bad_key, b"{}", **headers)
+            self.assertEqual(status, 400, body)
+            self.assertEqual(body, {"error": f"the {name} header must be UTF-8"})
+        status, _, body = self.tool.status_of("charges", "k%FF")
+        self.assertEqual((status, body),
+                         (400, {"error": "the idempotency_key query parameter must be UTF-8"}))
+        self.assertEqual([r["idempotency_key"] for r in self.tool.records()["records"]], [key])
 
     def test_same_key_with_other_bytes_is_422(self):
         self.assertEqual(self.tool.execute("charges", "k", b'{"a":1,"b":2}')[0], 201)
