@@ -149,6 +149,9 @@ class StatusTest(CliCase):
         run = run_id()
         self.confirmed_charge(run, 1)
         self.confirmed_charge(run, 2)
+        # a second tool in the same state: the counts by state add up the tools
+        self.publish(self.intent(run, 3, "post_note", {"note_id": f"{run}-n3", "text": "hi"}))
+        self.wait_status("post_note", f"post_note:{run}-n3", "CONFIRMED", timeout=30)
         out = self.tally("status")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("✓ clean", out.stdout)
@@ -158,8 +161,9 @@ class StatusTest(CliCase):
         rc, doc = self.tally_json("status")
         self.assertEqual(rc, 0)
         self.assertEqual((doc["verdict"], doc["exit_code"]), ("clean", 0))
-        self.assertEqual(doc["counts"]["effects_by_state"], {"CONFIRMED": 2})
-        self.assertEqual(doc["counts"]["effects_by_tool"], {"charge_card": {"CONFIRMED": 2}})
+        self.assertEqual(doc["counts"]["effects_by_state"], {"CONFIRMED": 3})
+        self.assertEqual(doc["counts"]["effects_by_tool"], {"charge_card": {"CONFIRMED": 2},
+                                                            "post_note": {"CONFIRMED": 1}})
         self.assertEqual(doc["counts"]["runs_by_state"], {"ACTIVE": 1})
         self.assertEqual((doc["stuck"], doc["unknown"], doc["alerts"]), ([], [], []))
 
