@@ -456,6 +456,10 @@ cpu_dispatcher=$(cpu_diff "${cb[0]}" "${ca[0]}")
 cpu_postgres=$(cpu_diff "${cb[1]}" "${ca[1]}")
 cpu_kafka=$(cpu_diff "${cb[2]}" "${ca[2]}")
 cpu_fake=$(cpu_diff "${cb[3]}" "${ca[3]}")
+# tally's own CPU (dispatchers and PostgreSQL) per outcome, apart from the other processes on
+# the same cores
+cpu_per_effect=$(awk -v d="$cpu_dispatcher" -v p="$cpu_postgres" -v n="$(kv "$tp_line" received)" \
+    'BEGIN { if (n > 0) printf "%.0f", (d + p) * 1e6 / n; else printf "0" }')
 say "throughput: $tp_rate effects/s; outbox max $outbox_max, message_outbox max $msg_outbox_max ($backlog_samples samples)"
 
 # ---- 2. the raw PostgreSQL ceiling --------------------------------------------------------------
@@ -653,6 +657,7 @@ echo "bench: throughput_dispatch_mean = $dispatch_mean ms (claim to recorded out
 echo "bench: throughput_connector_mean = $connector_mean ms (HTTP call, tally_connector_seconds)"
 echo "bench: throughput_pg_waits = ${pg_waits:-no samples}"
 echo "bench: throughput_cpu = dispatcher $cpu_dispatcher s, postgres $cpu_postgres s, kafka-mock $cpu_kafka s, fake-tool $cpu_fake s"
+echo "bench: throughput_cpu_per_effect = $cpu_per_effect us (dispatchers and PostgreSQL)"
 if [[ -n "$ceiling" ]]; then
     echo "bench: pg_ceiling = $ceiling rows/s$ceiling_note"
     echo "bench: ceiling_ratio = $(awk -v a="$tp_rate" -v b="$ceiling" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (target >= 0.15)"

@@ -21,9 +21,9 @@ if [[ $status -ne 0 ]]; then
 fi
 
 missing=0
-for name in throughput throughput_latency_p50 throughput_latency_p99 throughput_latency_max \
-    outbox_backlog_max pg_ceiling ceiling_ratio latency_p50 latency_p99 latency_max \
-    inflight_held dispatcher_rss dispatcher_hwm connmem_call; do
+for name in throughput throughput_cpu_per_effect throughput_latency_p50 throughput_latency_p99 \
+    throughput_latency_max outbox_backlog_max pg_ceiling ceiling_ratio latency_p50 latency_p99 \
+    latency_max inflight_held dispatcher_rss dispatcher_hwm connmem_call; do
     if ! grep -Eq "^bench: $name = [0-9][0-9.]* " "$out"; then
         echo "bench/smoke.sh: no figure line 'bench: $name = <number> ...'" >&2
         missing=1
