@@ -13,6 +13,13 @@ packages=(
     prometheus
 )
 
+# Node.js and npm build and run the TypeScript example agent in its test (examples/agent-ts).
+# A machine that has them from elsewhere keeps them (NodeSource's nodejs package bundles npm,
+# and Debian's npm package would conflict with it).
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+    packages+=(nodejs npm)
+fi
+
 missing=()
 for p in "${packages[@]}"; do
     status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
