@@ -123,17 +123,23 @@ export class Tally {
       data,
     };
     this.pending.add(id); // before the send: the answer may arrive before it returns
-    await this.producer.send({
-      topic: this.prefix + "intents",
-      acks: -1,
-      messages: [
-        {
-          key: intent.runId, // one run stays in order on one partition
-          value: JSON.stringify(event),
-          headers: { "content-type": "application/cloudevents+json" },
-        },
-      ],
-    });
+    try {
+      await this.producer.send({
+        topic: this.prefix + "intents",
+        acks: -1,
+        messages: [
+          {
+            key: intent.runId, // one run stays in order on one partition
+            value: JSON.stringify(event),
+            headers: { "content-type": "application/cloudevents+json" },
+          },
+        ],
+      });
+    } catch (err) {
+      // Not acknowledged: it may still have landed. Publishing the same intent again is safe.
+      this.pending.delete(id);
+      throw err;
+    }
     return id;
   }
 
