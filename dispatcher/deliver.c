@@ -933,7 +933,8 @@ static void *recorder_main(void *arg)
                 for (size_t i = 0; i < n; i++)
                     done_clear(&batch[i]);
             } else {
-                memcpy(all + n, d->done, d->n_done * sizeof *all);
+                if (d->n_done) /* d->done is NULL until a result has been queued */
+                    memcpy(all + n, d->done, d->n_done * sizeof *all);
                 batch = d->done;
                 cap = d->cap_done;
                 d->done = all;
