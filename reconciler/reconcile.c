@@ -149,7 +149,10 @@ static void log_outcome(const tally_recon_item_t *it)
 
 /* Record every finished check in one transaction. On a failure the batch is kept for the next
  * tick (the leases still hold); a batch that fails for a reason other than a lost connection
- * is recorded one item at a time so one bad item cannot hold the others back. */
+ * is recorded one item at a time so one bad item cannot hold the others back. Verdicts are kept
+ * through a database outage however long (retriable errors; the backoff stops growing at
+ * RECORD_BACKOFF_MS << (MAX_RECORD_TRIES - 1), 3.2 s): dropping one would only ask the tool again
+ * once its lease expired. Other errors give up after MAX_RECORD_TRIES. */
 static int record_round(reconciler_t *rc)
 {
     if (rc->n_done == 0 || now_ms() < rc->record_retry_ms) {
@@ -182,11 +185,18 @@ static int record_round(reconciler_t *rc)
         ok = true;
     } else if (!ok) {
         int tries = rc->done[0]->record_tries + 1;
-        rc->record_retry_ms = now_ms() + ((long long)RECORD_BACKOFF_MS << (tries - 1));
-        TALLY_ERROR("recording %zu verdicts failed (%s: %s); %s", rc->n_done, err.code, err.message,
-                    tries < MAX_RECORD_TRIES
-                        ? "retrying shortly"
-                        : "giving up: their leases expire and the effects are checked again");
+        long long wait = (long long)RECORD_BACKOFF_MS << (tries - 1);
+        rc->record_retry_ms = now_ms() + wait;
+        if (err.retriable)
+            TALLY_ERROR("recording %zu verdicts failed (%s: %s); retrying in %lld ms (their "
+                        "leases keep them safe meanwhile)",
+                        rc->n_done, err.code, err.message, wait);
+        else
+            TALLY_ERROR("recording %zu verdicts failed (%s: %s); %s", rc->n_done, err.code,
+                        err.message,
+                        tries < MAX_RECORD_TRIES
+                            ? "retrying shortly"
+                            : "giving up: their leases expire and the effects are checked again");
     }
     size_t kept = 0;
     int recorded = 0;
@@ -194,6 +204,13 @@ static int record_round(reconciler_t *rc)
     for (size_t i = 0; i < rc->n_done; i++) {
         tally_recon_item_t *it = rc->done[i];
         if (!ok) {
+            if (err.retriable) {
+                /* kept; the count stops below MAX_RECORD_TRIES, which marks a verdict given up */
+                if (it->record_tries < MAX_RECORD_TRIES - 1)
+                    it->record_tries++;
+                rc->done[kept++] = it;
+                continue;
+            }
             if (++it->record_tries < MAX_RECORD_TRIES) {
                 rc->done[kept++] = it;
                 continue;
