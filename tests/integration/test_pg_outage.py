@@ -1,0 +1,157 @@
+"""PostgreSQL goes away under the workers and comes back (a failover, a restart): nothing is
+lost, nothing is called twice, and the probes say what happened (DESIGN §2, §3 rule 1, §9).
+
+The outage is made inside the test's own database: new connections are refused
+(`ALLOW_CONNECTIONS false`) and every connection of the workers is terminated, as a server
+that went down would leave them. The test's own connection, which watches, is kept."""
+
+import time
+
+import psycopg2
+
+from dispatchcase import main, run_id
+from tallytest import wait_for
+from test_compensate_flow import CompensateCase
+
+OUTAGE_S = 4.0
+
+
+class PostgresOutageTest(CompensateCase):
+
+    def admin(self, sql, params=None):
+        """Run SQL from the server's maintenance database, outside the test's own."""
+        admin = psycopg2.connect(self.stack.pg)
+        try:
+            admin.autocommit = True
+            with admin.cursor() as cur:
+                cur.execute(sql, params)
+                return cur.fetchall() if cur.description else []
+        finally:
+            admin.close()
+
+    def outage_begins(self):
+        # PostgreSQL refuses to close the current database to connections, hence admin().
+        self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS false')
+        killed = self.admin(
+            "WITH workers AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
+            "  WHERE datname = %s AND pid <> %s)"
+            " SELECT pid FROM workers WHERE pg_terminate_backend(pid)",
+            (self.dbname, self.db.get_backend_pid()))
+        self.assertTrue(killed, "the workers had no connection to terminate")
+
+    def outage_ends(self):
+        self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS true')
+
+    def ride_out(self, worker, seconds=OUTAGE_S):
+        """The outage lasts @p seconds; @p worker says it is not ready, and stays up."""
+        wait_for(lambda: worker.http_get("/readyz")[0] == 503, timeout=seconds,
+                 what=f"{worker.name}'s /readyz to report the outage")
+        time.sleep(seconds)
+        self.assertTrue(worker.alive(), f"{worker.name} exited during the outage:\n{worker.log()}")
+        self.assertEqual(worker.http_get("/healthz"), (200, "ok"))
+
+    def test_calls_in_flight_and_intents_sent_meanwhile_are_recorded_once_after_it(self):
+        d = self.dispatcher()
+        workers = [d, self.start("tally-reconciler"), self.start("tally-compensator")]
+        for p in workers:
+            wait_for(lambda: p.http_get("/readyz")[0] == 200, timeout=30,
+                     what=f"{p.name} /readyz before the outage")
+        run = run_id()
+        # The first wave's calls are still at the tool when the database goes away, and
+        # answer one at a time during the outage (the tool's timeout is 2 s).
+        for i in range(10):
+            self.fault("slow", key=f"create_hold:{run}-a{i}", delay_ms=1000 + 80 * i)
+        first = [self.intent(run, i + 1, "create_hold", {"hold_id": f"{run}-a{i}"})
+                 for i in range(10)]
+        self.publish_many(first)
+        wait_for(lambda: len(self.requests()) == 10, timeout=30,
+                 what="the first wave's calls to reach the tool")
+
+        self.outage_begins()
+        try:
+            second = [self.intent(run, i + 11, "create_hold", {"hold_id": f"{run}-b{i}"})
+                      for i in range(10)]
+            self.publish_many(second)
+            # The slow calls answer during the outage; their results wait in the dispatcher.
+            self.ride_out(d)
+            self.assertEqual(len(self.requests()), 10,
+                             "a call was made while its effect could not be written")
+            for p in workers:
+                self.assertTrue(p.alive(), f"{p.name} exited during the outage:\n{p.log()}")
+                self.assertEqual(p.http_get("/healthz"), (200, "ok"))
+        finally:
+            self.outage_ends()
+
+        intents = first + second
+        answers = self.outcomes_for([ce["id"] for ce in intents], timeout=60)
+        for ce in intents:
+            types = {ev["type"] for ev in answers[ce["id"]]}
+            self.assertEqual(types, {"tally.effect.confirmed.v1"}, ce["data"]["step"])
+        self.assertEqual(
+            self.scalar("SELECT count(*) FROM effects WHERE run_id = %s AND status = 'CONFIRMED'"
+                        " AND attempts = 1", (run,)), 20)
+        # One call and one record per intent: the first wave's results were kept through
+        # the outage and written after it, not left to the reconciler to ask about.
+        reqs = self.requests()
+        self.assertEqual(len(reqs), 20)
+        self.assertEqual(len({r["idempotency_key"] for r in reqs}), 20)
+        self.assertEqual(len(self.records("holds")), 20)
+        self.assertEqual(self.scalar("SELECT count(*) FROM events e JOIN effects f USING"
+                                     " (effect_id) WHERE f.run_id = %s AND e.kind ="
+                                     " 'connector_call'", (run,)), 20)
+        for p in workers:
+            wait_for(lambda: p.http_get("/readyz")[0] == 200, timeout=30,
+                     what=f"{p.name} /readyz after the outage")
+        self.assertIn("retrying", d.log())
+        self.invariants()
+
+    def test_a_status_check_answered_during_the_outage_is_recorded_after_it(self):
+        run = run_id()
+        eff = self.add_effect(run, 1, "create_hold", {"hold_id": f"{run}-h"}, status="UNKNOWN",
+                              execute=True)
+        self.fault("slow", key=eff["key"], op="status", delay_ms=1000)
+        rec = self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url,
+                         TALLY_POLL_MS=200, TALLY_SWEEP_MS=200)
+        wait_for(lambda: self.requests(eff["key"], op="status"), timeout=30,
+                 what="the status check to reach the tool")
+        self.outage_begins()
+        try:
+            self.ride_out(rec)
+        finally:
+            self.outage_ends()
+        row = self.wait_status("create_hold", eff["key"], "CONFIRMED", timeout=30)
+        self.assertEqual(row["receipt"], eff["receipt"])
+        # The verdict was kept through the outage, not dropped and asked for again.
+        self.assertEqual(len(self.requests(eff["key"], op="status")), 1)
+        wait_for(lambda: rec.http_get("/readyz")[0] == 200, timeout=30,
+                 what="the reconciler's /readyz after the outage")
+        self.invariants()
+
+    def test_a_reverse_call_answered_during_the_outage_is_recorded_after_it(self):
+        run = run_id()
+        for step in (1, 2, 3):
+            self.add_effect(run, step, "create_hold", {"hold_id": f"{run}-h{step}"})
+        self.fault("slow", collection="holds", op="reverse", times=1, delay_ms=1000)
+        self.compensate(run)
+        comp = self.compensator()
+        wait_for(lambda: self.requests(op="reverse"), timeout=30,
+                 what="the first reverse call to reach the tool")
+        self.outage_begins()
+        try:
+            self.ride_out(comp)
+        finally:
+            self.outage_ends()
+        self.wait_run(run, "COMPENSATED", timeout=60)
+        obs = self.obligations(run)
+        self.assertEqual([(o["step"], o["status"], o["attempts"]) for o in obs],
+                         [("3", "RESOLVED", 1), ("2", "RESOLVED", 1), ("1", "RESOLVED", 1)])
+        self.assertEqual(len(self.requests(op="reverse")), 3)
+        self.assertEqual(len(self.reversals()), 3)
+        wait_for(lambda: comp.http_get("/readyz")[0] == 200, timeout=30,
+                 what="the compensator's /readyz after the outage")
+        self.invariants(obligations_settled=True)
+        self.compensation_invariants()
+
+
+if __name__ == "__main__":
+    main()
