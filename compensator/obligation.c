@@ -576,7 +576,7 @@ int comp_lease(compensator_t *c)
 out:
     if (n < 0) {
         tally_pg_rollback(c->pg);
-        TALLY_ERROR("leasing obligations: %s", err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "leasing obligations: %s", err.message);
         tally_metric_add(c->m_db_errors, 1, "lease");
     }
     PQclear(res);

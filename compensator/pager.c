@@ -314,7 +314,8 @@ static void *pager_main(void *arg)
         if (!tally_pg_ok(p->pg) || !listening) {
             if (!tally_pg_connect(p->pg, 0, p->stop, &err) ||
                 !tally_pg_listen(p->pg, "tally_alerts", &err)) {
-                TALLY_WARN("pager: PostgreSQL: %s (retrying)", err.message);
+                TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL, "pager: PostgreSQL: %s (retrying)",
+                                    err.message);
                 for (int i = 0; i < 20 && !stopping(p); i++) {
                     struct timespec ts = {.tv_sec = 0, .tv_nsec = 50 * 1000000L};
                     nanosleep(&ts, NULL);

@@ -265,7 +265,8 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
 out:
     if (n < 0) {
         tally_pg_rollback(c->pg);
-        TALLY_ERROR("settling runs (retried at the next sweep): %s", err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "settling runs (retried at the next sweep): %s",
+                            err.message);
         tally_metric_add(c->m_db_errors, 1, "settle");
     }
     PQclear(res);
@@ -301,8 +302,9 @@ static int sweep_confirmed(compensator_t *c)
               tally_outbox_batch_flush(ob, c->pg, &err) && tally_pg_commit(c->pg, &err);
     if (!ok) {
         tally_pg_rollback(c->pg);
-        TALLY_ERROR("creating obligations for late confirmations: %s",
-                    err.message[0] != '\0' ? err.message : "out of memory");
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                            "creating obligations for late confirmations: %s",
+                            err.message[0] != '\0' ? err.message : "out of memory");
         tally_metric_add(c->m_db_errors, 1, "sweep");
     } else {
         c->settled_sweep_in = settled ? SETTLED_SWEEP_EVERY - 1 : c->settled_sweep_in - 1;
@@ -325,7 +327,7 @@ static bool count_states(compensator_t *c, const char *sql, size_t from, size_t 
     tally_error_clear(&err);
     PGresult *res = tally_pg_exec(c->pg, sql, 0, NULL, &err);
     if (res == NULL) {
-        TALLY_WARN("reading obligation counts: %s", err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL, "reading obligation counts: %s", err.message);
         return false;
     }
     *moved = false;

@@ -478,8 +478,9 @@ int deliver_claim(dispatcher_t *d)
     PGresult *res = text ? tally_pg_exec(d->pg, SQL_CLAIM, 2, params, &err) : NULL;
     free(text);
     if (!res) {
-        TALLY_WARN("claiming due effects failed (%s: %s); retrying in a second", err.code,
-                   err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
+                            "claiming due effects failed (%s: %s); retrying in a second", err.code,
+                            err.message);
         tally_metric_add(d->m_db_errors, 1, "claim");
         tally_worker_set_ready(d->w, false, err.message);
         free(lims);

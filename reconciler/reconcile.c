@@ -396,7 +396,8 @@ static void sweep(reconciler_t *rc)
     tally_error_clear(&err);
     int expired = tally_recon_expire_leases(&rc->db, rc->cfg->batch_size, &err);
     if (expired < 0) {
-        TALLY_ERROR("expiring dispatch leases failed (%s: %s)", err.code, err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "expiring dispatch leases failed (%s: %s)",
+                            err.code, err.message);
     } else if (expired > 0) {
         tally_metric_add(rc->m_lease_expired, expired);
         if (expired == rc->cfg->batch_size) {
@@ -412,7 +413,9 @@ static void sweep(reconciler_t *rc)
         tally_metric_set(rc->m_oldest, oldest);
         tally_metric_set(rc->m_stuck, (double)stuck);
     } else {
-        TALLY_WARN("reading the UNKNOWN and STUCK gauges failed (%s: %s)", err.code, err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
+                            "reading the UNKNOWN and STUCK gauges failed (%s: %s)", err.code,
+                            err.message);
     }
 }
 
@@ -647,7 +650,9 @@ static int reconciler_tick(tally_worker_t *w, void *state)
         int n = claim_round(rc, &err);
         if (n < 0) {
             rc->backlog = false; /* the next sweep tries again; no tight loop on a failure */
-            TALLY_ERROR("claiming due UNKNOWN effects failed (%s: %s)", err.code, err.message);
+            TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                                "claiming due UNKNOWN effects failed (%s: %s)", err.code,
+                                err.message);
             tally_worker_set_ready(w, tally_pg_ok(rc->db.pg), err.message);
         } else {
             work += n;

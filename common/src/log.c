@@ -5,6 +5,7 @@
  * and a crash loses at most the line being written. */
 #include "tally/log.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -114,8 +115,33 @@ static void set_text(json_t *obj, const char *key, const char *s)
         json_object_set_new(obj, key, text_value(s));
 }
 
-void tally_log_write(tally_log_level_t level, const char *func, int line,
-                     const tally_log_ctx_t *ctx, const char *fmt, ...)
+static long long monotonic_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+bool tally_log_repeat_due(tally_log_repeat_t *r, int window_ms, unsigned *left_out)
+{
+    long long now = monotonic_ms();
+    bool due;
+    pthread_mutex_lock(&log_lock);
+    due = r->last_ms == 0 || now - r->last_ms >= window_ms;
+    if (due) {
+        *left_out = r->left_out;
+        r->left_out = 0;
+        r->last_ms = now > 0 ? now : 1;
+    } else if (r->left_out < UINT_MAX) {
+        r->left_out++;
+    }
+    pthread_mutex_unlock(&log_lock);
+    return due;
+}
+
+/* One line; @p left_out > 0 says how many like lines were not written before it. */
+static void log_vwrite(tally_log_level_t level, const char *func, int line,
+                       const tally_log_ctx_t *ctx, unsigned left_out, const char *fmt, va_list ap)
 {
     if (level < TALLY_LOG_DEBUG || level > TALLY_LOG_ERROR)
         level = TALLY_LOG_ERROR;
@@ -127,11 +153,16 @@ void tally_log_write(tally_log_level_t level, const char *func, int line,
     }
 
     char *msg = NULL;
-    va_list ap;
-    va_start(ap, fmt);
     if (vasprintf(&msg, fmt, ap) < 0)
         msg = NULL;
-    va_end(ap);
+    if (msg != NULL && left_out > 0) {
+        char *longer = NULL;
+        if (asprintf(&longer, "%s (and %u more like it since the last such line)", msg, left_out) >=
+            0) {
+            free(msg);
+            msg = longer;
+        }
+    }
 
     /* RFC 3339 in UTC with milliseconds: 2026-11-22T00:12:43.123Z */
     struct timespec now;
@@ -153,6 +184,8 @@ void tally_log_write(tally_log_level_t level, const char *func, int line,
         set_text(obj, "msg", msg != NULL ? msg : "(log message could not be formatted)");
         set_text(obj, "func", func);
         json_object_set_new(obj, "line", json_integer(line));
+        if (left_out > 0)
+            json_object_set_new(obj, "left_out", json_integer(left_out));
         if (ctx != NULL) {
             set_text(obj, "run_id", ctx->run_id);
             set_text(obj, "effect_id", ctx->effect_id);
@@ -185,4 +218,22 @@ void tally_log_write(tally_log_level_t level, const char *func, int line,
 
     free(out);
     free(msg);
+}
+
+void tally_log_write(tally_log_level_t level, const char *func, int line,
+                     const tally_log_ctx_t *ctx, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    log_vwrite(level, func, line, ctx, 0, fmt, ap);
+    va_end(ap);
+}
+
+void tally_log_write_repeat(tally_log_level_t level, const char *func, int line,
+                            const tally_log_ctx_t *ctx, unsigned left_out, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    log_vwrite(level, func, line, ctx, left_out, fmt, ap);
+    va_end(ap);
 }

@@ -573,7 +573,8 @@ int tally_relay_round(tally_relay_t *r)
         res = tally_pg_exec(r->pg, SQL_TAKE, 2, params, &err);
     if (res == NULL) {
         tally_pg_rollback(r->pg);
-        TALLY_WARN("relay: cannot take message_outbox rows (%s: %s)", err.code, err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL, "relay: cannot take message_outbox rows (%s: %s)",
+                            err.code, err.message);
         return -1;
     }
     int n = PQntuples(res);

@@ -105,6 +105,52 @@ static void test_lines_are_json_with_fields_and_context(void **st)
     free(text);
 }
 
+/* A failure that repeats every tick, as a worker sees PostgreSQL down: five in a row. */
+static void write_repeating(void)
+{
+    tally_log_init("compensator", "host-b:7", TALLY_LOG_INFO);
+    for (int i = 0; i < 5; i++)
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "leasing obligations: attempt %d failed", i);
+    tally_log_write_repeat(TALLY_LOG_WARN, "sweep", 7, NULL, 4, "reading counts failed");
+    tally_log_write_repeat(TALLY_LOG_DEBUG, "sweep", 8, NULL, 9, "below the minimum level");
+}
+
+static void test_a_repeating_failure_is_written_once_then_with_what_was_left_out(void **st)
+{
+    (void)st;
+    char *text = capture(write_repeating);
+    json_t *lines = lines_of(text);
+    assert_int_equal(json_array_size(lines), 2);
+    json_t *first = json_array_get(lines, 0);
+    assert_string_equal(json_string_value(json_object_get(first, "msg")),
+                        "leasing obligations: attempt 0 failed");
+    assert_string_equal(json_string_value(json_object_get(first, "level")), "error");
+    assert_null(json_object_get(first, "left_out"));
+    json_t *later = json_array_get(lines, 1);
+    assert_string_equal(json_string_value(json_object_get(later, "msg")),
+                        "reading counts failed (and 4 more like it since the last such line)");
+    assert_int_equal(json_integer_value(json_object_get(later, "left_out")), 4);
+    assert_string_equal(json_string_value(json_object_get(later, "func")), "sweep");
+    json_decref(lines);
+    free(text);
+}
+
+static void test_repeat_window_counts_what_it_leaves_out(void **st)
+{
+    (void)st;
+    tally_log_repeat_t r = {0};
+    unsigned left_out = 99;
+    assert_true(tally_log_repeat_due(&r, 60000, &left_out)); /* the first is always written */
+    assert_int_equal(left_out, 0);
+    for (int i = 0; i < 3; i++)
+        assert_false(tally_log_repeat_due(&r, 60000, &left_out));
+    assert_true(tally_log_repeat_due(&r, 0, &left_out)); /* a window of 0 has passed */
+    assert_int_equal(left_out, 3);
+    assert_false(tally_log_repeat_due(&r, 60000, &left_out));
+    assert_true(tally_log_repeat_due(&r, 0, &left_out));
+    assert_int_equal(left_out, 1);
+}
+
 static void *log_from_thread(void *arg)
 {
     for (int i = 0; i < 200; i++)
@@ -186,6 +232,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_lines_are_json_with_fields_and_context),
         cmocka_unit_test(test_threads_never_interleave_lines),
+        cmocka_unit_test(test_a_repeating_failure_is_written_once_then_with_what_was_left_out),
+        cmocka_unit_test(test_repeat_window_counts_what_it_leaves_out),
         cmocka_unit_test(test_level_names_parse),
         cmocka_unit_test(test_uuids_are_random_v4_and_distinct),
         cmocka_unit_test(test_time_ordered_uuids_sort_by_creation),
