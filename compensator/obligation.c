@@ -983,7 +983,9 @@ int comp_record(compensator_t *c)
 out:
     if (written < 0) {
         tally_pg_rollback(c->pg);
-        TALLY_ERROR("recording %zu outcomes (kept, retried shortly): %s", c->n_done, err.message);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                            "recording %zu outcomes (kept, retried shortly): %s", c->n_done,
+                            err.message);
         tally_metric_add(c->m_db_errors, 1, "record");
         c->record_retry_at = comp_now() + 0.5;
     }

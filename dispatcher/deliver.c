@@ -831,9 +831,10 @@ out:
         d->rec_backoff_ms = d->rec_backoff_ms ? d->rec_backoff_ms * 2 : 100;
         if (d->rec_backoff_ms > 2000)
             d->rec_backoff_ms = 2000;
-        TALLY_ERROR("recording %zu call results failed (%s: %s); retrying in %d ms (their "
-                    "leases keep them safe meanwhile)",
-                    n_done, err.code, err.message, d->rec_backoff_ms);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                            "recording %zu call results failed (%s: %s); retrying in %d ms (their "
+                            "leases keep them safe meanwhile)",
+                            n_done, err.code, err.message, d->rec_backoff_ms);
         tally_metric_add(d->m_db_errors, 1, "record");
         tally_worker_set_ready(d->w, false, err.message);
         return false;

@@ -814,9 +814,11 @@ int intake_step(dispatcher_t *d)
                         "retrying in %d ms, offsets not stored",
                         d->n_batch, err.code, err.message, d->intake_backoff_ms);
         else
-            TALLY_WARN("intake batch of %zu messages still not written (%s: %s); retrying in "
-                       "%d ms",
-                       d->n_batch, err.code, err.message, d->intake_backoff_ms);
+            TALLY_LOG_REPEATING(
+                TALLY_LOG_WARN, NULL,
+                "intake batch of %zu messages still not written (%s: %s); retrying in "
+                "%d ms",
+                d->n_batch, err.code, err.message, d->intake_backoff_ms);
         d->intake_failed = true;
         tally_metric_add(d->m_db_errors, 1, "intake");
         tally_worker_set_ready(d->w, false, err.message);

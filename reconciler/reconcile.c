@@ -188,9 +188,11 @@ static int record_round(reconciler_t *rc)
         long long wait = (long long)RECORD_BACKOFF_MS << (tries - 1);
         rc->record_retry_ms = now_ms() + wait;
         if (err.retriable)
-            TALLY_ERROR("recording %zu verdicts failed (%s: %s); retrying in %lld ms (their "
-                        "leases keep them safe meanwhile)",
-                        rc->n_done, err.code, err.message, wait);
+            TALLY_LOG_REPEATING(
+                TALLY_LOG_ERROR, NULL,
+                "recording %zu verdicts failed (%s: %s); retrying in %lld ms (their "
+                "leases keep them safe meanwhile)",
+                rc->n_done, err.code, err.message, wait);
         else
             TALLY_ERROR("recording %zu verdicts failed (%s: %s); %s", rc->n_done, err.code,
                         err.message,
