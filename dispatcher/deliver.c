@@ -66,17 +66,19 @@ static const char SQL_CLAIM[] =
  * rows that come back, in the state they came back in. A retry goes back to PLANNED with a
  * new outbox row due later, unless its run stopped being ACTIVE while the call was in flight
  * (cancel_run, compensate_run): then it is CANCELLED, as the run's other PLANNED effects
- * were. The runs of retries are share-locked, as intake does, so such a run operation and
- * this statement serialise (runops locks the run rows first).
- * The effects are looked up by primary key, through an array of their ids as the claim does,
- * and their status is compared through coalesce() so that no other index can serve it. Joined
- * to the recordset with the status as a plain restriction, the planner (which guesses 100 rows
- * for any json_to_recordset) walked the partial index of live states for every entry of status
- * DISPATCHING — dead ones included: every effect dispatched since the last vacuum — on each
- * batch (12,530 entries and 1,126 heap pages for 8 rows, 8.5 ms, 20 s into a run at 1,000/s;
- * with the array beside it, it ANDed that same walk in); with the status hidden but no array,
- * a profile showed it hashing a scan of the whole table. A bitmap scan, unlike an ordinary
- * index scan, never marks the dead entries it meets, so the walk got longer until vacuum. */
+ * were — or UNKNOWN when the attempt may have been applied (an idempotent tool's timeout or
+ * 5xx, retried only because the same key is safe to send again): only the tool can say
+ * whether it happened, and the reconciler asks it. The runs of retries are share-locked, as intake
+ * does, so such a run operation and this statement serialise (runops locks the run rows first). The
+ * effects are looked up by primary key, through an array of their ids as the claim does, and their
+ * status is compared through coalesce() so that no other index can serve it. Joined to the
+ * recordset with the status as a plain restriction, the planner (which guesses 100 rows for any
+ * json_to_recordset) walked the partial index of live states for every entry of status DISPATCHING
+ * — dead ones included: every effect dispatched since the last vacuum — on each batch (12,530
+ * entries and 1,126 heap pages for 8 rows, 8.5 ms, 20 s into a run at 1,000/s; with the array
+ * beside it, it ANDed that same walk in); with the status hidden but no array, a profile showed it
+ * hashing a scan of the whole table. A bitmap scan, unlike an ordinary index scan, never marks the
+ * dead entries it meets, so the walk got longer until vacuum. */
 #define RECORDED_EFFECTS                                                                           \
     "e.effect_id = ANY (ARRAY(SELECT effect_id FROM x)) AND e.effect_id = x.effect_id"             \
     " AND coalesce(e.status, '') = 'DISPATCHING'"
@@ -90,14 +92,16 @@ static const char SQL_CLAIM[] =
 #define RECORDED_ROWS(PARAM, N)                                                                    \
     " (SELECT u.effect_id::uuid AS effect_id, u.epoch::bigint AS epoch, u.status,"                 \
     "   u.receipt::jsonb AS receipt, u.external_ref, u.error_code, u.error_message,"               \
-    "   u.delay_ms::bigint AS delay_ms FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"        \
+    "   u.delay_ms::bigint AS delay_ms, u.maybe::boolean AS maybe_applied"                         \
+    "   FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"                                       \
     "   unnest(" TALLY_COLUMN(PARAM, 2) "), unnest(" TALLY_COLUMN(PARAM, 3) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 4) "), unnest(" TALLY_COLUMN(PARAM, 5) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 6) "), unnest(" TALLY_COLUMN(PARAM, 7) "),"                   \
-    "   unnest(" TALLY_COLUMN(PARAM, 8) "), generate_series(1, " N "::int))"                       \
+    "   unnest(" TALLY_COLUMN(PARAM, 8) "), unnest(" TALLY_COLUMN(PARAM, 9) "),"                   \
+    "   generate_series(1, " N "::int))"                                                           \
     "   AS u(effect_id, epoch, status, receipt, external_ref, error_code, error_message,"          \
-    "   delay_ms, k))"
-#define REC_COLS 8 /* RECORDED_ROWS' columns, from effect_id to delay_ms */
+    "   delay_ms, maybe, k))"
+#define REC_COLS 9 /* RECORDED_ROWS' columns, from effect_id to maybe_applied */
 static const char SQL_RECORD[] =
     "WITH r AS (SELECT * FROM" RECORDED_ROWS("$1", "$2") " AS r),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
@@ -107,16 +111,20 @@ static const char SQL_RECORD[] =
     "   AS stop FROM r LEFT JOIN effects e ON r.status = 'PLANNED' AND e.effect_id = r.effect_id"
     "   LEFT JOIN ru ON ru.run_id = e.run_id),"
     " upd AS (UPDATE effects e SET"
-    "   status = CASE WHEN x.stop IS NOT NULL THEN 'CANCELLED' ELSE x.status END,"
+    "   status = CASE WHEN x.stop IS NULL THEN x.status WHEN x.maybe_applied THEN 'UNKNOWN'"
+    "     ELSE 'CANCELLED' END,"
     "   status_reason = coalesce(x.stop, e.status_reason),"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
     "     ELSE e.external_ref END,"
-    "   error_code = CASE WHEN x.stop IS NOT NULL THEN 'run_not_active' ELSE x.error_code END,"
-    "   error_message = CASE WHEN x.stop IS NOT NULL"
-    "     THEN x.stop || '; the last attempt was not applied: ' || x.error_message"
-    "     ELSE x.error_message END,"
-    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
+    "   error_code = CASE WHEN x.stop IS NOT NULL AND NOT x.maybe_applied THEN 'run_not_active'"
+    "     ELSE x.error_code END,"
+    "   error_message = CASE WHEN x.stop IS NULL THEN x.error_message"
+    "     WHEN x.maybe_applied THEN x.stop || '; the last attempt may have been applied, so the'"
+    "       || ' reconciler asks the tool: ' || x.error_message"
+    "     ELSE x.stop || '; the last attempt was not applied: ' || x.error_message END,"
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' OR (x.stop IS NOT NULL AND x.maybe_applied)"
+    "     THEN now() ELSE e.unknown_since END,"
     "   next_attempt_at = CASE WHEN x.status = 'PLANNED' AND x.stop IS NULL"
     "     THEN now() + x.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
@@ -274,6 +282,9 @@ static void retry_or_stop(dispatch_done_t *x, bool was_unknown)
     int cap = tool->max_attempts > 0 ? tool->max_attempts : 5;
     if (call->attempts < cap) {
         x->to_status = "PLANNED";
+        /* An idempotent tool's attempt that may have happened: sent again with the same key
+         * while its run is ACTIVE, asked about (UNKNOWN) once it is not (SQL_RECORD). */
+        x->maybe_applied = was_unknown && tool->effect_class == TALLY_CLASS_IDEMPOTENT;
         x->delay_ms = backoff_ms(tool, call->attempts, x->v.retry_after_ms);
         set_error(x, x->v.code, "%s", x->v.message);
         return;
@@ -765,7 +776,8 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
                    tally_columns_text(&rows, x->receipt_text) &&
                    tally_columns_text(&rows, x->external_ref) && tally_columns_text(&rows, code) &&
                    tally_columns_text(&rows, code ? x->error_message : NULL) &&
-                   tally_columns_text(&rows, delay);
+                   tally_columns_text(&rows, delay) &&
+                   tally_columns_text(&rows, x->maybe_applied ? "t" : "f");
         if (!tally_columns_row_end(&rows, row)) {
             tally_error_set(&err, "oom", true, "out of memory, or text that is not UTF-8");
             goto out;
@@ -803,10 +815,12 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         if (!hit)
             continue;
         won[hit - done] = true;
-        if (strcmp(PQgetvalue(res, row, 1), "CANCELLED") == 0 &&
-            strcmp(hit->to_status, "CANCELLED") != 0) {
-            /* Not applied, and its run was stopped meanwhile: it is not tried again. */
-            hit->to_status = "CANCELLED";
+        const char *became = PQgetvalue(res, row, 1);
+        if (strcmp(hit->to_status, "PLANNED") == 0 &&
+            (strcmp(became, "CANCELLED") == 0 || strcmp(became, "UNKNOWN") == 0)) {
+            /* Its run was stopped meanwhile: not tried again. CANCELLED when the attempt was
+             * not applied, UNKNOWN when it may have been (the reconciler asks the tool). */
+            hit->to_status = strcmp(became, "CANCELLED") == 0 ? "CANCELLED" : "UNKNOWN";
             snprintf(hit->error_code, sizeof hit->error_code, "%s", PQgetvalue(res, row, 2));
             snprintf(hit->error_message, sizeof hit->error_message, "%s", PQgetvalue(res, row, 3));
         }

@@ -64,6 +64,7 @@ typedef struct dispatch_done {
     tally_conn_verdict_t v;
     const char *to_status; /**< "CONFIRMED", "FAILED", "PLANNED", "UNKNOWN" */
     long long delay_ms;    /**< PLANNED: backoff before the next attempt */
+    bool maybe_applied;    /**< PLANNED: the attempt may have taken effect (see SQL_RECORD) */
     char error_code[32];
     char error_message[512];
     char *receipt_text; /**< CONFIRMED: the receipt as compact JSON text (owned) */

@@ -130,10 +130,17 @@ static void log_outcome(const tally_recon_item_t *it)
                   it->operation_key, it->tool->settle_ms);
         break;
     case TALLY_RECON_REDISPATCH:
-        TALLY_LOG(TALLY_LOG_INFO, &ctx,
-                  "UNKNOWN -> PLANNED: nothing upstream carries key %s after the settle window; "
-                  "re-dispatching with the same key (attempt %d of %d done)",
-                  it->operation_key, it->attempts, it->tool->max_attempts);
+        if (it->tool->status.path == NULL)
+            TALLY_LOG(TALLY_LOG_INFO, &ctx,
+                      "UNKNOWN -> PLANNED: tool '%s' has no status check and is %s, so key %s "
+                      "is sent again (attempt %d of %d done)",
+                      it->tool->name, tally_effect_class_name(it->tool->effect_class),
+                      it->operation_key, it->attempts, it->tool->max_attempts);
+        else
+            TALLY_LOG(TALLY_LOG_INFO, &ctx,
+                      "UNKNOWN -> PLANNED: nothing upstream carries key %s after the settle "
+                      "window; re-dispatching with the same key (attempt %d of %d done)",
+                      it->operation_key, it->attempts, it->tool->max_attempts);
         break;
     case TALLY_RECON_RETRY_CHECK:
         TALLY_LOG(TALLY_LOG_WARN, &ctx,

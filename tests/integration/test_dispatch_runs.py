@@ -2,6 +2,8 @@
 ledger side: cancelled effects, obligations and their events; executing obligations is the
 compensator's job). Also SIGTERM while calls are in flight."""
 
+import json
+import os
 import time
 import uuid
 
@@ -141,6 +143,47 @@ class DispatchRunsTest(DispatchCase):
         time.sleep(1.5)  # the tool's backoff would have come due by now
         self.assertEqual(len(self.requests(key)), 1)
         self.assertEqual(self.records("holds"), [])
+        self.invariants()
+
+    def test_idempotent_call_that_may_have_applied_when_its_run_was_cancelled_is_unknown(self):
+        # update_ledger is idempotent: a timeout after sending is retried with the same key
+        # while the run is ACTIVE. Here the tool applies the entry and hangs past the 2 s
+        # timeout, and the run is cancelled meanwhile. The attempt may have happened, so the
+        # effect must not be CANCELLED ("not applied") and must not be sent again: it is
+        # UNKNOWN, and the reconciler's status check finds the entry. (The demo registry's
+        # update_ledger has no status check; this test gives it one.)
+        with open(self.tools_file) as f:
+            registry = json.load(f)
+        [tool] = [t for t in registry["tools"] if t["name"] == "update_ledger"]
+        tool["connector"]["status"] = {"method": "GET", "path": "/ledger_entries"}
+        self.tools_file = os.path.join(self.tmp, "tools.json")
+        with open(self.tools_file, "w") as f:
+            json.dump(registry, f)
+        self.dispatcher()
+        run = run_id()
+        key = f"update_ledger:{run}-le"
+        self.fault("apply_then_hang", key=key, times=1, delay_ms=4000)
+        intent = self.publish(self.intent(run, 1, "update_ledger",
+                                          {"entry_id": f"{run}-le", "amount": -5}))
+        self.wait_status("update_ledger", key, "DISPATCHING")
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
+                        1, (run,))
+        row = self.wait_status("update_ledger", key, ("UNKNOWN", "CANCELLED", "PLANNED"))
+        self.assertEqual(row["status"], "UNKNOWN", row)
+        self.assertIn("may have been applied", row["error_message"])
+        got = self.read_until("outcomes", lambda got: any(
+            m["data"].get("intent_id") == intent["id"] for m in got))
+        [ev] = [m for m in got if m["data"].get("intent_id") == intent["id"]]
+        self.assertEqual(ev["type"], "tally.effect.unknown.v1")
+        time.sleep(1.5)  # the tool's backoff would have come due by now
+        self.assertEqual(len(self.requests(key)), 1)
+        self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url, TALLY_SWEEP_MS=200)
+        row = self.wait_status("update_ledger", key, "CONFIRMED")
+        [rec] = self.records("ledger_entries")
+        self.assertEqual(row["external_ref"], rec["id"])
+        self.assertEqual(len(self.requests(key)), 1)  # asked about, never sent again
+        self.assertEqual(len(self.requests(key, op="status")), 1)
         self.invariants()
 
     def test_sigterm_lets_calls_in_flight_finish_and_records_them(self):
