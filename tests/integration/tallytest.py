@@ -291,6 +291,27 @@ class TallyCase(unittest.TestCase):
         rows = self.query(sql, params)
         return rows[0][0] if rows else None
 
+    def admin(self, sql, params=None):
+        """Run SQL on the server's maintenance database, outside the test's own (which
+        PostgreSQL will not, for one, close to connections while connected to it)."""
+        admin = psycopg2.connect(self.stack.pg)
+        try:
+            admin.autocommit = True
+            with admin.cursor() as cur:
+                cur.execute(sql, params)
+                return cur.fetchall() if cur.description else []
+        finally:
+            admin.close()
+
+    def terminate_backends(self):
+        """Terminate every connection to the test's database but the test's own, as a
+        database restart would; returns how many there were."""
+        return len(self.admin(
+            "WITH workers AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
+            "  WHERE datname = %s AND pid <> %s)"
+            " SELECT pid FROM workers WHERE pg_terminate_backend(pid)",
+            (self.dbname, self.db.get_backend_pid())))
+
     # --- Kafka -----------------------------------------------------------------------
 
     def topic(self, logical):

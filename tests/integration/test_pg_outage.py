@@ -7,8 +7,6 @@ that went down would leave them. The test's own connection, which watches, is ke
 
 import time
 
-import psycopg2
-
 from dispatchcase import main, run_id
 from tallytest import wait_for
 from test_compensate_flow import CompensateCase
@@ -18,26 +16,10 @@ OUTAGE_S = 4.0
 
 class PostgresOutageTest(CompensateCase):
 
-    def admin(self, sql, params=None):
-        """Run SQL from the server's maintenance database, outside the test's own."""
-        admin = psycopg2.connect(self.stack.pg)
-        try:
-            admin.autocommit = True
-            with admin.cursor() as cur:
-                cur.execute(sql, params)
-                return cur.fetchall() if cur.description else []
-        finally:
-            admin.close()
-
     def outage_begins(self):
         # PostgreSQL refuses to close the current database to connections, hence admin().
         self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS false')
-        killed = self.admin(
-            "WITH workers AS MATERIALIZED (SELECT pid FROM pg_stat_activity"
-            "  WHERE datname = %s AND pid <> %s)"
-            " SELECT pid FROM workers WHERE pg_terminate_backend(pid)",
-            (self.dbname, self.db.get_backend_pid()))
-        self.assertTrue(killed, "the workers had no connection to terminate")
+        self.assertTrue(self.terminate_backends(), "the workers had no connection to terminate")
 
     def outage_ends(self):
         self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS true')

@@ -1,0 +1,129 @@
+"""Everything at once (DESIGN §11): two dispatchers, a reconciler and a compensator work
+through a few hundred intents while workers are killed (SIGKILL) and restarted, the
+database drops every connection, runs are sent to compensation mid-flight, and a quarter
+of the keys meet a fault at the tool (refusals, 5xx after applying, hangs past the
+timeout, dropped connections, double applies). When it settles, the ledger must agree with
+the tool one for one, every obligation must be finished, no reversal may be made twice,
+and every event must have left the outbox.
+
+The schedule is drawn from a seeded generator: TALLY_CHAOS_SEED picks another one (the
+seed is printed, so a failure can be replayed), TALLY_CHAOS_RUNS and TALLY_CHAOS_SECONDS
+make it larger."""
+
+import os
+import random
+import time
+
+from dispatchcase import main
+from tallytest import wait_for
+from test_compensate_flow import CompensateCase
+from test_dispatch_runs import run_message
+
+SEED = int(os.environ.get("TALLY_CHAOS_SEED", "20261126"))
+RUNS = int(os.environ.get("TALLY_CHAOS_RUNS", "120"))
+CHAOS_S = float(os.environ.get("TALLY_CHAOS_SECONDS", "20"))
+
+TOOLS = [
+    ("create_hold", "create_hold:{hold_id}", lambda tag: {"hold_id": tag, "amount": 5}),
+    ("charge_card", "charge_card:t1:{payment_id}",
+     lambda tag: {"tenant_id": "t1", "payment_id": tag, "amount": 5, "currency": "EUR"}),
+    ("update_ledger", "update_ledger:{entry_id}", lambda tag: {"entry_id": tag, "amount": -5}),
+    ("send_email", "send_email:{message_id}",
+     lambda tag: {"message_id": tag, "to": "a@example.com", "subject": "x"}),
+]
+# every tool's timeout is 2 s: the hangs outlast it
+FAULTS = [("refuse_503", {}), ("fail_after_apply", {}), ("apply_then_hang", {"delay_ms": 3000}),
+          ("slow", {"delay_ms": 600}), ("drop_connection", {}), ("apply_twice", {}),
+          ("hang_before_apply", {"delay_ms": 3000})]
+BUSY_EFFECTS = ("PLANNED", "DISPATCHING", "UNKNOWN")
+BUSY_OBLIGATIONS = ("PENDING", "RUNNING")
+
+
+class ChaosTest(CompensateCase):
+
+    def test_the_ledger_agrees_with_the_tool_after_crashes_disconnects_and_faults(self):
+        rnd = random.Random(SEED)
+        print(f"chaos: seed {SEED}, {RUNS} runs, {CHAOS_S:.0f} s of chaos")
+        env = {"TALLY_LEASE_MS": 1000, "TALLY_SHUTDOWN_GRACE_MS": 2000}
+        starters = {
+            "dispatcher-1": lambda: self.dispatcher(**env),
+            "dispatcher-2": lambda: self.dispatcher(**env),
+            "reconciler": lambda: self.start(
+                "tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url,
+                BILLING_HMAC_SECRET="whsec_dispatch_tests", TALLY_POLL_MS=200,
+                TALLY_SWEEP_MS=200, **env),
+            "compensator": lambda: self.compensator(**env),
+        }
+        workers = {name: start() for name, start in starters.items()}
+
+        intents, runs = [], []
+        for i in range(RUNS):
+            run = f"chaos-{SEED}-{i}"
+            runs.append(run)
+            for step in range(1, rnd.randint(2, 5)):
+                tool, key, make = rnd.choice(TOOLS)
+                args = make(f"{run}-{step}")
+                if rnd.random() < 0.25:
+                    fault, kw = rnd.choice(FAULTS)
+                    self.fault(fault, key=key.format(**args), **kw)
+                intents.append(self.intent(run, step, tool, args))
+        rnd.shuffle(intents)
+
+        story = []
+        t0 = time.monotonic()
+        sent = 0
+        compensated = set()
+        while time.monotonic() - t0 < CHAOS_S or sent < len(intents):
+            if sent < len(intents):
+                self.publish_many(intents[sent:sent + 40])
+                sent += 40
+            at = f"{time.monotonic() - t0:5.1f} s"
+            if time.monotonic() - t0 < CHAOS_S:
+                act = rnd.choice(["kill", "kill", "disconnect", "compensate", "nothing"])
+                if act == "kill":
+                    name = rnd.choice(sorted(workers))
+                    workers[name].kill()
+                    workers[name] = starters[name]()
+                    story.append(f"{at}: SIGKILL {name}, started again")
+                elif act == "disconnect":
+                    story.append(f"{at}: {self.terminate_backends()} connections terminated")
+                elif act == "compensate":
+                    run = rnd.choice(runs)
+                    if run not in compensated:
+                        compensated.add(run)
+                        self.publish(run_message(self, "compensate_run", run))
+                        story.append(f"{at}: compensate_run {run}")
+            time.sleep(rnd.uniform(0.5, 2.0))
+        told = "\n  ".join([f"seed {SEED}:"] + story)
+        print(told)
+
+        def settled():
+            effects = dict(self.query("SELECT status, count(*) FROM effects GROUP BY 1"))
+            obligations = dict(self.query("SELECT status, count(*) FROM obligations GROUP BY 1"))
+            busy = any(s in effects for s in BUSY_EFFECTS) or \
+                any(s in obligations for s in BUSY_OBLIGATIONS)
+            if busy or sum(effects.values()) < len(intents):
+                return None
+            return effects, obligations
+        try:
+            effects, obligations = wait_for(settled, timeout=240, interval=1,
+                                            what="the ledger to settle")
+        except AssertionError:
+            self.fail(f"not settled:\n  {told}\n  effects"
+                      f" {self.query('SELECT status, count(*) FROM effects GROUP BY 1')}"
+                      f"\n  obligations"
+                      f" {self.query('SELECT status, count(*) FROM obligations GROUP BY 1')}")
+        print(f"chaos: effects {effects}, obligations {obligations}")
+        for name, p in workers.items():
+            self.assertTrue(p.alive(), f"{name} exited:\n{p.log()[-5000:]}")
+        wait_for(lambda: self.scalar("SELECT count(*) FROM message_outbox") == 0, timeout=60,
+                 what="every event to leave the outbox")
+        self.assertEqual(self.scalar("SELECT count(*) FROM effects"), len(intents))
+        # Double applies upstream may stay (their obligations are compensated or, for tools
+        # that cannot be reversed, recorded); every other upstream record is one effect's.
+        self.invariants(allow_duplicates=True, obligations_settled=True)
+        self.compensation_invariants()
+
+
+if __name__ == "__main__":
+    main()
