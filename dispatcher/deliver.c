@@ -18,6 +18,7 @@
 #include "tally/audit.h"
 #include "tally/crashpoint.h"
 #include "tally/log.h"
+#include "tally/ledger.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* SQL                                                                                      */
@@ -61,24 +62,25 @@ static const char SQL_CLAIM[] =
     " SELECT effect_id::text, run_id, step, step_num IS NOT NULL, tool, operation_key,"
     "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
 
-/* The compare-and-set for a batch of finished calls (rule 3): only rows still DISPATCHING
- * under the epoch this worker claimed are written; the caller writes events for exactly the
- * rows that come back, in the state they came back in. A retry goes back to PLANNED with a
- * new outbox row due later, unless its run stopped being ACTIVE while the call was in flight
- * (cancel_run, compensate_run): then it is CANCELLED, as the run's other PLANNED effects
- * were — or UNKNOWN when the attempt may have been applied (an idempotent tool's timeout or
- * 5xx, retried only because the same key is safe to send again): only the tool can say
- * whether it happened, and the reconciler asks it. The runs of retries are share-locked, as intake
- * does, so such a run operation and this statement serialise (runops locks the run rows first). The
- * effects are looked up by primary key, through an array of their ids as the claim does, and their
- * status is compared through coalesce() so that no other index can serve it. Joined to the
- * recordset with the status as a plain restriction, the planner (which guesses 100 rows for any
- * json_to_recordset) walked the partial index of live states for every entry of status DISPATCHING
- * — dead ones included: every effect dispatched since the last vacuum — on each batch (12,530
- * entries and 1,126 heap pages for 8 rows, 8.5 ms, 20 s into a run at 1,000/s; with the array
- * beside it, it ANDed that same walk in); with the status hidden but no array, a profile showed it
- * hashing a scan of the whole table. A bitmap scan, unlike an ordinary index scan, never marks the
- * dead entries it meets, so the walk got longer until vacuum. */
+/* The compare-and-set for a batch of finished calls (rule 3): only rows still DISPATCHING under
+ * the epoch this worker claimed are written; the caller writes events for exactly the rows that
+ * come back, in the state they came back in. A retry goes back to PLANNED with a new outbox row
+ * due later, unless its run stopped being ACTIVE while the call was in flight (cancel_run,
+ * compensate_run): then it is CANCELLED, as the run's other PLANNED effects were — or UNKNOWN
+ * when this attempt or an earlier one may have been applied (an idempotent tool's timeout or
+ * 5xx, retried only because the same key is safe to send again; TALLY_SQL_MAYBE_APPLIED): only
+ * the tool can say whether it happened, and the reconciler asks it. The runs of retries are
+ * share-locked, as intake does, so such a run operation and this statement serialise (runops
+ * locks the run rows first). The effects are looked up by primary key, through an array of
+ * their ids as the claim does, and their status is compared through coalesce() so that no other
+ * index can serve it. Joined to the recordset with the status as a plain restriction, the
+ * planner (which guesses 100 rows for any json_to_recordset) walked the partial index of live
+ * states for every entry of status DISPATCHING — dead ones included: every effect dispatched
+ * since the last vacuum — on each batch (12,530 entries and 1,126 heap pages for 8 rows, 8.5
+ * ms, 20 s into a run at 1,000/s; with the array beside it, it ANDed that same walk in); with
+ * the status hidden but no array, a profile showed it hashing a scan of the whole table. A
+ * bitmap scan, unlike an ordinary index scan, never marks the dead entries it meets, so the
+ * walk got longer until vacuum. */
 #define RECORDED_EFFECTS                                                                           \
     "e.effect_id = ANY (ARRAY(SELECT effect_id FROM x)) AND e.effect_id = x.effect_id"             \
     " AND coalesce(e.status, '') = 'DISPATCHING'"
@@ -108,22 +110,24 @@ static const char SQL_RECORD[] =
     "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
     "   ORDER BY run_id FOR SHARE),"
     " x AS (SELECT r.*, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END"
-    "   AS stop FROM r LEFT JOIN effects e ON r.status = 'PLANNED' AND e.effect_id = r.effect_id"
+    "   AS stop, CASE WHEN ru.status <> 'ACTIVE' THEN r.maybe_applied"
+    "     OR " TALLY_SQL_MAYBE_APPLIED("e") " END AS maybe"
+    "   FROM r LEFT JOIN effects e ON r.status = 'PLANNED' AND e.effect_id = r.effect_id"
     "   LEFT JOIN ru ON ru.run_id = e.run_id),"
     " upd AS (UPDATE effects e SET"
-    "   status = CASE WHEN x.stop IS NULL THEN x.status WHEN x.maybe_applied THEN 'UNKNOWN'"
+    "   status = CASE WHEN x.stop IS NULL THEN x.status WHEN x.maybe THEN 'UNKNOWN'"
     "     ELSE 'CANCELLED' END,"
     "   status_reason = coalesce(x.stop, e.status_reason),"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
     "     ELSE e.external_ref END,"
-    "   error_code = CASE WHEN x.stop IS NOT NULL AND NOT x.maybe_applied THEN 'run_not_active'"
+    "   error_code = CASE WHEN x.stop IS NOT NULL AND NOT x.maybe THEN 'run_not_active'"
     "     ELSE x.error_code END,"
     "   error_message = CASE WHEN x.stop IS NULL THEN x.error_message"
-    "     WHEN x.maybe_applied THEN x.stop || '; the last attempt may have been applied, so the'"
+    "     WHEN x.maybe THEN x.stop || '; an attempt may have been applied, so the'"
     "       || ' reconciler asks the tool: ' || x.error_message"
     "     ELSE x.stop || '; the last attempt was not applied: ' || x.error_message END,"
-    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' OR (x.stop IS NOT NULL AND x.maybe_applied)"
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' OR (x.stop IS NOT NULL AND x.maybe)"
     "     THEN now() ELSE e.unknown_since END,"
     "   next_attempt_at = CASE WHEN x.status = 'PLANNED' AND x.stop IS NULL"
     "     THEN now() + x.delay_ms * interval '1 millisecond' ELSE e.next_attempt_at END,"

@@ -171,17 +171,25 @@ static const char SQL_LOCK_RUNS[] = "SELECT run_id, status FROM runs"
                                     " ORDER BY run_id FOR UPDATE";
 
 /* Outbox rows first, then the effects (the dispatcher's claim locks them in that order). A row
- * a dispatcher already claimed belongs to an effect that is DISPATCHING and is left alone. */
+ * a dispatcher already claimed belongs to an effect that is DISPATCHING and is left alone.
+ * So is a PLANNED effect an earlier attempt of which may have been applied (an idempotent
+ * tool's retry after a timeout or 5xx; TALLY_SQL_MAYBE_APPLIED): CANCELLED would say it never
+ * happened. Its retry goes out with the same key, which an idempotent tool answers with what it
+ * did; a retry that is refused again becomes UNKNOWN (SQL_RECORD in dispatcher/deliver.c). */
+// clang-format off
 static const char SQL_CANCEL_OUTBOX[] =
     "DELETE FROM outbox o USING effects e"
     " WHERE o.effect_id = e.effect_id AND e.status = 'PLANNED'"
-    "   AND e.run_id IN (SELECT run_id FROM json_to_recordset($1::json) AS r(run_id text))";
+    "   AND e.run_id IN (SELECT run_id FROM json_to_recordset($1::json) AS r(run_id text))"
+    "   AND NOT " TALLY_SQL_MAYBE_APPLIED("e");
 
 static const char SQL_CANCEL_EFFECTS[] =
     "WITH req AS (SELECT run_id, reason FROM json_to_recordset($1::json)"
     "   AS r(run_id text, reason text)),"
     " old AS (SELECT e.effect_id, e.status FROM effects e JOIN req USING (run_id)"
-    "   WHERE e.status IN ('PLANNED', 'AWAITING_APPROVAL') ORDER BY e.effect_id FOR UPDATE OF e)"
+    "   WHERE e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
+    "     AND NOT (e.status = 'PLANNED' AND " TALLY_SQL_MAYBE_APPLIED("e") ")"
+    "   ORDER BY e.effect_id FOR UPDATE OF e)"
     " UPDATE effects e SET status = 'CANCELLED',"
     "   status_reason = 'cancel_run' || coalesce(': ' || req.reason, ''),"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
@@ -190,6 +198,7 @@ static const char SQL_CANCEL_EFFECTS[] =
     "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
     " RETURNING e.effect_id::text, e.run_id, old.status, e.step, e.step_num IS NOT NULL, e.tool,"
     "   e.operation_key, e.attempts, e.intent_id";
+// clang-format on
 
 /* One obligation per CONFIRMED effect, last step first; asking twice creates nothing new
  * (UNIQUE NULLS NOT DISTINCT (effect_id, external_ref)). */

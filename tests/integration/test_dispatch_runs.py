@@ -8,6 +8,7 @@ import time
 import uuid
 
 from dispatchcase import DispatchCase, main, run_id
+from tallytest import wait_for
 
 
 def run_message(case, kind, run, **data):
@@ -145,20 +146,33 @@ class DispatchRunsTest(DispatchCase):
         self.assertEqual(self.records("holds"), [])
         self.invariants()
 
+    def ledger_tool_with_a_status_check(self, **retry):
+        """The demo registry, but update_ledger (idempotent) gets a status check, which the
+        demo's lacks, and @p retry overrides its retry policy."""
+        with open(self.tools_file) as f:
+            registry = json.load(f)
+        [tool] = [t for t in registry["tools"] if t["name"] == "update_ledger"]
+        tool["connector"]["status"] = {"method": "GET", "path": "/ledger_entries"}
+        tool["retry"].update(retry)
+        self.tools_file = os.path.join(self.tmp, "tools.json")
+        with open(self.tools_file, "w") as f:
+            json.dump(registry, f)
+
+    def confirmed_by_the_reconciler(self, key):
+        """Start a reconciler; the effect must end CONFIRMED with the tool's one record."""
+        self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url, TALLY_SWEEP_MS=200)
+        row = self.wait_status("update_ledger", key, "CONFIRMED")
+        [rec] = self.records("ledger_entries")
+        self.assertEqual(row["external_ref"], rec["id"])
+        return row
+
     def test_idempotent_call_that_may_have_applied_when_its_run_was_cancelled_is_unknown(self):
         # update_ledger is idempotent: a timeout after sending is retried with the same key
         # while the run is ACTIVE. Here the tool applies the entry and hangs past the 2 s
         # timeout, and the run is cancelled meanwhile. The attempt may have happened, so the
         # effect must not be CANCELLED ("not applied") and must not be sent again: it is
-        # UNKNOWN, and the reconciler's status check finds the entry. (The demo registry's
-        # update_ledger has no status check; this test gives it one.)
-        with open(self.tools_file) as f:
-            registry = json.load(f)
-        [tool] = [t for t in registry["tools"] if t["name"] == "update_ledger"]
-        tool["connector"]["status"] = {"method": "GET", "path": "/ledger_entries"}
-        self.tools_file = os.path.join(self.tmp, "tools.json")
-        with open(self.tools_file, "w") as f:
-            json.dump(registry, f)
+        # UNKNOWN, and the reconciler's status check finds the entry.
+        self.ledger_tool_with_a_status_check()
         self.dispatcher()
         run = run_id()
         key = f"update_ledger:{run}-le"
@@ -178,12 +192,60 @@ class DispatchRunsTest(DispatchCase):
         self.assertEqual(ev["type"], "tally.effect.unknown.v1")
         time.sleep(1.5)  # the tool's backoff would have come due by now
         self.assertEqual(len(self.requests(key)), 1)
-        self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url, TALLY_SWEEP_MS=200)
-        row = self.wait_status("update_ledger", key, "CONFIRMED")
-        [rec] = self.records("ledger_entries")
-        self.assertEqual(row["external_ref"], rec["id"])
+        self.confirmed_by_the_reconciler(key)
         self.assertEqual(len(self.requests(key)), 1)  # asked about, never sent again
         self.assertEqual(len(self.requests(key, op="status")), 1)
+        self.invariants()
+
+    def test_a_retry_refused_after_the_run_was_cancelled_is_unknown_if_an_earlier_try_applied(
+            self):
+        # Attempt 1 applies and times out (so it may have happened); attempt 2, with the same
+        # key, is in flight when the run is cancelled and is refused (503, not applied). That
+        # refusal says nothing of attempt 1: the effect is UNKNOWN, not CANCELLED.
+        self.ledger_tool_with_a_status_check()
+        self.dispatcher()
+        run = run_id()
+        key = f"update_ledger:{run}-le"
+        self.fault("apply_then_hang", key=key, times=1, delay_ms=4000)
+        self.fault("hang_before_apply", key=key, times=1, delay_ms=1700, status=503)
+        self.publish(self.intent(run, 1, "update_ledger", {"entry_id": f"{run}-le", "amount": 1}))
+        wait_for(lambda: len(self.requests(key)) == 2, timeout=30,
+                 what="the second attempt to reach the tool")
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
+        row = self.wait_status("update_ledger", key, ("UNKNOWN", "CANCELLED"))
+        self.assertEqual(row["status"], "UNKNOWN", row)
+        self.assertEqual(row["attempts"], 2)
+        self.confirmed_by_the_reconciler(key)
+        self.assertEqual(len(self.requests(key)), 2)
+        self.invariants()
+
+    def test_a_retry_waiting_when_its_run_is_cancelled_goes_out_if_its_try_may_have_applied(
+            self):
+        # The attempt applies and times out; its retry waits out its backoff (PLANNED) when the
+        # run is cancelled. cancel_run must not call it CANCELLED ("never happened"): the retry
+        # goes out with the same key, and the idempotent tool answers with the entry it made.
+        self.ledger_tool_with_a_status_check(backoff_ms=3000, max_backoff_ms=3000)
+        self.dispatcher()
+        run = run_id()
+        key = f"update_ledger:{run}-le"
+        self.fault("apply_then_hang", key=key, times=1, delay_ms=4000)
+        intent = self.publish(self.intent(run, 1, "update_ledger",
+                                          {"entry_id": f"{run}-le", "amount": 1}))
+        self.wait_count("SELECT count(*) FROM effects WHERE operation_key = %s"
+                        " AND status = 'PLANNED' AND attempts = 1", 1, (key,))
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
+                        1, (run,))
+        row = self.wait_status("update_ledger", key, ("CONFIRMED", "CANCELLED", "UNKNOWN"))
+        self.assertEqual(row["status"], "CONFIRMED", row)
+        self.assertEqual(row["attempts"], 2)
+        [rec] = self.records("ledger_entries")
+        self.assertEqual(row["external_ref"], rec["id"])
+        self.assertEqual(len(self.requests(key)), 2)
+        got = self.read_until("outcomes", lambda got: any(
+            m["data"].get("intent_id") == intent["id"] for m in got))
+        self.assertEqual([m["type"] for m in got if m["data"].get("intent_id") == intent["id"]],
+                         ["tally.effect.confirmed.v1"])
         self.invariants()
 
     def test_sigterm_lets_calls_in_flight_finish_and_records_them(self):

@@ -37,6 +37,24 @@ typedef struct tally_transition {
     const char *why;
 } tally_transition_t;
 
+/**
+ * SQL: whether an attempt of the effect row aliased @p E may have taken effect, with nothing
+ * since to say it did not. An attempt may have when it was sent and its answer never came or
+ * was a 5xx (its connector_call event's "verdict" is "unknown"; an idempotent tool's such
+ * attempt is retried with the same key, so the effect can be PLANNED again); what says
+ * otherwise is a later status check that found nothing (the reconciler's "redispatched"
+ * decision). A run that stops must not call such an effect CANCELLED ("never applied").
+ * Reads the run's events through their (run_id, seq) index; meant for rare paths.
+ */
+#define TALLY_SQL_MAYBE_APPLIED(E)                                                                 \
+    "EXISTS (SELECT 1 FROM events mu WHERE mu.run_id = " E ".run_id"                               \
+    " AND mu.effect_id = " E ".effect_id AND mu.kind = 'connector_call'"                           \
+    " AND mu.data->>'op' = 'execute' AND mu.data->>'verdict' = 'unknown'"                          \
+    " AND NOT EXISTS (SELECT 1 FROM events mn WHERE mn.run_id = " E ".run_id"                      \
+    "   AND mn.effect_id = " E ".effect_id AND mn.kind = 'connector_call'"                         \
+    "   AND mn.data->>'op' = 'status' AND mn.data->>'decision' = 'redispatched'"                   \
+    "   AND mn.seq > mu.seq))"
+
 /** The effect transitions of DESIGN §3, ended by {-1, -1, NULL, NULL}. */
 extern const tally_transition_t tally_effect_transitions[];
 /** The obligation transitions, ended by {-1, -1, NULL, NULL}. */
