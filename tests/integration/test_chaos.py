@@ -1,6 +1,6 @@
 """Everything at once (DESIGN §11): two dispatchers, a reconciler and a compensator work
 through a few hundred intents while workers are killed (SIGKILL) and restarted, the
-database drops every connection, runs are sent to compensation mid-flight, and a quarter
+database drops every connection, runs are cancelled or sent to compensation mid-flight, and a quarter
 of the keys meet a fault at the tool (refusals, 5xx after applying, hangs past the
 timeout, dropped connections, double applies). When it settles, the ledger must agree with
 the tool one for one, every obligation must be finished, no reversal may be made twice,
@@ -72,14 +72,15 @@ class ChaosTest(CompensateCase):
         story = []
         t0 = time.monotonic()
         sent = 0
-        compensated = set()
+        stopped = set()
         while time.monotonic() - t0 < CHAOS_S or sent < len(intents):
             if sent < len(intents):
                 self.publish_many(intents[sent:sent + 40])
                 sent += 40
             at = f"{time.monotonic() - t0:5.1f} s"
             if time.monotonic() - t0 < CHAOS_S:
-                act = rnd.choice(["kill", "kill", "disconnect", "compensate", "nothing"])
+                act = rnd.choice(["kill", "kill", "disconnect", "compensate", "cancel",
+                                  "nothing"])
                 if act == "kill":
                     name = rnd.choice(sorted(workers))
                     workers[name].kill()
@@ -89,10 +90,17 @@ class ChaosTest(CompensateCase):
                     story.append(f"{at}: {self.terminate_backends()} connections terminated")
                 elif act == "compensate":
                     run = rnd.choice(runs)
-                    if run not in compensated:
-                        compensated.add(run)
+                    if run not in stopped:
+                        stopped.add(run)
                         self.publish(run_message(self, "compensate_run", run))
                         story.append(f"{at}: compensate_run {run}")
+                elif act == "cancel":
+                    run = rnd.choice(runs)
+                    if run not in stopped:
+                        stopped.add(run)
+                        undo = rnd.random() < 0.5
+                        self.publish(run_message(self, "cancel_run", run, compensate=undo))
+                        story.append(f"{at}: cancel_run {run}, compensate {undo}")
             time.sleep(rnd.uniform(0.5, 2.0))
         told = "\n  ".join([f"seed {SEED}:"] + story)
         print(told)
