@@ -23,6 +23,8 @@ const char *tally_recon_action_name(tally_recon_action_t a)
         return "inconclusive";
     case TALLY_RECON_STUCK:
         return "stuck";
+    case TALLY_RECON_CANCEL:
+        return "cancelled";
     }
     return "unknown";
 }

@@ -151,6 +151,12 @@ static void log_outcome(const tally_recon_item_t *it)
         TALLY_LOG(TALLY_LOG_ERROR, &ctx, "UNKNOWN -> STUCK (%s): paging a human",
                   it->decision.stuck_reason);
         break;
+    case TALLY_RECON_CANCEL:
+        TALLY_LOG(TALLY_LOG_INFO, &ctx,
+                  "UNKNOWN -> PLANNED -> CANCELLED: nothing upstream carries key %s after the "
+                  "settle window and the run is no longer ACTIVE, so it is not sent again",
+                  it->operation_key);
+        break;
     }
 }
 

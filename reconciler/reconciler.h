@@ -36,6 +36,7 @@ typedef enum {
     TALLY_RECON_REDISPATCH, /**< none after the settle window: PLANNED, re-sent with the same key */
     TALLY_RECON_RETRY_CHECK, /**< inconclusive: look again after a backoff with jitter */
     TALLY_RECON_STUCK,       /**< cannot decide safely: STUCK, page a human */
+    TALLY_RECON_CANCEL,      /**< REDISPATCH after a status check, but the run stopped: CANCELLED */
 } tally_recon_action_t;
 
 /** The names used in tally_reconciler_resolutions_total{outcome} and the logs. */

@@ -118,6 +118,17 @@ static const char SQL_RECORD[] =
     " to_char(e.next_attempt_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"
     " greatest(0, ceil(extract(epoch FROM e.next_attempt_at - now()) * 1000))::bigint";
 
+/* The effects (of $1, a JSON array of ids) whose run is no longer ACTIVE; see cancel_if_stopped. */
+static const char SQL_STOPPED_RUNS[] =
+    "SELECT e.effect_id::text FROM effects e JOIN runs r USING (run_id)"
+    " WHERE e.effect_id IN (SELECT json_array_elements_text($1::json)::uuid)"
+    "   AND r.status <> 'ACTIVE'"
+    " ORDER BY r.run_id FOR SHARE OF r";
+
+#define RUN_STOPPED                                                                                \
+    "the run is no longer ACTIVE and the status check found no upstream record after the "         \
+    "settle window: the retry is not sent"
+
 /* Re-dispatch with the same key: a dispatch outbox row due now (the effect is PLANNED again;
  * the dispatcher counts the attempt when it claims it). */
 static const char SQL_REDISPATCH[] =
@@ -383,6 +394,8 @@ static const char *to_status(const tally_recon_item_t *it)
         return "PLANNED";
     case TALLY_RECON_STUCK:
         return "STUCK";
+    case TALLY_RECON_CANCEL:
+        return "CANCELLED";
     case TALLY_RECON_WAIT_SETTLE:
     case TALLY_RECON_RETRY_CHECK:
         break;
@@ -432,6 +445,8 @@ static const char *transition_reason(const tally_recon_item_t *it, char *buf, si
     case TALLY_RECON_STUCK:
         stuck_message(it, buf, bufsz);
         return buf;
+    case TALLY_RECON_CANCEL:
+        return RUN_STOPPED;
     case TALLY_RECON_WAIT_SETTLE:
     case TALLY_RECON_RETRY_CHECK:
         break;
@@ -480,6 +495,12 @@ static json_t *record_row(const tally_recon_item_t *it)
         break;
     case TALLY_RECON_REDISPATCH:
         ok = json_object_set_new(row, "reason", json_string("status_not_found")) == 0;
+        break;
+    case TALLY_RECON_CANCEL:
+        ok = json_object_set_new(row, "reason", json_string("status_not_found")) == 0 &&
+             json_object_set_new(row, "set_error", json_true()) == 0 &&
+             json_object_set_new(row, "error_code", json_string("run_not_active")) == 0 &&
+             json_object_set_new(row, "error_message", json_string(RUN_STOPPED)) == 0;
         break;
     case TALLY_RECON_RETRY_CHECK:
         ok = json_object_set_new(row, "set_error", json_true()) == 0 &&
@@ -652,7 +673,12 @@ static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row
     }
     char buf[600];
     const char *why = transition_reason(it, buf, sizeof buf);
-    if (why != NULL) {
+    if (it->decision.action == TALLY_RECON_CANCEL) {
+        /* DESIGN §3 has no UNKNOWN -> CANCELLED: the two moves it does have, in order. */
+        audit(db, res, row, "transition", "UNKNOWN", "PLANNED",
+              "status check: no upstream record after the settle window", NULL);
+        audit(db, res, row, "transition", "PLANNED", "CANCELLED", why, NULL);
+    } else if (why != NULL) {
         json_t *data = NULL;
         if (strcmp(to, "CONFIRMED") == 0) {
             data = json_pack("{s:o}", "external_ref", text_or_null(col(res, row, C_EXTERNAL_REF)));
@@ -669,6 +695,8 @@ static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row
         queue_alert(db, res, row, it);
         return queue_outcome(db, res, row, "tally.effect.stuck.v1",
                              json_pack("{s:s}", "reason", it->decision.stuck_reason), err);
+    case TALLY_RECON_CANCEL:
+        return queue_outcome(db, res, row, "tally.effect.cancelled.v1", NULL, err);
     case TALLY_RECON_WAIT_SETTLE:
     case TALLY_RECON_RETRY_CHECK:
     case TALLY_RECON_REDISPATCH:
@@ -689,6 +717,44 @@ static tally_recon_item_t *find_item(tally_recon_item_t **items, size_t n, const
     return i < n ? items[i] : NULL;
 }
 
+/* A re-dispatch is a retry, and a run that stopped (cancel_run, compensate_run) has its retries
+ * CANCELLED, as the dispatcher does with its own (DESIGN §3: PLANNED -> CANCELLED): the status
+ * check found nothing after the settle window, so the effect never happened and is not sent
+ * again. Only after a status check: a tool without one (read, idempotent) is sent the same key
+ * again, since nothing else can tell what an earlier attempt did. The runs are share-locked,
+ * as the dispatcher's record does, so a run operation and this transaction serialise. */
+static bool cancel_if_stopped(tally_recon_db_t *tx, tally_recon_item_t **items, size_t n,
+                              tally_error_t *err)
+{
+    json_t *ids = json_array();
+    if (ids == NULL) {
+        tally_error_set(err, "oom", false, "out of memory building the run check");
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (items[i]->decision.action == TALLY_RECON_REDISPATCH && items[i]->checked &&
+            items[i]->tool->status.path != NULL) {
+            json_array_append_new(ids, json_string(items[i]->effect_id));
+        }
+    }
+    bool ok = true;
+    if (json_array_size(ids) > 0) {
+        PGresult *res = exec_json(tx->pg, SQL_STOPPED_RUNS, ids, err);
+        ok = res != NULL;
+        for (int r = 0; ok && r < PQntuples(res); r++) {
+            for (size_t i = 0; i < n; i++) {
+                if (items[i]->decision.action == TALLY_RECON_REDISPATCH &&
+                    strcmp(items[i]->effect_id, PQgetvalue(res, r, 0)) == 0) {
+                    items[i]->decision.action = TALLY_RECON_CANCEL;
+                }
+            }
+        }
+        PQclear(res);
+    }
+    json_decref(ids);
+    return ok;
+}
+
 bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
                         tally_error_t *err)
 {
@@ -697,18 +763,21 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
     json_t *redispatch = json_array();
     json_t *obligations = json_array();
     bool ok = rows != NULL && index != NULL && redispatch != NULL && obligations != NULL;
-    for (size_t i = 0; ok && i < n; i++) {
-        items[i]->won = false;
-        ok = json_array_append_new(rows, record_row(items[i])) == 0 &&
-             json_object_set_new(index, items[i]->effect_id, json_integer((json_int_t)i)) == 0;
-    }
     if (!ok) {
         tally_error_set(err, "oom", false, "out of memory building the verdict batch");
     }
     tally_recon_db_t tx = *db;
     PGresult *res = NULL;
     PGresult *obl = NULL;
-    ok = ok && tx_begin(&tx, err);
+    ok = ok && tx_begin(&tx, err) && cancel_if_stopped(&tx, items, n, err);
+    for (size_t i = 0; ok && i < n; i++) {
+        items[i]->won = false;
+        ok = json_array_append_new(rows, record_row(items[i])) == 0 &&
+             json_object_set_new(index, items[i]->effect_id, json_integer((json_int_t)i)) == 0;
+        if (!ok) {
+            tally_error_set(err, "oom", false, "out of memory building the verdict batch");
+        }
+    }
     if (ok) {
         res = exec_json(tx.pg, SQL_RECORD, rows, err);
         ok = res != NULL;

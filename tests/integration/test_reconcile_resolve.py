@@ -12,6 +12,7 @@ import os
 import tempfile
 import time
 import urllib.request
+import uuid
 
 from dispatchcase import SECRET, DispatchCase, main, run_id
 from tallytest import SOURCE_DIR, wait_for
@@ -179,6 +180,45 @@ class ReconcileResolveTest(ReconcileCase):
         self.assertGreaterEqual(len(status_checks), 1)
         self.assertTrue(all(d["verdict"] == "not_found" for d in status_checks), status_checks)
         self.assertEqual(status_checks[-1]["decision"], "redispatched")
+        self.invariants()
+
+    def test_not_applied_and_its_run_cancelled_meanwhile_is_cancelled_not_sent_again(self):
+        # The call timed out before the tool applied it (UNKNOWN), and the run was cancelled
+        # before the reconciler could look. The status check finds nothing after the settle
+        # window: the effect never happened, and a cancelled run's retry is not sent.
+        self.dispatcher()
+        run = run_id()
+        key = f"charge_card:t1:{run}-p1"
+        self.fault("hang_before_apply", key=key, delay_ms=3000)
+        key, args, ce = self.charge(run)
+        row = self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
+        self.publish({"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
+                      "type": "tally.cancel_run.v1", "datacontenttype": "application/json",
+                      "data": {"run_id": run, "reason": "agent stopped", "compensate": False}})
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
+                        1, (run,))
+        self.assertEqual(self.effect("charge_card", key)["status"], "UNKNOWN")
+        rec = self.reconciler()
+        row = self.wait_status("charge_card", key, ("CANCELLED", "CONFIRMED"), timeout=40)
+        self.assertEqual(row["status"], "CANCELLED", row)
+        self.assertEqual(row["error_code"], "run_not_active")
+        moves = [(f, t) for f, t, _, _ in self.transitions(row["effect_id"])]
+        self.assertEqual(moves[-3:], [("DISPATCHING", "UNKNOWN"), ("UNKNOWN", "PLANNED"),
+                                      ("PLANNED", "CANCELLED")])
+        self.assertEqual(self.scalar("SELECT count(*) FROM outbox WHERE effect_id = %s",
+                                     (row["effect_id"],)), 0)
+        got = self.messages("outcomes", lambda got: any(
+            m["data"].get("effect_id") == row["effect_id"] and m["data"]["status"] == "CANCELLED"
+            for m in got))
+        [ev] = [m for m in got if m["data"].get("effect_id") == row["effect_id"]
+                and m["data"]["status"] == "CANCELLED"]
+        self.assertEqual(ev["type"], "tally.effect.cancelled.v1")
+        self.assertEqual(ev["data"]["error"]["code"], "run_not_active")
+        time.sleep(1.5)  # a re-dispatch would have gone out by now
+        self.assertEqual(len(self.requests(key)), 1)
+        self.assertEqual(self.records("charges"), [])
+        self.assertEqual(self.metric(rec, "tally_reconciler_resolutions_total",
+                                     '{outcome="cancelled"}'), 1)
         self.invariants()
 
     def test_applied_twice_upstream_is_a_duplicate_with_one_obligation(self):
