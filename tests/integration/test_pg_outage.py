@@ -5,6 +5,7 @@ The outage is made inside the test's own database: new connections are refused
 (`ALLOW_CONNECTIONS false`) and every connection of the workers is terminated, as a server
 that went down would leave them. The test's own connection, which watches, is kept."""
 
+import contextlib
 import time
 
 from dispatchcase import main, run_id
@@ -16,13 +17,18 @@ OUTAGE_S = 4.0
 
 class PostgresOutageTest(CompensateCase):
 
-    def outage_begins(self):
-        # PostgreSQL refuses to close the current database to connections, hence admin().
+    @contextlib.contextmanager
+    def outage(self):
+        """The test's database refuses connections and every worker's is terminated; the
+        outage ends with the block. (PostgreSQL will not close the current database to
+        connections, hence admin().)"""
         self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS false')
-        self.assertTrue(self.terminate_backends(), "the workers had no connection to terminate")
-
-    def outage_ends(self):
-        self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS true')
+        try:
+            self.assertTrue(self.terminate_backends(),
+                            "the workers had no connection to terminate")
+            yield
+        finally:
+            self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS true')
 
     def ride_out(self, worker, seconds=OUTAGE_S):
         """The outage lasts @p seconds; @p worker says it is not ready, and stays up."""
@@ -49,8 +55,7 @@ class PostgresOutageTest(CompensateCase):
         wait_for(lambda: len(self.requests()) == 10, timeout=30,
                  what="the first wave's calls to reach the tool")
 
-        self.outage_begins()
-        try:
+        with self.outage():
             second = [self.intent(run, i + 11, "create_hold", {"hold_id": f"{run}-b{i}"})
                       for i in range(10)]
             self.publish_many(second)
@@ -61,8 +66,6 @@ class PostgresOutageTest(CompensateCase):
             for p in workers:
                 self.assertTrue(p.alive(), f"{p.name} exited during the outage:\n{p.log()}")
                 self.assertEqual(p.http_get("/healthz"), (200, "ok"))
-        finally:
-            self.outage_ends()
 
         intents = first + second
         answers = self.outcomes_for([ce["id"] for ce in intents], timeout=60)
@@ -96,11 +99,8 @@ class PostgresOutageTest(CompensateCase):
                          TALLY_POLL_MS=200, TALLY_SWEEP_MS=200)
         wait_for(lambda: self.requests(eff["key"], op="status"), timeout=30,
                  what="the status check to reach the tool")
-        self.outage_begins()
-        try:
+        with self.outage():
             self.ride_out(rec)
-        finally:
-            self.outage_ends()
         row = self.wait_status("create_hold", eff["key"], "CONFIRMED", timeout=30)
         self.assertEqual(row["receipt"], eff["receipt"])
         # The verdict was kept through the outage, not dropped and asked for again.
@@ -118,11 +118,8 @@ class PostgresOutageTest(CompensateCase):
         comp = self.compensator()
         wait_for(lambda: self.requests(op="reverse"), timeout=30,
                  what="the first reverse call to reach the tool")
-        self.outage_begins()
-        try:
+        with self.outage():
             self.ride_out(comp)
-        finally:
-            self.outage_ends()
         self.wait_run(run, "COMPENSATED", timeout=60)
         obs = self.obligations(run)
         self.assertEqual([(o["step"], o["status"], o["attempts"]) for o in obs],
