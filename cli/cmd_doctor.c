@@ -634,7 +634,7 @@ static bool classify(const json_t *item, json_t *lists)
         } else {
             snprintf(text, sizeof text, "%s (%s)",
                      strcmp(effect_status, "CANCELLED") == 0
-                         ? "the effect was cancelled before it reached the tool"
+                         ? "the effect was cancelled and never took effect"
                      : strcmp(effect_status, "FAILED") == 0 ||
                              strcmp(effect_status, "REJECTED") == 0
                          ? "the effect never took effect"

@@ -210,7 +210,7 @@ static bool classify(const json_t *item, json_t *compensated, json_t *uncompensa
             if (effect_status == NULL) {
                 why = "unknown state";
             } else if (strcmp(effect_status, "CANCELLED") == 0) {
-                why = "the effect was cancelled before it reached the tool";
+                why = "the effect was cancelled and never took effect";
             } else if (strcmp(effect_status, "FAILED") == 0 ||
                        strcmp(effect_status, "REJECTED") == 0) {
                 why = "the effect never took effect";

@@ -221,6 +221,39 @@ class ReconcileResolveTest(ReconcileCase):
                                      '{outcome="cancelled"}'), 1)
         self.invariants()
 
+    def test_compensated_run_whose_unknown_step_never_happened_skips_it(self):
+        # Step 1 is confirmed; step 2 times out before the tool applies it (UNKNOWN) when the
+        # run is sent to compensation. The reconciler finds nothing, so step 2 is CANCELLED
+        # rather than sent; the compensator reverses step 1 and lists step 2 as skipped.
+        self.dispatcher()
+        run = run_id()
+        self.publish(self.intent(run, 1, "create_hold", {"hold_id": f"{run}-h1"}))
+        self.wait_status("create_hold", f"create_hold:{run}-h1", "CONFIRMED")
+        key = f"charge_card:t1:{run}-p2"
+        self.fault("hang_before_apply", key=key, delay_ms=3000)
+        self.charge(run, step=2)
+        self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
+        self.publish({"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
+                      "type": "tally.compensate_run.v1", "datacontenttype": "application/json",
+                      "data": {"run_id": run, "reason": "agent gave up"}})
+        self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s"
+                        " AND status = 'COMPENSATING'", 1, (run,))
+        self.reconciler()
+        self.start("tally-compensator", TALLY_FAKE_TOOL_URL=self.fake_url,
+                   BILLING_HMAC_SECRET=SECRET, TALLY_SWEEP_MS=200)
+        summary = wait_for(lambda: self.scalar(
+            "SELECT summary FROM runs WHERE run_id = %s AND status = 'COMPENSATED'", (run,)),
+            timeout=60, what="the run to be compensated")
+        self.assertEqual(self.effect("charge_card", key)["status"], "CANCELLED")
+        self.assertEqual([(c["step"], c["tool"]) for c in summary["compensated"]],
+                         [(1, "create_hold")])
+        self.assertEqual([(c["step"], c["tool"], c["reason"]) for c in summary["skipped"]],
+                         [(2, "charge_card",
+                           "the effect was cancelled and never took effect (CANCELLED)")])
+        self.assertEqual(len(self.requests(key)), 1)
+        self.assertEqual(self.records("charges"), [])
+        self.invariants(obligations_settled=True)
+
     def test_applied_twice_upstream_is_a_duplicate_with_one_obligation(self):
         self.dispatcher()
         run = run_id()
