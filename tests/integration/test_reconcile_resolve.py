@@ -12,10 +12,10 @@ import os
 import tempfile
 import time
 import urllib.request
-import uuid
 
 from dispatchcase import SECRET, DispatchCase, main, run_id
 from tallytest import SOURCE_DIR, wait_for
+from test_dispatch_runs import run_message
 
 DEMO_TOOLS = os.path.join(SOURCE_DIR, "examples", "tools", "demo.json")
 TIMEOUT_MS = 800   # every tool's connector timeout in these tests
@@ -192,9 +192,7 @@ class ReconcileResolveTest(ReconcileCase):
         self.fault("hang_before_apply", key=key, delay_ms=3000)
         key, args, ce = self.charge(run)
         row = self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
-        self.publish({"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                      "type": "tally.cancel_run.v1", "datacontenttype": "application/json",
-                      "data": {"run_id": run, "reason": "agent stopped", "compensate": False}})
+        self.publish(run_message(self, "cancel_run", run, compensate=False))
         self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
                         1, (run,))
         self.assertEqual(self.effect("charge_card", key)["status"], "UNKNOWN")
@@ -233,9 +231,7 @@ class ReconcileResolveTest(ReconcileCase):
         self.fault("hang_before_apply", key=key, delay_ms=3000)
         self.charge(run, step=2)
         self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
-        self.publish({"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                      "type": "tally.compensate_run.v1", "datacontenttype": "application/json",
-                      "data": {"run_id": run, "reason": "agent gave up"}})
+        self.publish(run_message(self, "compensate_run", run))
         self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s"
                         " AND status = 'COMPENSATING'", 1, (run,))
         self.reconciler()
