@@ -67,6 +67,12 @@ class ReconcileCase(DispatchCase):
         ce = self.publish(self.intent(run, step, "charge_card", args))
         return f"charge_card:t1:{run}-p{step}", args, ce
 
+    def charge_timing_out_before_applying(self, run, step=1):
+        """charge(), with the tool holding the call past its timeout without applying it;
+        returns the operation key."""
+        self.fault("hang_before_apply", key=f"charge_card:t1:{run}-p{step}", delay_ms=3000)
+        return self.charge(run, step)[0]
+
     # --- the ledger ---------------------------------------------------------------------
 
     def transitions(self, effect_id):
@@ -149,9 +155,7 @@ class ReconcileResolveTest(ReconcileCase):
         self.dispatcher()
         self.reconciler()
         run = run_id()
-        key = f"charge_card:t1:{run}-p1"
-        self.fault("hang_before_apply", key=key, delay_ms=3000)
-        key, args, ce = self.charge(run)
+        key = self.charge_timing_out_before_applying(run)
         row = self.wait_status("charge_card", key, "CONFIRMED", timeout=40)
 
         records = self.records("charges")
@@ -188,9 +192,7 @@ class ReconcileResolveTest(ReconcileCase):
         # window: the effect never happened, and a cancelled run's retry is not sent.
         self.dispatcher()
         run = run_id()
-        key = f"charge_card:t1:{run}-p1"
-        self.fault("hang_before_apply", key=key, delay_ms=3000)
-        key, args, ce = self.charge(run)
+        key = self.charge_timing_out_before_applying(run)
         row = self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
         self.publish(run_message(self, "cancel_run", run, compensate=False))
         self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s AND status = 'CANCELLED'",
@@ -227,9 +229,7 @@ class ReconcileResolveTest(ReconcileCase):
         run = run_id()
         self.publish(self.intent(run, 1, "create_hold", {"hold_id": f"{run}-h1"}))
         self.wait_status("create_hold", f"create_hold:{run}-h1", "CONFIRMED")
-        key = f"charge_card:t1:{run}-p2"
-        self.fault("hang_before_apply", key=key, delay_ms=3000)
-        self.charge(run, step=2)
+        key = self.charge_timing_out_before_applying(run, step=2)
         self.wait_status("charge_card", key, "UNKNOWN", timeout=40)
         self.publish(run_message(self, "compensate_run", run))
         self.wait_count("SELECT count(*) FROM runs WHERE run_id = %s"
