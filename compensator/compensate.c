@@ -45,6 +45,10 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
         m, "tally_alerts_sent_total",
         "Pages raised by this worker (kafka: alert events written) and delivered (pagerduty)",
         "channel");
+    c->m_alert_fail = tally_metrics_counter(
+        m, "tally_alert_write_failures_total",
+        "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",
+        "worker");
     c->m_outcomes =
         tally_metrics_counter(m, "tally_compensations_total",
                               "Obligation outcomes recorded, by tool and state", "tool,outcome");
@@ -60,6 +64,7 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
     tally_metric_set(c->m_stuck, 0);
     tally_metric_add(c->m_alerts, 0, "kafka");
     tally_metric_add(c->m_alerts, 0, "pagerduty");
+    tally_metric_add(c->m_alert_fail, 0, "compensator");
 }
 
 /* Tools whose compensation waits for approval (the decision table says so before approval). */

@@ -23,6 +23,7 @@
 #include "tally/pg.h"
 #include "tally/registry.h"
 #include "tally/runops.h"
+#include "tally/text.h"
 #include "tally/worker.h"
 
 /** The worker ops of tally-compensator; main.c hands them to tally_worker_main. */
@@ -98,6 +99,7 @@ typedef struct compensator {
     bool lease_wanted; /**< a wake-up, a NOTIFY, a recorded outcome or the sweep timer */
     double next_sweep; /**< monotonic seconds */
     double record_retry_at;
+    bool minimal_pages; /**< the last record with pages was refused: raise them minimal */
     double settle_retry_at;
     rd_kafka_topic_partition_list_t *offsets; /**< wake-ups read, stored after the next round */
     bool draining;
@@ -118,6 +120,7 @@ typedef struct compensator {
     tally_metric_t *m_drain;       /**< tally_obligation_drain_seconds */
     tally_metric_t *m_reverse;     /**< tally_reverse_call_seconds{tool} */
     tally_metric_t *m_alerts;      /**< tally_alerts_sent_total{channel} */
+    tally_metric_t *m_alert_fail;  /**< tally_alert_write_failures_total */
     tally_metric_t *m_outcomes;    /**< tally_compensations_total{tool,outcome} */
     tally_metric_t *m_lease_lost;  /**< tally_obligation_lease_lost_total */
     tally_metric_t *m_inflight;    /**< tally_compensator_inflight */
@@ -179,8 +182,22 @@ json_t *comp_blast_radius(const char *tool, const char *operation_key, const jso
 json_t *comp_reverse_body(const char *external_ref, const json_t *receipt, const json_t *args,
                           const char *reason);
 
-/** @brief The receipt's "version" as If-Match text in @p out, or false when it has none. */
-bool comp_if_match(const json_t *receipt, char *out, size_t outsz);
+/** What a receipt's "version" gives the If-Match header. */
+typedef enum {
+    COMP_VERSION_NONE = 0, /**< no version: no If-Match */
+    COMP_VERSION_OK,       /**< sent as If-Match */
+    COMP_VERSION_UNUSABLE, /**< over TALLY_LIMIT_RECEIPT_VERSION, or with control characters */
+} comp_version_t;
+
+/** The If-Match text of a receipt version, with its NUL. */
+#define COMP_IF_MATCH_SIZE (TALLY_LIMIT_RECEIPT_VERSION + 1)
+
+/**
+ * @brief The receipt's "version" (a string or an integer) as If-Match text in @p out. A version
+ * that cannot travel whole in the header is UNUSABLE, never cut: the stale-state guard would
+ * be lost.
+ */
+comp_version_t comp_if_match(const json_t *receipt, char out[COMP_IF_MATCH_SIZE]);
 
 /**
  * @brief Backoff before retry @p attempts (1 = after the first call): the tool's backoff_ms

@@ -15,6 +15,7 @@
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/outbox.h"
+#include "tally/text.h"
 
 /* SQL assembled from fragments reads best one clause per line. */
 // clang-format off
@@ -183,8 +184,8 @@ static comp_outcome_t *decide_outcome(compensator_t *c, comp_ob_t *ob, const cha
         comp_ob_free(ob);
         return NULL;
     }
-    snprintf(o->code, sizeof o->code, "%s", code);
-    snprintf(o->message, sizeof o->message, "%s", message);
+    tally_text_copy(o->code, sizeof o->code, code);
+    tally_text_copy(o->message, sizeof o->message, message); /* may quote a tool's answer */
     return o;
 }
 
@@ -280,9 +281,22 @@ static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
     char key[64];
     snprintf(key, sizeof key, "%s:%s", op == TALLY_CONN_CONTAIN ? "contain" : "reverse",
              ob->obligation_id);
-    char if_match[64];
-    bool has_version =
-        op == TALLY_CONN_COMPENSATE && comp_if_match(ob->receipt, if_match, sizeof if_match);
+    char if_match[COMP_IF_MATCH_SIZE];
+    comp_version_t version =
+        op == TALLY_CONN_COMPENSATE ? comp_if_match(ob->receipt, if_match) : COMP_VERSION_NONE;
+    bool has_version = version == COMP_VERSION_OK;
+    if (version == COMP_VERSION_UNUSABLE) {
+        /* Without its If-Match the reverse call could overwrite a newer state: a human looks. */
+        free(text);
+        comp_outcome_t *o = decide_outcome(
+            c, ob, "STUCK", "protocol_error",
+            "the receipt's version is longer than 256 bytes or holds control characters, so it "
+            "cannot be sent as If-Match; the reverse call is not made without that guard");
+        if (o != NULL) {
+            o->is_error = true;
+        }
+        return;
+    }
     if (text == NULL) {
         comp_outcome_t *o =
             decide_outcome(c, ob, "PENDING", "oom", "out of memory building the request body");
@@ -597,9 +611,9 @@ void comp_on_done(const tally_conn_result_t *res, void *opaque)
     tally_conn_classify_compensate(res, &v);
     tally_metric_observe(c->m_reverse, res->seconds, ob->tool_name);
     bool contain = res->op == TALLY_CONN_CONTAIN;
-    char key[64], if_match[64];
+    char key[64], if_match[COMP_IF_MATCH_SIZE];
     snprintf(key, sizeof key, "%s:%s", contain ? "contain" : "reverse", ob->obligation_id);
-    bool has_version = !contain && comp_if_match(ob->receipt, if_match, sizeof if_match);
+    bool has_version = !contain && comp_if_match(ob->receipt, if_match) == COMP_VERSION_OK;
     json_t *call = call_record(ob, res, &v, key, has_version ? if_match : NULL);
     TALLY_LOG(v.verdict == TALLY_VERDICT_RESOLVED ? TALLY_LOG_INFO : TALLY_LOG_WARN,
               (&(tally_log_ctx_t){.run_id = ob->run_id,
@@ -725,8 +739,38 @@ static bool publish_compensated(compensator_t *c, tally_outbox_batch_t *obx,
     return true;
 }
 
-static bool queue_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o)
+/* The page that can always be written: ids and fixed words only. Raised when the full page
+ * was refused (alert.h makes its text safe; this is for whatever else could refuse it). */
+static bool queue_minimal_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o)
 {
+    const comp_ob_t *ob = o->ob;
+    char *key = tally_alert_obligation_key(ob->obligation_id);
+    char *cmd = key != NULL ? tally_alert_obligation_command(ob->obligation_id) : NULL;
+    char summary[160];
+    snprintf(summary, sizeof summary,
+             "obligation %s is %s; its full page could not be written: see tally doctor",
+             ob->obligation_id, o->to_status);
+    bool ok = key != NULL && cmd != NULL;
+    if (ok) {
+        tally_alert_t a = {.dedup_key = key,
+                           .severity = "critical",
+                           .summary = summary,
+                           .run_id = ob->run_id,
+                           .effect_id = ob->effect_id,
+                           .obligation_id = ob->obligation_id,
+                           .reason = "page_refused",
+                           .resolve_command = cmd};
+        tally_alert_batch_add(alerts, &a);
+    }
+    free(key);
+    free(cmd);
+    return ok;
+}
+
+static bool queue_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o, bool minimal)
+{
+    if (minimal)
+        return queue_minimal_alert(alerts, o);
     const comp_ob_t *ob = o->ob;
     char *key = tally_alert_obligation_key(ob->obligation_id);
     /* an UNCOMPENSATABLE obligation is final: the page is closed, not the obligation moved */
@@ -734,15 +778,19 @@ static bool queue_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o)
     char *cmd = key == NULL ? NULL
                 : final     ? tally_alert_close_command(key)
                             : tally_alert_obligation_command(ob->obligation_id);
-    char summary[512];
+    /* One line for the pager: each quoted value cut on a character boundary (text.h), so
+     * that no run id or ref can make the alert unwritable. */
+    char run[84], step[44], tool[64], ref[64], summary[512];
+    tally_text_copy(run, sizeof run, ob->run_id);
+    tally_text_copy(step, sizeof step, ob->step);
+    tally_text_copy(tool, sizeof tool, ob->tool_name);
+    tally_text_copy(ref, sizeof ref, ob->external_ref != NULL ? ob->external_ref : "none");
     if (final) {
-        snprintf(summary, sizeof summary,
-                 "run %.80s step %.40s: destructive %.60s cannot be undone (ref %.60s)", ob->run_id,
-                 ob->step, ob->tool_name, ob->external_ref != NULL ? ob->external_ref : "none");
+        tally_fmt(summary, sizeof summary,
+                  "run %s step %s: destructive %s cannot be undone (ref %s)", run, step, tool, ref);
     } else {
-        snprintf(summary, sizeof summary,
-                 "run %.80s step %.40s: compensation of %.60s is STUCK (%s): %.200s", ob->run_id,
-                 ob->step, ob->tool_name, o->code, o->message);
+        tally_fmt(summary, sizeof summary, "run %s step %s: compensation of %s is STUCK (%s): %s",
+                  run, step, tool, o->code, o->message);
     }
     json_t *details = json_pack("{s:s, s:o, s:s?, s:s, s:s, s:i}", "tool", ob->tool_name, "step",
                                 step_json(ob), "external_ref", ob->external_ref, "code", o->code,
@@ -826,7 +874,7 @@ static bool queue_consequences(compensator_t *c, const bool *won, tally_audit_ba
         if (strcmp(o->to_status, "RESOLVED") == 0 && !publish_compensated(c, obx, o)) {
             return false;
         }
-        if (o->alert_severity != NULL && !queue_alert(alerts, o)) {
+        if (o->alert_severity != NULL && !queue_alert(alerts, o, c->minimal_pages)) {
             return false;
         }
         if (strcmp(o->to_status, "STUCK") == 0) {
@@ -899,7 +947,7 @@ int comp_record(compensator_t *c)
     PGresult *res = NULL;
     char *text = NULL;
     int written = -1;
-    size_t n_won = 0, pages = 0;
+    size_t n_won = 0, pages = 0, queued_pages = 0;
     if (rows == NULL || stuck_runs == NULL || won == NULL || age == NULL || ab == NULL ||
         obx == NULL || alerts == NULL) {
         tally_error_set(&err, "oom", true, "out of memory recording outcomes");
@@ -938,6 +986,7 @@ int comp_record(compensator_t *c)
         tally_error_set(&err, "oom", true, "out of memory building the events of outcomes");
         goto out;
     }
+    queued_pages = tally_alert_batch_len(alerts);
     if (!mark_runs_stuck(c, stuck_runs, ab, &err) ||
         !tally_alert_batch_flush(alerts, c->pg, c->worker_id, c->source, obx, ab, &pages, &err) ||
         !tally_audit_batch_flush(ab, c->pg, &err) || !tally_outbox_batch_flush(obx, c->pg, &err) ||
@@ -945,6 +994,7 @@ int comp_record(compensator_t *c)
         goto out;
     }
     written = (int)n_won;
+    c->minimal_pages = false;
     if (pages > 0) {
         tally_metric_add(c->m_alerts, (double)pages, "kafka");
     }
@@ -988,6 +1038,17 @@ out:
                             err.message);
         tally_metric_add(c->m_db_errors, 1, "record");
         c->record_retry_at = comp_now() + 0.5;
+        if (queued_pages > 0 && !err.retriable) {
+            /* A page that cannot be written must not hold its obligation RUNNING, unpaged:
+             * say so loudly, and raise it minimal on the retry. */
+            tally_metric_add(c->m_alert_fail, (double)queued_pages, "compensator");
+            TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                                "%zu pages refused by PostgreSQL (%s: %s); raising them as "
+                                "minimal pages",
+                                queued_pages, err.code, err.message);
+            c->minimal_pages = true;
+            c->record_retry_at = 0;
+        }
     }
     PQclear(res);
     free(text);

@@ -74,18 +74,30 @@ json_t *comp_reverse_body(const char *external_ref, const json_t *receipt, const
                      reason != NULL ? reason : "compensate_run");
 }
 
-bool comp_if_match(const json_t *receipt, char *out, size_t outsz)
+comp_version_t comp_if_match(const json_t *receipt, char out[COMP_IF_MATCH_SIZE])
 {
     json_t *v = json_object_get(receipt, "version");
-    int n;
+    out[0] = '\0';
     if (json_is_integer(v)) {
-        n = snprintf(out, outsz, "%lld", (long long)json_integer_value(v));
-    } else if (json_is_string(v) && json_string_length(v) > 0) {
-        n = snprintf(out, outsz, "%s", json_string_value(v));
-    } else {
-        return false;
+        snprintf(out, COMP_IF_MATCH_SIZE, "%lld", (long long)json_integer_value(v));
+        return COMP_VERSION_OK;
     }
-    return n > 0 && (size_t)n < outsz;
+    if (!json_is_string(v) || json_string_length(v) == 0) {
+        return COMP_VERSION_NONE;
+    }
+    const char *s = json_string_value(v);
+    size_t len = json_string_length(v);
+    if (len > TALLY_LIMIT_RECEIPT_VERSION || strlen(s) != len) {
+        return COMP_VERSION_UNUSABLE;
+    }
+    for (size_t i = 0; i < len; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch < 0x20 || ch == 0x7f) {
+            return COMP_VERSION_UNUSABLE; /* CR/LF would inject headers */
+        }
+    }
+    memcpy(out, s, len + 1);
+    return COMP_VERSION_OK;
 }
 
 long long comp_backoff_ms(const tally_tool_t *tool, int attempts, long retry_after_ms,

@@ -19,6 +19,7 @@
 #include "tally/crashpoint.h"
 #include "tally/log.h"
 #include "tally/ledger.h"
+#include "tally/text.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* SQL                                                                                      */
@@ -272,9 +273,13 @@ static long long backoff_ms(const tally_tool_t *tool, int attempts, long retry_a
 }
 
 static void set_error(dispatch_done_t *x, const char *code, const char *fmt, const char *msg)
+    __attribute__((format(printf, 3, 0)));
+
+static void set_error(dispatch_done_t *x, const char *code, const char *fmt, const char *msg)
 {
-    snprintf(x->error_code, sizeof x->error_code, "%s", code);
-    snprintf(x->error_message, sizeof x->error_message, fmt, msg);
+    /* The message may quote a tool's answer: cut on a character boundary (text.h). */
+    tally_text_copy(x->error_code, sizeof x->error_code, code);
+    tally_fmt(x->error_message, sizeof x->error_message, fmt, msg);
 }
 
 /* Not applied (or, for read/idempotent tools, a timeout): try again with the same key, or
@@ -296,15 +301,15 @@ static void retry_or_stop(dispatch_done_t *x, bool was_unknown)
     if (was_unknown && tool->effect_class == TALLY_CLASS_IDEMPOTENT) {
         /* The last try may have applied: only upstream evidence can say (the reconciler). */
         x->to_status = "UNKNOWN";
-        snprintf(x->error_code, sizeof x->error_code, "%s", x->v.code);
-        snprintf(x->error_message, sizeof x->error_message, "attempt cap %d reached; last: %s", cap,
-                 x->v.message);
+        tally_text_copy(x->error_code, sizeof x->error_code, x->v.code);
+        tally_fmt(x->error_message, sizeof x->error_message, "attempt cap %d reached; last: %s",
+                  cap, x->v.message);
         return;
     }
     x->to_status = "FAILED";
     snprintf(x->error_code, sizeof x->error_code, "attempts_exhausted");
-    snprintf(x->error_message, sizeof x->error_message, "gave up after %d attempts; last: %s",
-             call->attempts, x->v.message);
+    tally_fmt(x->error_message, sizeof x->error_message, "gave up after %d attempts; last: %s",
+              call->attempts, x->v.message);
 }
 
 /* DESIGN §3: what the effect becomes after this verdict. */
@@ -358,6 +363,20 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         }
     }
     decide(x);
+    size_t ref_over = 0;
+    x->external_ref = tally_conn_ref_within_limit(x->external_ref, &ref_over);
+    if (ref_over > 0) {
+        /* The tool did it (2xx), so the effect is CONFIRMED with its receipt as evidence; but
+         * a ref this long would not fit the ledger's indexes: it is kept in the receipt only,
+         * and the answer says so. */
+        char msg[300];
+        tally_fmt(msg, sizeof msg,
+                  "the receipt's %s is %zu bytes, above the limit of %d bytes for an external "
+                  "ref; it is kept in the receipt, not as the ref",
+                  call->tool->receipt_ref ? call->tool->receipt_ref : "/id", ref_over,
+                  TALLY_LIMIT_EXTERNAL_REF);
+        set_error(x, "protocol_error", "%s", msg);
+    }
     /* The "connector_call" audit data, written as text here on the connector's thread */
     tally_jtext_t rec = {0};
     tally_jtext_begin(&rec, NULL);
@@ -400,7 +419,7 @@ static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_er
     x->v.verdict = never ? TALLY_VERDICT_FAILED : TALLY_VERDICT_RETRY;
     x->v.retry_after_ms = -1;
     snprintf(x->v.code, sizeof x->v.code, "%s", err->code);
-    snprintf(x->v.message, sizeof x->v.message, "the call was not started: %.200s", err->message);
+    tally_fmt(x->v.message, sizeof x->v.message, "the call was not started: %s", err->message);
     decide(x);
     tally_jtext_t rec = {0};
     tally_jtext_begin(&rec, NULL);

@@ -92,6 +92,8 @@ typedef struct dispatcher {
     double intake_retry_at; /**< after a database error: not before this (monotonic s) */
     int intake_backoff_ms;
     bool intake_failed; /**< holding a batch whose transaction failed */
+    size_t intake_done;   /**< the batch's first messages, already committed */
+    size_t intake_window; /**< while isolating a refused message: messages per transaction */
 
     /* delivery */
     bool claim_wanted; /**< a NOTIFY, new intents, freed capacity or the timer */

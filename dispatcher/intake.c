@@ -17,6 +17,7 @@
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/columns.h"
+#include "tally/text.h"
 
 /* librdkafka's default message.max.bytes is 1,000,000: a DLQ record must stay below it even
  * when TALLY_MAX_MESSAGE_BYTES is larger, or the relay could never publish it. */
@@ -120,6 +121,8 @@ void intake_discard(dispatcher_t *d)
         msg_clear(&d->batch[i]);
     d->n_batch = 0;
     d->intake_failed = false;
+    d->intake_done = 0;
+    d->intake_window = 0;
 }
 
 static bool batch_push(dispatcher_t *d, rd_kafka_message_t *rkm)
@@ -166,23 +169,19 @@ static void parse_msg(dispatcher_t *d, intake_msg_t *m)
     m->tool = tally_registry_find(d->reg, m->in.tool);
     if (!m->tool) {
         m->reason = TALLY_DLQ_UNKNOWN_TOOL;
-        snprintf(m->detail, sizeof m->detail, "tool '%.200s' is not in the registry (%s)",
-                 m->in.tool, d->cfg->tools_path);
+        tally_fmt(m->detail, sizeof m->detail, "tool '%s' is not in the registry (%s)", m->in.tool,
+                  d->cfg->tools_path);
         return;
     }
     tally_error_t err;
     tally_error_clear(&err);
     m->op_key = tally_registry_operation_key(m->tool, m->in.args, m->in.operation_key, &err);
     if (!m->op_key) {
-        m->reason = TALLY_DLQ_MISSING_OPERATION_KEY;
-        snprintf(m->detail, sizeof m->detail, "%.250s", err.message);
-        return;
-    }
-    if (has_control_char(m->op_key)) {
-        /* It travels as the Idempotency-Key header: a CR/LF there would inject headers. */
-        m->reason = TALLY_DLQ_INVALID_FIELD;
-        snprintf(m->detail, sizeof m->detail,
-                 "the operation key of tool '%s' holds a control character", m->tool->name);
+        /* A value that cannot make a key (control characters, over the limit) is invalid;
+         * none at all is missing. */
+        m->reason = strcmp(err.code, "invalid_field") == 0 ? TALLY_DLQ_INVALID_FIELD
+                                                           : TALLY_DLQ_MISSING_OPERATION_KEY;
+        tally_text_copy(m->detail, sizeof m->detail, err.message);
         return;
     }
     m->canonical = tally_json_canonical(m->in.args);
@@ -213,17 +212,6 @@ static json_t *b64(const void *data, size_t len)
     return s;
 }
 
-/* The longest prefix of s[0..len) not longer than max that ends on a character boundary. */
-static size_t utf8_prefix(const char *s, size_t len, size_t max)
-{
-    if (len <= max)
-        return len;
-    size_t n = max;
-    while (n > 0 && ((unsigned char)s[n] & 0xC0) == 0x80)
-        n--;
-    return n;
-}
-
 static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
 {
     const rd_kafka_message_t *rkm = m->rkm;
@@ -250,7 +238,7 @@ static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
     bool text = tally_utf8_valid(val, len);
     size_t keep;
     if (text) {
-        keep = utf8_prefix(val, len, budget);
+        keep = tally_utf8_prefix(val, len, budget);
         rc |= json_object_set_new(data, "original", json_stringn(val, keep));
     } else {
         keep = len < budget / 4 * 3 ? len : budget / 4 * 3;
@@ -327,8 +315,11 @@ static bool exec_rows(dispatcher_t *d, const char *sql, tally_columns_t *c, cons
     int lengths[2] = {0, 0}, formats[2] = {1, 0};
     const char *params[2] = {tally_columns_param(c, &lengths[0]), param2};
     if (!params[0]) {
-        tally_error_set(err, "oom", true, "intake batch not written: %s",
-                        c->failed ? c->why : "out of memory");
+        if (c->bad_text)
+            tally_error_set(err, "invalid_text", false, "intake batch not written: %s", c->why);
+        else
+            tally_error_set(err, "oom", true, "intake batch not written: %s",
+                            c->failed ? c->why : "out of memory");
         return false;
     }
     PGresult *res = tally_pg_exec_bin(d->pg, sql, param2 ? 2 : 1, params, lengths, formats, err);
@@ -496,15 +487,14 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
         char msg[512];
         const char *other = eid ? eid : sid;
         if (eid)
-            snprintf(msg, sizeof msg,
-                     "operation key '%.150s' of tool '%s' is already effect %s with different "
-                     "arguments (input hash %.12s, this intent's %.12s)",
-                     m->op_key, m->tool->name, eid, PQgetvalue(res, row, 8), m->input_hash);
+            tally_fmt(msg, sizeof msg,
+                      "operation key '%s' of tool '%s' is already effect %s with different "
+                      "arguments (input hash %s, this intent's %s)",
+                      m->op_key, m->tool->name, eid, PQgetvalue(res, row, 8), m->input_hash);
         else
-            snprintf(msg, sizeof msg,
-                     "step %.100s of run %.150s is already effect %s (tool '%s', key '%.100s')",
-                     m->in.step, m->in.run_id, sid, PQgetvalue(res, row, 15),
-                     PQgetvalue(res, row, 16));
+            tally_fmt(msg, sizeof msg,
+                      "step %s of run %s is already effect %s (tool '%s', key '%s')", m->in.step,
+                      m->in.run_id, sid, PQgetvalue(res, row, 15), PQgetvalue(res, row, 16));
         /* effect_id names the effect that holds the key or step (DESIGN §5 keeps effect_id in
          * every effect event); status CONFLICT is this intent's own answer */
         effect_view_t v = {.effect_id = other,
@@ -544,10 +534,11 @@ static int tool_index(dispatcher_t *d, const tally_tool_t *tool)
     return -1;
 }
 
-/* The calls of the effects this batch claimed, once its COMMIT made the claims durable. */
-static void start_claimed(dispatcher_t *d)
+/* The calls of the effects messages [lo, hi) claimed, once their COMMIT made the claims
+ * durable. */
+static void start_claimed(dispatcher_t *d, size_t lo, size_t hi)
 {
-    for (size_t i = 0; i < d->n_batch; i++) {
+    for (size_t i = lo; i < hi; i++) {
         intake_msg_t *m = &d->batch[i];
         if (!m->dispatch)
             continue;
@@ -562,11 +553,12 @@ static void start_claimed(dispatcher_t *d)
     }
 }
 
-/* Everything the batch says, in one transaction. The caller commits or rolls back. The
- * messages are leased to this worker's relay and @p handed receives them, for the caller to
- * hand to the relay after COMMIT. */
-static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_batch_t *ob,
-                         intake_counts_t *c, PGresult **handed, tally_error_t *err)
+/* Everything messages [lo, hi) of the batch say, in one transaction. The caller commits or
+ * rolls back. The messages are leased to this worker's relay and @p handed receives them, for
+ * the caller to hand to the relay after COMMIT. */
+static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab,
+                         tally_outbox_batch_t *ob, intake_counts_t *c, PGresult **handed,
+                         tally_error_t *err)
 {
     bool ok = false;
     /* The statements' $1 */
@@ -590,7 +582,7 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
 
     for (size_t t = 0; t < n_tools; t++)
         room[t] = tally_connector_capacity(d->conn, tally_registry_at(d->reg, t));
-    for (size_t i = 0; i < d->n_batch; i++) {
+    for (size_t i = lo; i < hi; i++) {
         intake_msg_t *m = &d->batch[i];
         m->dispatch = false; /* a retried batch claims again */
         if (m->reason != TALLY_DLQ_NONE) {
@@ -701,7 +693,13 @@ static bool intake_write(dispatcher_t *d, tally_audit_batch_t *ab, tally_outbox_
     ok = true;
     goto out;
 oom:
-    tally_error_set(err, "oom", true, "out of memory building the intake batch");
+    if (runs.bad_text || effects.bad_text || existing.bad_text)
+        tally_error_set(err, "invalid_text", false, "intake batch not written: %s",
+                        runs.bad_text      ? runs.why
+                        : effects.bad_text ? effects.why
+                                           : existing.why);
+    else
+        tally_error_set(err, "oom", true, "out of memory building the intake batch");
 out:
     PQclear(res);
     tally_columns_release(&runs);
@@ -741,6 +739,49 @@ static void store_offsets(dispatcher_t *d)
                            (int)offs->elems[i].partition, rd_kafka_err2str(offs->elems[i].err));
     }
     rd_kafka_topic_partition_list_destroy(offs);
+}
+
+/* Write messages [lo, hi) of the batch and commit; then hand their messages to the relay,
+ * start the calls they claimed, and count them. */
+static bool intake_commit(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *err)
+{
+    intake_counts_t c = {0};
+    tally_audit_batch_t *ab = tally_audit_batch_new();
+    tally_outbox_batch_t *ob = tally_outbox_batch_new();
+    PGresult *handed = NULL;
+    bool ok = ab && ob && intake_write(d, lo, hi, ab, ob, &c, &handed, err) &&
+              tally_pg_commit(d->pg, err);
+    if (!ab || !ob)
+        tally_error_set(err, "oom", true, "out of memory");
+    tally_audit_batch_free(ab);
+    tally_outbox_batch_free(ob);
+    if (!ok) {
+        PQclear(handed);
+        tally_pg_rollback(d->pg);
+        return false;
+    }
+    dispatch_hand_messages(d, handed);
+    TALLY_CRASHPOINT("dispatch.after_intake_commit");
+    start_claimed(d, lo, hi);
+    if (c.planned)
+        d->claim_wanted = true; /* no room to claim them with the batch: claim when it frees */
+    tally_metric_add(d->m_intents, c.created, "created");
+    tally_metric_add(d->m_intents, c.replay, "replay");
+    tally_metric_add(d->m_intents, c.conflict, "conflict");
+    tally_metric_add(d->m_intents, c.dlq, "dlq");
+    tally_metric_add(d->m_intents, c.cancel, "cancel_run");
+    tally_metric_add(d->m_intents, c.compensate, "compensate_run");
+    for (size_t r = 1; r < sizeof c.dlq_by_reason / sizeof c.dlq_by_reason[0]; r++)
+        if (c.dlq_by_reason[r])
+            tally_metric_add(d->m_dlq, c.dlq_by_reason[r],
+                             tally_dlq_reason_name((tally_dlq_reason_t)r));
+    if (c.dlq)
+        TALLY_INFO("intake: %d created, %d replayed, %d conflicts, %d to the DLQ", c.created,
+                   c.replay, c.conflict, c.dlq);
+    else
+        TALLY_DEBUG("intake: %d created, %d replayed, %d conflicts", c.created, c.replay,
+                    c.conflict);
+    return true;
 }
 
 int intake_step(dispatcher_t *d)
@@ -787,24 +828,38 @@ int intake_step(dispatcher_t *d)
             return -1;
         }
 
-    intake_counts_t c = {0};
-    tally_error_t err;
-    tally_error_clear(&err);
-    tally_audit_batch_t *ab = tally_audit_batch_new();
-    tally_outbox_batch_t *ob = tally_outbox_batch_new();
-    PGresult *handed = NULL;
-    bool ok =
-        ab && ob && intake_write(d, ab, ob, &c, &handed, &err) && tally_pg_commit(d->pg, &err);
-    if (!ab || !ob)
-        tally_error_set(&err, "oom", true, "out of memory");
-    tally_audit_batch_free(ab);
-    tally_outbox_batch_free(ob);
-    if (ok)
-        dispatch_hand_messages(d, handed);
-    else
-        PQclear(handed);
-    if (!ok) {
-        tally_pg_rollback(d->pg);
+    /* Write the batch; a part PostgreSQL refuses for its data is split in halves until the
+     * message at fault stands alone, which is then dead-lettered with the refusal. */
+    while (d->intake_done < d->n_batch) {
+        size_t lo = d->intake_done, hi = d->n_batch;
+        if (d->intake_window > 0 && lo + d->intake_window < hi)
+            hi = lo + d->intake_window;
+        tally_error_t err;
+        tally_error_clear(&err);
+        if (intake_commit(d, lo, hi, &err)) {
+            d->intake_done = hi;
+            continue;
+        }
+        if (tally_pg_error_is_data(&err) && !(hi - lo == 1 && d->batch[lo].reason != 0)) {
+            tally_metric_add(d->m_db_errors, 1, "intake_refused");
+            if (hi - lo > 1) {
+                d->intake_window = (hi - lo) / 2;
+                TALLY_WARN("intake: PostgreSQL refused a batch of %zu messages (%s: %s); "
+                           "writing it in parts of %zu to find the message at fault",
+                           hi - lo, err.code, err.message, d->intake_window);
+                continue;
+            }
+            intake_msg_t *m = &d->batch[lo];
+            m->reason = TALLY_DLQ_LEDGER_REFUSED;
+            tally_fmt(m->detail, sizeof m->detail, "PostgreSQL refused to store it (%s: %s)",
+                      err.code, err.message);
+            TALLY_WARN("intake: message %s [%d] offset %lld is refused by PostgreSQL (%s: %s); "
+                       "it goes to the DLQ",
+                       rd_kafka_topic_name(m->rkm->rkt), (int)m->rkm->partition,
+                       (long long)m->rkm->offset, err.code, err.message);
+            continue;
+        }
+        /* Retriable (a connection, a lock), or not the data's fault: hold the batch, retry. */
         d->intake_backoff_ms = d->intake_backoff_ms ? d->intake_backoff_ms * 2 : 100;
         if (d->intake_backoff_ms > 5000)
             d->intake_backoff_ms = 5000;
@@ -812,13 +867,13 @@ int intake_step(dispatcher_t *d)
         if (!d->intake_failed)
             TALLY_ERROR("intake batch of %zu messages not written (%s: %s); holding it and "
                         "retrying in %d ms, offsets not stored",
-                        d->n_batch, err.code, err.message, d->intake_backoff_ms);
+                        hi - lo, err.code, err.message, d->intake_backoff_ms);
         else
             TALLY_LOG_REPEATING(
                 TALLY_LOG_WARN, NULL,
                 "intake batch of %zu messages still not written (%s: %s); retrying in "
                 "%d ms",
-                d->n_batch, err.code, err.message, d->intake_backoff_ms);
+                hi - lo, err.code, err.message, d->intake_backoff_ms);
         d->intake_failed = true;
         tally_metric_add(d->m_db_errors, 1, "intake");
         tally_worker_set_ready(d->w, false, err.message);
@@ -829,28 +884,8 @@ int intake_step(dispatcher_t *d)
         tally_worker_set_ready(d->w, true, NULL);
     }
     d->intake_backoff_ms = 0;
-    TALLY_CRASHPOINT("dispatch.after_intake_commit");
     store_offsets(d);
-    start_claimed(d);
     int n = (int)d->n_batch;
     intake_discard(d);
-    if (c.planned)
-        d->claim_wanted = true; /* no room to claim them with the batch: claim when it frees */
-    tally_metric_add(d->m_intents, c.created, "created");
-    tally_metric_add(d->m_intents, c.replay, "replay");
-    tally_metric_add(d->m_intents, c.conflict, "conflict");
-    tally_metric_add(d->m_intents, c.dlq, "dlq");
-    tally_metric_add(d->m_intents, c.cancel, "cancel_run");
-    tally_metric_add(d->m_intents, c.compensate, "compensate_run");
-    for (size_t r = 1; r < sizeof c.dlq_by_reason / sizeof c.dlq_by_reason[0]; r++)
-        if (c.dlq_by_reason[r])
-            tally_metric_add(d->m_dlq, c.dlq_by_reason[r],
-                             tally_dlq_reason_name((tally_dlq_reason_t)r));
-    if (c.dlq)
-        TALLY_INFO("intake: %d created, %d replayed, %d conflicts, %d to the DLQ", c.created,
-                   c.replay, c.conflict, c.dlq);
-    else
-        TALLY_DEBUG("intake: %d created, %d replayed, %d conflicts", c.created, c.replay,
-                    c.conflict);
     return n;
 }

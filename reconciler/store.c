@@ -479,8 +479,19 @@ static json_t *record_row(const tally_recon_item_t *it)
     case TALLY_RECON_DUPLICATE: {
         size_t idx;
         json_t *rec = kept_record(it, &idx);
-        char *ref = tally_conn_external_ref(it->tool, rec);
-        ok = json_object_set(row, "receipt", rec) == 0 &&
+        size_t over = 0;
+        char *ref = tally_conn_ref_within_limit(tally_conn_external_ref(it->tool, rec), &over);
+        if (over > 0) {
+            /* kept in the receipt, not as the ref (connector.h); the answer says so */
+            char msg[200];
+            snprintf(msg, sizeof msg,
+                     "the upstream record's ref is %zu bytes, above the limit of %d bytes for an "
+                     "external ref; it is kept in the receipt, not as the ref",
+                     over, TALLY_LIMIT_EXTERNAL_REF);
+            ok = json_object_set_new(row, "error_code", json_string("protocol_error")) == 0 &&
+                 json_object_set_new(row, "error_message", json_string(msg)) == 0;
+        }
+        ok = ok && json_object_set(row, "receipt", rec) == 0 &&
              json_object_set_new(row, "external_ref", text_or_null(ref)) == 0 &&
              json_object_set_new(row, "set_error", json_true()) == 0 &&
              json_object_set_new(row, "reason",
@@ -539,11 +550,15 @@ static bool duplicate_rows(const tally_recon_item_t *it, json_t *rows, json_t *r
 {
     size_t kept;
     json_t *kept_rec = kept_record(it, &kept);
-    char *kept_ref = tally_conn_external_ref(it->tool, kept_rec);
+    size_t over = 0;
+    char *kept_ref =
+        tally_conn_ref_within_limit(tally_conn_external_ref(it->tool, kept_rec), &over);
     bool ok = true;
     for (size_t i = 0; ok && i < json_array_size(it->records); i++) {
         json_t *rec = json_array_get(it->records, i);
-        char *ref = tally_conn_external_ref(it->tool, rec);
+        /* a ref over the limit is no index key: the obligation's ref is null, its receipt
+         * holds the record (connector.h) */
+        char *ref = tally_conn_ref_within_limit(tally_conn_external_ref(it->tool, rec), &over);
         bool same_as_kept =
             i != kept && ref != NULL && kept_ref != NULL && strcmp(ref, kept_ref) == 0;
         ok = json_array_append_new(refs,

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "tally/cloudevent.h"
+#include "tally/text.h"
 
 struct tally_alert_batch {
     json_t *rows; /* array of {n, dedup_key, severity, ..., details}, in the order added */
@@ -64,10 +65,18 @@ static void fail(tally_alert_batch_t *b, const char *why)
     b->failed = true;
 }
 
-/* A nullable text member: JSON null for NULL. Returns false when out of memory or not UTF-8. */
+/* A nullable text member: JSON null for NULL. Text from outside (a run id, a tool's error)
+ * must never make a page unwritable: it is made valid UTF-8 and cut on a character boundary
+ * (text.h), the summary to one pager line. Returns false only when out of memory. */
 static bool set_text(json_t *obj, const char *key, const char *value)
 {
-    json_t *v = value ? json_string(value) : json_null();
+    json_t *v = json_null();
+    if (value != NULL) {
+        char *text = tally_text_dup(value, strcmp(key, "summary") == 0 ? TALLY_ALERT_SUMMARY_MAX
+                                                                       : TALLY_LIMIT_REASON);
+        v = text != NULL ? json_string(text) : NULL;
+        free(text);
+    }
     return v != NULL && json_object_set_new(obj, key, v) == 0;
 }
 

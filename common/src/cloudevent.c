@@ -9,17 +9,16 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
 
 #include "tally/id.h"
 #include "tally/json.h"
+#include "tally/text.h"
 
-#define RUN_ID_MAX_BYTES        200
-#define STEP_MAX_BYTES          100
-#define OPERATION_KEY_MAX_BYTES 500
-#define EXCERPT_MAX_BYTES       60
+#define EXCERPT_MAX_BYTES 60
 
 static const char *const TYPE_INTENT = "tally.intent.v1";
 static const char *const TYPE_COMPENSATE_RUN = "tally.compensate_run.v1";
@@ -129,59 +128,14 @@ const char *tally_dlq_reason_name(tally_dlq_reason_t r)
         return "unknown_tool";
     case TALLY_DLQ_MISSING_OPERATION_KEY:
         return "missing_operation_key";
+    case TALLY_DLQ_LEDGER_REFUSED:
+        return "ledger_refused";
     }
     return "unknown";
 }
 
 /* ---------------------------------------------------------------------------------------- */
 /* Parsing helpers                                                                           */
-
-/* Length of the well-formed UTF-8 sequence starting at s[0..len), or 0 when it is malformed
- * or incomplete. Used to keep detail sentences well-formed and to point at the first bad
- * byte; whether the input is acceptable is decided by tally_utf8_valid. */
-static size_t utf8_seq_len(const unsigned char *s, size_t len)
-{
-    if (len == 0)
-        return 0;
-    unsigned char c = s[0];
-    size_t n;
-    if (c < 0x80)
-        return 1;
-    else if (c >= 0xC2 && c <= 0xDF)
-        n = 2;
-    else if (c >= 0xE0 && c <= 0xEF)
-        n = 3;
-    else if (c >= 0xF0 && c <= 0xF4)
-        n = 4;
-    else
-        return 0;
-    if (len < n)
-        return 0;
-    for (size_t i = 1; i < n; i++)
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-    /* No overlong forms, no UTF-16 surrogates, nothing above U+10FFFF. */
-    if ((c == 0xE0 && s[1] < 0xA0) || (c == 0xED && s[1] > 0x9F) || (c == 0xF0 && s[1] < 0x90) ||
-        (c == 0xF4 && s[1] > 0x8F))
-        return 0;
-    return n;
-}
-
-/* The detail goes into DLQ records and logs as a JSON string, which must be valid UTF-8:
- * cut it at the first malformed or truncated sequence (snprintf may split a character). */
-static void detail_make_utf8(char *detail)
-{
-    const unsigned char *s = (const unsigned char *)detail;
-    size_t len = strlen(detail);
-    size_t i = 0;
-    while (i < len) {
-        size_t n = utf8_seq_len(s + i, len - i);
-        if (n == 0)
-            break;
-        i += n;
-    }
-    detail[i] = '\0';
-}
 
 static void set_detail(char *detail, size_t detailsz, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -190,11 +144,12 @@ static void set_detail(char *detail, size_t detailsz, const char *fmt, ...)
 {
     if (detail == NULL || detailsz == 0)
         return;
+    /* The detail goes into DLQ records and logs as a JSON string: valid UTF-8, cut on a
+     * character boundary (text.h). */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(detail, detailsz, fmt, ap);
+    tally_vfmt(detail, detailsz, fmt, ap);
     va_end(ap);
-    detail_make_utf8(detail);
 }
 
 /* A short, printable excerpt of a value from the message, for quoting in a detail sentence:
@@ -205,7 +160,7 @@ static void excerpt(const char *s, char out[EXCERPT_MAX_BYTES + 4])
     size_t len = strlen(s);
     size_t i = 0, o = 0;
     while (i < len) {
-        size_t n = utf8_seq_len(u + i, len - i);
+        size_t n = tally_utf8_seq(u + i, len - i);
         if (n == 0 || o + n > EXCERPT_MAX_BYTES)
             break;
         if (n == 1 && (u[i] < 0x20 || u[i] == 0x7F)) {
@@ -420,7 +375,7 @@ static bool parse_step(const json_t *data, tally_intent_t *out, check_t *ck)
                    json_type_name(v));
         return false;
     }
-    const char *s = data_string(data, "step", true, true, STEP_MAX_BYTES, true, rule, ck);
+    const char *s = data_string(data, "step", true, true, TALLY_LIMIT_STEP, true, rule, ck);
     if (s == NULL)
         return false;
     memcpy(out->step, s, strlen(s) + 1); /* ≤ 100 bytes: fits step[128] */
@@ -430,7 +385,7 @@ static bool parse_step(const json_t *data, tally_intent_t *out, check_t *ck)
 
 static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *ck)
 {
-    out->run_id = data_string(data, "run_id", true, true, RUN_ID_MAX_BYTES, true,
+    out->run_id = data_string(data, "run_id", true, true, TALLY_LIMIT_RUN_ID, true,
                               "a non-empty string of at most 200 bytes without control "
                               "characters",
                               ck);
@@ -438,8 +393,10 @@ static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *
         return false;
     if (!parse_step(data, out, ck))
         return false;
-    out->tool =
-        data_string(data, "tool", true, true, 0, false, "a non-empty string (a tool name)", ck);
+    out->tool = data_string(data, "tool", true, true, TALLY_LIMIT_TOOL, true,
+                            "a non-empty string of at most 200 bytes without control characters "
+                            "(a tool name)",
+                            ck);
     if (out->tool == NULL)
         return false;
 
@@ -458,11 +415,15 @@ static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *
     }
     out->args = args;
 
-    out->operation_key = data_string(data, "operation_key", false, true, OPERATION_KEY_MAX_BYTES,
-                                     false, "a non-empty string of at most 500 bytes", ck);
+    /* The operation key travels as the Idempotency-Key header: a CR/LF there would inject
+     * headers. */
+    out->operation_key =
+        data_string(data, "operation_key", false, true, TALLY_LIMIT_OPERATION_KEY, true,
+                    "a non-empty string of at most 500 bytes without control characters", ck);
     if (ck->reason != TALLY_DLQ_NONE)
         return false;
-    out->tenant = data_string(data, "tenant", false, false, 0, false, "a string", ck);
+    out->tenant = data_string(data, "tenant", false, false, TALLY_LIMIT_TENANT, true,
+                              "a string of at most 200 bytes without control characters", ck);
     if (ck->reason != TALLY_DLQ_NONE)
         return false;
     return true;
@@ -470,13 +431,14 @@ static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *
 
 static bool parse_run_data(const json_t *data, tally_intent_t *out, check_t *ck)
 {
-    out->run_id = data_string(data, "run_id", true, true, RUN_ID_MAX_BYTES, true,
+    out->run_id = data_string(data, "run_id", true, true, TALLY_LIMIT_RUN_ID, true,
                               "a non-empty string of at most 200 bytes without control "
                               "characters",
                               ck);
     if (out->run_id == NULL)
         return false;
-    out->reason = data_string(data, "reason", true, false, 0, false, "a string", ck);
+    out->reason = data_string(data, "reason", true, false, TALLY_LIMIT_REASON, false,
+                              "a string of at most 4096 bytes", ck);
     if (out->reason == NULL)
         return false;
     if (out->type == TALLY_MSG_CANCEL_RUN) {
@@ -515,6 +477,49 @@ static bool parse_traceparent(const json_t *data, tally_intent_t *out, check_t *
     return true;
 }
 
+/* The first number in the JSON text @p s[0..len) that is not zero as written but reads as 0
+ * (1e-400): jansson would silently turn it into 0.0, and a tool would be called with a value
+ * the agent did not send. Returns its offset, or len when there is none. @p s is JSON that
+ * jansson has loaded, so outside strings a number starts with '-' or a digit. */
+static size_t underflowing_number(const char *s, size_t len, size_t *toklen)
+{
+    size_t i = 0;
+    while (i < len) {
+        char c = s[i];
+        if (c == '"') {
+            for (i++; i < len && s[i] != '"'; i++)
+                if (s[i] == '\\')
+                    i++;
+            i++;
+            continue;
+        }
+        if (c != '-' && (c < '0' || c > '9')) {
+            i++;
+            continue;
+        }
+        size_t start = i;
+        bool nonzero = false, exponent = false;
+        while (i < len && (s[i] == '-' || s[i] == '+' || s[i] == '.' || s[i] == 'e' ||
+                           s[i] == 'E' || (s[i] >= '0' && s[i] <= '9'))) {
+            if (s[i] == 'e' || s[i] == 'E')
+                exponent = true;
+            else if (!exponent && s[i] >= '1' && s[i] <= '9')
+                nonzero = true;
+            i++;
+        }
+        if (!nonzero || !exponent)
+            continue; /* integers and plain decimals never underflow */
+        char *num = strndup(s + start, i - start);
+        bool zero = num != NULL && strtod(num, NULL) == 0.0;
+        free(num);
+        if (zero) {
+            *toklen = i - start;
+            return start;
+        }
+    }
+    return len;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Parsing                                                                                   */
 
@@ -533,6 +538,14 @@ static tally_dlq_reason_t parse_doc(json_t *doc, tally_intent_t *out, check_t *c
     out->id = ce_attribute(doc, "id", ck);
     if (out->id == NULL)
         return ck->reason;
+    if (strlen(out->id) > TALLY_LIMIT_EVENT_ID) {
+        /* The id names the intent in every answer and in the ledger. */
+        set_detail(ck->detail, ck->detailsz,
+                   "the CloudEvents id must be at most %d bytes; it is %zu bytes long",
+                   TALLY_LIMIT_EVENT_ID, strlen(out->id));
+        out->id = NULL;
+        return ck->reason = TALLY_DLQ_INVALID_FIELD;
+    }
     if (ce_attribute(doc, "source", ck) == NULL)
         return ck->reason;
     const char *type = ce_attribute(doc, "type", ck);
@@ -609,7 +622,7 @@ tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_by
         /* Point at the first bad byte so the producer can find it. */
         size_t off = 0;
         while (off < len) {
-            size_t n = utf8_seq_len((const unsigned char *)buf + off, len - off);
+            size_t n = tally_utf8_seq((const unsigned char *)buf + off, len - off);
             if (n == 0)
                 break;
             off += n;
@@ -634,6 +647,18 @@ tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_by
     }
 
     tally_dlq_reason_t r = parse_doc(doc, out, &ck);
+    size_t toklen = 0, at = r == TALLY_DLQ_NONE ? underflowing_number(buf, len, &toklen) : len;
+    if (at < len) {
+        char num[EXCERPT_MAX_BYTES + 4];
+        memcpy(num, (const char *)buf + at,
+               toklen < EXCERPT_MAX_BYTES ? toklen : EXCERPT_MAX_BYTES);
+        num[toklen < EXCERPT_MAX_BYTES ? toklen : EXCERPT_MAX_BYTES] = '\0';
+        set_detail(detail, detailsz,
+                   "the number %s%s at offset %zu is too small for a double and would be read as "
+                   "0; send it as a string or as 0",
+                   num, toklen > EXCERPT_MAX_BYTES ? "..." : "", at);
+        r = TALLY_DLQ_INVALID_FIELD;
+    }
     if (r != TALLY_DLQ_NONE) {
         json_decref(doc);
         memset(out, 0, sizeof *out);

@@ -78,7 +78,13 @@ bool tally_columns_text(tally_columns_t *c, const char *s)
         c->row_nulls = true;
     } else {
         size_t n = strlen(s);
-        if (n > INT32_MAX || !tally_utf8_valid(s, n) || !put32(col, (int32_t)n) || !put(col, s, n))
+        if (!tally_utf8_valid(s, n)) {
+            /* Named, so that the caller can tell refused text from memory running out. */
+            tally_columns_fail(c, "column %zu of row %zu is not valid UTF-8", c->at + 1, c->n + 1);
+            c->bad_text = true;
+            return false;
+        }
+        if (n > INT32_MAX || !put32(col, (int32_t)n) || !put(col, s, n))
             return false;
     }
     c->at++;
@@ -135,7 +141,7 @@ void tally_columns_reset(tally_columns_t *c)
         c->col[k].len = c->col[k].row_start = 0;
     c->n = 0;
     c->at = SIZE_MAX;
-    c->nulls = c->row_nulls = c->failed = false;
+    c->nulls = c->row_nulls = c->failed = c->bad_text = false;
     c->why[0] = '\0';
 }
 

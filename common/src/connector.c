@@ -22,6 +22,7 @@
 
 #include "tally/json.h"
 #include "tally/log.h"
+#include "tally/text.h"
 
 #ifndef TALLY_VERSION
 #define TALLY_VERSION "0"
@@ -87,7 +88,7 @@ static void verdict_set(tally_conn_verdict_t *out, tally_verdict_t v, const char
     snprintf(out->code, sizeof out->code, "%s", code);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(out->message, sizeof out->message, fmt, ap);
+    tally_vfmt(out->message, sizeof out->message, fmt, ap); /* valid UTF-8, cut whole */
     va_end(ap);
 }
 
@@ -408,6 +409,17 @@ char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt)
     const char *ptr = tool && tool->receipt_ref ? tool->receipt_ref : "/id";
     const json_t *v = tally_json_pointer(receipt, ptr);
     return v ? tally_json_scalar_text(v) : NULL;
+}
+
+char *tally_conn_ref_within_limit(char *ref, size_t *over)
+{
+    *over = 0;
+    if (ref != NULL && strlen(ref) > TALLY_LIMIT_EXTERNAL_REF) {
+        *over = strlen(ref);
+        free(ref);
+        ref = NULL;
+    }
+    return ref;
 }
 
 bool tally_conn_receipt_text(const tally_conn_result_t *res, const tally_tool_t *tool,

@@ -1,5 +1,6 @@
 /* error.c — the runtime error object: a code, one sentence, and whether a retry may help. */
 #include "tally/error.h"
+#include "tally/text.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -9,12 +10,13 @@ void tally_error_set(tally_error_t *err, const char *code, bool retriable, const
 {
     if (err == NULL)
         return;
-    /* snprintf truncates an over-long code rather than overflowing the fixed field. */
-    snprintf(err->code, sizeof err->code, "%s", code != NULL ? code : "error");
+    /* An over-long code or message is cut on a character boundary (text.h): both travel into
+     * logs, events and the ledger, which take only valid UTF-8. */
+    tally_text_copy(err->code, sizeof err->code, code != NULL ? code : "error");
     err->retriable = retriable;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    tally_vfmt(err->message, sizeof err->message, fmt, ap);
     va_end(ap);
 }
 

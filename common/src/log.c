@@ -15,6 +15,8 @@
 
 #include <jansson.h>
 
+#include "tally/text.h"
+
 static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
 static char log_component[64] = "tally"; /* before tally_log_init the process is just "tally" */
 static char log_worker[256] = "";
@@ -50,35 +52,6 @@ bool tally_log_level_parse(const char *s, tally_log_level_t *out)
     return false;
 }
 
-/* Length of the well-formed UTF-8 sequence at s (1..4), or 0 when the bytes there are not one. */
-static size_t utf8_seq(const unsigned char *s, size_t avail)
-{
-    unsigned char c = s[0];
-    if (c < 0x80)
-        return 1;
-    size_t n;
-    unsigned char lo = 0x80, hi = 0xbf;
-    if (c >= 0xc2 && c <= 0xdf)
-        n = 2;
-    else if (c >= 0xe0 && c <= 0xef) {
-        n = 3;
-        lo = c == 0xe0 ? 0xa0 : 0x80;
-        hi = c == 0xed ? 0x9f : 0xbf;
-    } else if (c >= 0xf0 && c <= 0xf4) {
-        n = 4;
-        lo = c == 0xf0 ? 0x90 : 0x80;
-        hi = c == 0xf4 ? 0x8f : 0xbf;
-    } else
-        return 0;
-    if (avail < n || s[1] < lo || s[1] > hi)
-        return 0;
-    for (size_t k = 2; k < n; k++) {
-        if (s[k] < 0x80 || s[k] > 0xbf)
-            return 0;
-    }
-    return n;
-}
-
 /* A JSON string for text that may not be valid UTF-8 (a message quoting a malformed intent):
  * each bad byte becomes U+FFFD instead of the whole line being lost. */
 static json_t *text_value(const char *s)
@@ -92,7 +65,7 @@ static json_t *text_value(const char *s)
         return NULL;
     size_t o = 0;
     for (size_t i = 0; i < len;) {
-        size_t n = utf8_seq((const unsigned char *)s + i, len - i);
+        size_t n = tally_utf8_seq((const unsigned char *)s + i, len - i);
         if (n == 0) {
             memcpy(fixed + o, "\xef\xbf\xbd", 3);
             o += 3;

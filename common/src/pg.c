@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "tally/log.h"
+#include "tally/text.h"
 
 #define PG_BACKOFF_MIN_MS 100
 #define PG_BACKOFF_MAX_MS 5000
@@ -61,10 +62,10 @@ static void copy_message(char *dst, size_t dstsz, const char *src)
     if (src == NULL || *src == '\0')
         src = "unknown error";
     size_t n = strcspn(src, "\n");
-    if (n >= dstsz)
-        n = dstsz - 1;
-    memcpy(dst, src, n);
-    dst[n] = '\0';
+    char *line = strndup(src, n);
+    /* Cut on a character boundary: the message may quote a value from outside. */
+    tally_text_copy(dst, dstsz, line != NULL ? line : "out of memory copying an error message");
+    free(line);
 }
 
 static bool sqlstate_retriable(const char *state)
@@ -434,6 +435,14 @@ bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *cons
         return false;
     PQclear(res);
     return true;
+}
+
+bool tally_pg_error_is_data(const tally_error_t *err)
+{
+    if (err == NULL || err->retriable)
+        return false;
+    return strncmp(err->code, "22", 2) == 0 || strncmp(err->code, "23", 2) == 0 ||
+           strncmp(err->code, "54", 2) == 0 || strcmp(err->code, "invalid_text") == 0;
 }
 
 bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err)

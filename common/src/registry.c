@@ -6,6 +6,7 @@
  */
 #include "tally/registry.h"
 #include "tally/json.h"
+#include "tally/text.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -158,7 +159,8 @@ static char *sb_finish(sbuf_t *b)
  * characters and quotes replaced by '?', "..." when cut. Returns @p buf (bufsz >= 8). */
 static const char *shown(const char *s, char *buf, size_t bufsz)
 {
-    size_t limit = bufsz - 4;
+    /* cut on a character boundary: the text may quote a name from the file */
+    size_t limit = tally_utf8_prefix(s, strlen(s), bufsz - 4);
     size_t i = 0;
     for (; s[i] != '\0' && i < limit; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -875,7 +877,7 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
     const char *code = "missing_operation_key";
     if (explicit_key != NULL && explicit_key[0] != '\0') {
         if (!key_text_ok(explicit_key)) {
-            tally_error_set(err, code, false,
+            tally_error_set(err, "invalid_field", false,
                             "the intent's operation_key contains control characters; it is sent "
                             "as the Idempotency-Key header");
             return NULL;
@@ -912,9 +914,11 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
         } else if (json_is_string(x)) {
             text = json_string_value(x);
             if (text[0] == '\0' || !key_text_ok(text)) {
+                /* Empty: the key is missing. Control characters: the value is invalid (the key
+                 * is sent as the Idempotency-Key header, where CR/LF would inject headers). */
                 tally_error_set(
-                    err, code, false, "tool %s builds its operation key from args.%s, which is %s",
-                    tool->name, field,
+                    err, text[0] == '\0' ? code : "invalid_field", false,
+                    "tool %s builds its operation key from args.%s, which is %s", tool->name, field,
                     text[0] == '\0' ? "an empty string" : "a string with control characters");
                 text = NULL;
             }
@@ -937,7 +941,17 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
         sb_puts(&b, text);
     }
     char *key = sb_finish(&b);
-    if (key == NULL)
+    if (key == NULL) {
         tally_error_set(err, "out_of_memory", true, "out of memory building an operation key");
+    } else if (strlen(key) > TALLY_LIMIT_OPERATION_KEY) {
+        /* The limit of an explicit key holds for a derived one too: the key is a UNIQUE index
+         * entry and an HTTP header. */
+        tally_error_set(err, "invalid_field", false,
+                        "tool %s builds its operation key from args; the key is %zu bytes, above "
+                        "the limit of %d bytes",
+                        tool->name, strlen(key), TALLY_LIMIT_OPERATION_KEY);
+        free(key);
+        key = NULL;
+    }
     return key;
 }

@@ -14,6 +14,7 @@
 
 #include "tally/cloudevent.h"
 #include "tally/ledger.h"
+#include "tally/text.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* The decision table                                                                       */
@@ -614,8 +615,9 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         const char *next = next_run_status(op, rs);
         if (strcmp(next, rs->status) != 0) {
             snprintf(rs->status, sizeof rs->status, "%s", next);
-            snprintf(rs->reason, sizeof rs->reason, "%s%s%.200s", op_kind_name(op),
-                     op->reason != NULL ? ": " : "", op->reason != NULL ? op->reason : "");
+            /* the run's status_reason: cut on a character boundary (text.h) */
+            tally_fmt(rs->reason, sizeof rs->reason, "%s%s%s", op_kind_name(op),
+                      op->reason != NULL ? ": " : "", op->reason != NULL ? op->reason : "");
         }
         snprintf(r->status_after, sizeof r->status_after, "%s", rs->status);
         r->effects_waiting = rs->waiting;

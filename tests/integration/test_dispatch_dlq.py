@@ -37,8 +37,8 @@ class DispatchDlqTest(DispatchCase):
             (json.dumps(missing).encode(), "missing_field"),
             (json.dumps(unknown_tool).encode(), "unknown_tool"),
             (json.dumps(no_key).encode(), "missing_operation_key"),
-            # The registry refuses a key with control characters (it would become a header).
-            (json.dumps(ctl_key).encode(), "missing_operation_key"),
+            # A key with control characters is invalid (it would become a header), not missing.
+            (json.dumps(ctl_key).encode(), "invalid_field"),
             (json.dumps(oversized).encode(), "too_large"),
             (bad_utf8, "invalid_utf8"),
         ]

@@ -76,6 +76,28 @@ static void test_no_rows_is_an_empty_array(void **st)
     tally_columns_release(&c);
 }
 
+/* Text that is not UTF-8 fails the batch, naming the value, so that a caller can tell text
+ * PostgreSQL would refuse from memory running out. */
+static void test_text_that_is_not_utf8_fails_the_batch_saying_so(void **st)
+{
+    (void)st;
+    tally_columns_t c = {0};
+    tally_columns_init(&c, 2);
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "fine"));
+    assert_true(tally_columns_text(&c, "fine"));
+    assert_true(tally_columns_row_end(&c, true));
+    assert_true(tally_columns_row_begin(&c));
+    assert_true(tally_columns_text(&c, "fine"));
+    assert_false(tally_columns_text(&c, "caf\xc3")); /* a cut character */
+    assert_false(tally_columns_row_end(&c, false));
+    assert_true(c.failed);
+    assert_string_equal(c.why, "column 2 of row 2 is not valid UTF-8");
+    int len = 0;
+    assert_null(tally_columns_param(&c, &len));
+    tally_columns_release(&c);
+}
+
 static void test_a_row_must_be_whole_and_utf8(void **st)
 {
     (void)st;
@@ -90,11 +112,6 @@ static void test_a_row_must_be_whole_and_utf8(void **st)
     assert_true(tally_columns_row_begin(&c));
     assert_true(tally_columns_text(&c, "short"));
     assert_false(tally_columns_row_end(&c, true));
-    /* not UTF-8: refused, and the row goes */
-    assert_true(tally_columns_row_begin(&c));
-    assert_true(tally_columns_text(&c, "fine"));
-    assert_false(tally_columns_text(&c, "\xff\xfe"));
-    assert_false(tally_columns_row_end(&c, false));
     /* the caller's failure of a row it could not finish */
     assert_true(tally_columns_row_begin(&c));
     assert_true(tally_columns_text(&c, NULL));
@@ -145,6 +162,7 @@ int main(void)
         cmocka_unit_test(test_rows_become_columns),
         cmocka_unit_test(test_no_rows_is_an_empty_array),
         cmocka_unit_test(test_a_row_must_be_whole_and_utf8),
+        cmocka_unit_test(test_text_that_is_not_utf8_fails_the_batch_saying_so),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -219,17 +219,41 @@ static void test_reverse_body_and_if_match(void **state)
     assert_int_equal(json_object_size(body), 4);
     json_decref(body);
 
-    char im[32];
-    assert_true(comp_if_match(receipt, im, sizeof im));
+    char im[COMP_IF_MATCH_SIZE];
+    assert_int_equal(comp_if_match(receipt, im), COMP_VERSION_OK);
     assert_string_equal(im, "3");
     json_t *r2 = load("{\"id\":\"x\",\"version\":\"W/\\\"7\\\"\"}");
-    assert_true(comp_if_match(r2, im, sizeof im));
+    assert_int_equal(comp_if_match(r2, im), COMP_VERSION_OK);
     assert_string_equal(im, "W/\"7\"");
     json_t *r3 = load("{\"id\":\"x\"}");
-    assert_false(comp_if_match(r3, im, sizeof im));
-    assert_false(comp_if_match(NULL, im, sizeof im));
+    assert_int_equal(comp_if_match(r3, im), COMP_VERSION_NONE);
+    assert_int_equal(comp_if_match(NULL, im), COMP_VERSION_NONE);
     json_t *r4 = load("{\"version\":\"\"}");
-    assert_false(comp_if_match(r4, im, sizeof im));
+    assert_int_equal(comp_if_match(r4, im), COMP_VERSION_NONE);
+    /* a SHA-256 ETag (64 hex digits, quoted) and a version at the limit travel whole; one over
+     * it, or one with CR/LF, is unusable, never cut */
+    char etag[80], at_limit[TALLY_LIMIT_RECEIPT_VERSION + 1], over[TALLY_LIMIT_RECEIPT_VERSION + 2];
+    memset(etag, 'a', sizeof etag);
+    etag[0] = '"';
+    etag[65] = '"';
+    etag[66] = '\0';
+    memset(at_limit, 'v', sizeof at_limit);
+    at_limit[TALLY_LIMIT_RECEIPT_VERSION] = '\0';
+    memset(over, 'v', sizeof over);
+    over[TALLY_LIMIT_RECEIPT_VERSION + 1] = '\0';
+    const char *whole[] = {etag, at_limit};
+    for (size_t i = 0; i < 2; i++) {
+        json_t *r = json_pack("{s:s}", "version", whole[i]);
+        assert_int_equal(comp_if_match(r, im), COMP_VERSION_OK);
+        assert_string_equal(im, whole[i]);
+        json_decref(r);
+    }
+    const char *bad[] = {over, "7\r\nX-Injected: 1"};
+    for (size_t i = 0; i < 2; i++) {
+        json_t *r = json_pack("{s:s}", "version", bad[i]);
+        assert_int_equal(comp_if_match(r, im), COMP_VERSION_UNUSABLE);
+        json_decref(r);
+    }
     json_decref(r2);
     json_decref(r3);
     json_decref(r4);

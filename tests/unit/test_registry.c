@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "tally/registry.h"
+#include "tally/text.h"
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -490,7 +491,8 @@ static tally_registry_t *key_registry(void)
     return load_ok(json_pack("[o, o]", charge, free_form));
 }
 
-static void expect_key_error(const tally_tool_t *t, const char *args_json, const char *fragment)
+static void expect_key_error_code(const tally_tool_t *t, const char *args_json, const char *code,
+                                  const char *fragment)
 {
     json_t *args = json_loads(args_json, JSON_DECODE_ANY, NULL);
     assert_non_null(args);
@@ -498,11 +500,16 @@ static void expect_key_error(const tally_tool_t *t, const char *args_json, const
     char *key = tally_registry_operation_key(t, args, NULL, &err);
     if (key != NULL)
         fail_msg("args %s gave key %s, expected an error", args_json, key);
-    assert_string_equal(err.code, "missing_operation_key");
+    assert_string_equal(err.code, code);
     assert_false(err.retriable);
     if (strstr(err.message, fragment) == NULL)
         fail_msg("error \"%s\" does not mention \"%s\"", err.message, fragment);
     json_decref(args);
+}
+
+static void expect_key_error(const tally_tool_t *t, const char *args_json, const char *fragment)
+{
+    expect_key_error_code(t, args_json, "missing_operation_key", fragment);
 }
 
 static void test_operation_key(void **state)
@@ -542,8 +549,38 @@ static void test_operation_key(void **state)
                      "args.payment_id, which is a real number");
     expect_key_error(t, "{\"tenant_id\": \"\", \"payment_id\": 1, \"live\": true}",
                      "args.tenant_id, which is an empty string");
-    expect_key_error(t, "{\"tenant_id\": \"a\\r\\nX-Evil: 1\", \"payment_id\": 1, \"live\": true}",
-                     "control characters");
+    /* a value that cannot go into a key is invalid, not missing */
+    expect_key_error_code(
+        t, "{\"tenant_id\": \"a\\r\\nX-Evil: 1\", \"payment_id\": 1, \"live\": true}",
+        "invalid_field", "control characters");
+    /* the limit of an explicit key holds for a derived one: "charge_card:" + tenant + ":1:true"
+     * is 19 bytes besides the tenant */
+    char big[TALLY_LIMIT_OPERATION_KEY + 64];
+    for (int over = 0; over <= 1; over++) {
+        size_t tenant = TALLY_LIMIT_OPERATION_KEY - 19 + (size_t)over;
+        char *v = malloc(tenant + 1);
+        assert_non_null(v);
+        memset(v, 'x', tenant);
+        memcpy(v + tenant - 2, "\xc3\xbc", 2); /* a 2-byte character at the very end */
+        v[tenant] = '\0';
+        json_t *a = json_pack("{s:s, s:i, s:b}", "tenant_id", v, "payment_id", 1, "live", 1);
+        tally_error_t kerr = {0};
+        char *k = tally_registry_operation_key(t, a, NULL, &kerr);
+        if (!over) {
+            assert_non_null(k);
+            assert_int_equal(strlen(k), TALLY_LIMIT_OPERATION_KEY);
+        } else {
+            assert_null(k);
+            assert_string_equal(kerr.code, "invalid_field");
+            snprintf(big, sizeof big, "the key is %d bytes, above the limit of %d bytes",
+                     TALLY_LIMIT_OPERATION_KEY + 1, TALLY_LIMIT_OPERATION_KEY);
+            if (strstr(kerr.message, big) == NULL)
+                fail_msg("error \"%s\" does not say \"%s\"", kerr.message, big);
+        }
+        free(k);
+        free(v);
+        json_decref(a);
+    }
     expect_key_error(t, "[1, 2]", "args is not an object");
 
     /* A tool without operation_key fields needs the intent's key. */
@@ -557,7 +594,7 @@ static void test_operation_key(void **state)
     assert_string_equal(key, "note:42");
     free(key);
     assert_null(tally_registry_operation_key(note, args, "bad\nkey", &err));
-    assert_string_equal(err.code, "missing_operation_key");
+    assert_string_equal(err.code, "invalid_field");
     json_decref(args);
     tally_registry_free(reg);
 }

@@ -12,7 +12,12 @@
 #include "tally/outbox.h"
 #include "tally/pg.h"
 
-/** @brief One page to raise. Strings are copied by tally_alert_batch_add. */
+/** The longest summary a page keeps, in bytes: a longer one is cut on a character boundary. */
+#define TALLY_ALERT_SUMMARY_MAX 512
+
+/** @brief One page to raise. Strings are copied by tally_alert_batch_add: made valid UTF-8 and
+ * cut on a character boundary (the summary at TALLY_ALERT_SUMMARY_MAX bytes, other text at
+ * TALLY_LIMIT_REASON), so that no text can make a page unwritable. */
 typedef struct tally_alert {
     const char *dedup_key; /**< required; one page per key (tally_alert_effect_key()) */
     const char *severity;  /**< "critical", "error", "warning" or "info" */

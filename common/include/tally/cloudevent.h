@@ -41,6 +41,7 @@ typedef enum {
     TALLY_DLQ_INVALID_FIELD,  /* "invalid_field" */
     TALLY_DLQ_UNKNOWN_TOOL,   /* "unknown_tool" */
     TALLY_DLQ_MISSING_OPERATION_KEY, /* "missing_operation_key" */
+    TALLY_DLQ_LEDGER_REFUSED, /* "ledger_refused": valid, but PostgreSQL refuses to store it */
 } tally_dlq_reason_t;
 
 const char *tally_dlq_reason_name(tally_dlq_reason_t r);

@@ -39,6 +39,7 @@ typedef struct tally_columns {
     bool nulls;     /* a complete row holds a NULL */
     bool row_nulls; /* the open row holds one */
     bool failed;
+    bool bad_text; /* it failed on text that is not UTF-8 (PostgreSQL would refuse it) */
     char why[200];
     char *param; /* the parameter, assembled by tally_columns_param */
     size_t param_cap;

@@ -14,6 +14,7 @@
 #include "tally/error.h"
 #include "tally/json.h"
 #include "tally/registry.h"
+#include "tally/text.h"
 
 /** Default cap on a response body kept in memory; the rest is read and dropped. */
 #define TALLY_CONN_MAX_BODY (1024 * 1024)
@@ -143,6 +144,14 @@ json_t *tally_conn_receipt(const tally_conn_result_t *res) TALLY_WUR;
  * @returns malloc'd text, or NULL when the pointer does not resolve to a scalar.
  */
 char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt) TALLY_WUR;
+
+/**
+ * @brief @p ref when it is at most TALLY_LIMIT_EXTERNAL_REF bytes (text.h), the one size the
+ * ledger's indexes and the obligations take. A longer one is freed and NULL returned, its
+ * length in @p *over (0 otherwise): a tool's answer over a limit is evidence, kept in the
+ * receipt, never an index key.
+ */
+char *tally_conn_ref_within_limit(char *ref, size_t *over) TALLY_WUR;
 
 /**
  * @brief tally_conn_receipt as compact JSON text in @p receipt, and tally_conn_external_ref of

@@ -51,6 +51,16 @@ bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *cons
                   tally_error_t *err) TALLY_WUR;
 
 /**
+ * @brief true when @p err says PostgreSQL refused the statement's data, so that the same data
+ * can never be written however often it is tried: a data exception (SQLSTATE class 22: not
+ * UTF-8, value too long, a number out of range), an integrity constraint (23), a program
+ * limit (54: an index row too large), or a batch whose text was not UTF-8 before it was sent
+ * (code "invalid_text", columns.h). Connection, serialization, lock and resource errors are
+ * not: those are retried.
+ */
+bool tally_pg_error_is_data(const tally_error_t *err);
+
+/**
  * @brief BEGIN / COMMIT / ROLLBACK. Rollback is safe to call on a broken connection.
  * @remark BEGIN is sent in one pipeline with the transaction's first statement (one round
  * trip less per transaction), so a failure to start the transaction surfaces there;

@@ -83,7 +83,9 @@ const tally_tool_t *tally_registry_at(const tally_registry_t *reg, size_t i);
  * @brief The operation key of an intent for @p tool: @p explicit_key when given (non-empty),
  * else "<tool>:<v1>:<v2>..." from the args named in tool->operation_key (each must be
  * present and a string, integer or boolean). Never from time or randomness.
- * @returns malloc'd key, or NULL with the reason in @p err (code "missing_operation_key").
+ * @returns malloc'd key, or NULL with the reason in @p err: code "missing_operation_key" when
+ * it cannot be built, "invalid_field" when a value holds control characters or the key is
+ * longer than TALLY_LIMIT_OPERATION_KEY (text.h).
  */
 char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
                                    const char *explicit_key, tally_error_t *err) TALLY_WUR;
