@@ -215,17 +215,17 @@ static rd_kafka_t *consumer_new(const bench_t *b, char *errstr, size_t errsz)
          * latency; a real broker answers at once. */
         {"fetch.wait.max.ms", fetch_wait},
     };
-    char why[512];
+    char why[256]; /* smaller than the caller's errstr, so it is never cut */
     for (size_t i = 0; i < sizeof props / sizeof props[0]; i++)
         if (rd_kafka_conf_set(conf, props[i][0], props[i][1], why, sizeof why) !=
             RD_KAFKA_CONF_OK) {
-            snprintf(errstr, errsz, "consumer property %s: %.200s", props[i][0], why);
+            snprintf(errstr, errsz, "consumer property %s: %s", props[i][0], why);
             rd_kafka_conf_destroy(conf);
             return NULL;
         }
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, why, sizeof why);
     if (rk == NULL) {
-        snprintf(errstr, errsz, "cannot create the consumer: %.200s", why);
+        snprintf(errstr, errsz, "cannot create the consumer: %s", why);
         rd_kafka_conf_destroy(conf);
         return NULL;
     }
@@ -379,11 +379,11 @@ static rd_kafka_t *producer_new(bench_t *b, char *errstr, size_t errsz)
         {"batch.num.messages", "10000"},
         {"message.timeout.ms", "60000"},
     };
-    char why[512];
+    char why[256]; /* smaller than the caller's errstr, so it is never cut */
     for (size_t i = 0; i < sizeof props / sizeof props[0]; i++)
         if (rd_kafka_conf_set(conf, props[i][0], props[i][1], why, sizeof why) !=
             RD_KAFKA_CONF_OK) {
-            snprintf(errstr, errsz, "producer property %s: %.200s", props[i][0], why);
+            snprintf(errstr, errsz, "producer property %s: %s", props[i][0], why);
             rd_kafka_conf_destroy(conf);
             return NULL;
         }
@@ -391,7 +391,7 @@ static rd_kafka_t *producer_new(bench_t *b, char *errstr, size_t errsz)
     rd_kafka_conf_set_opaque(conf, b);
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_PRODUCER, conf, why, sizeof why);
     if (rk == NULL) {
-        snprintf(errstr, errsz, "cannot create the producer: %.200s", why);
+        snprintf(errstr, errsz, "cannot create the producer: %s", why);
         rd_kafka_conf_destroy(conf);
         return NULL;
     }

@@ -16,6 +16,7 @@
 #include "cli.h"
 #include "format.h"
 #include "tally/alert.h"
+#include "tally/text.h"
 
 /* Data of one timeline event printed in full up to this many bytes (--json has
  * it all). */
@@ -196,7 +197,7 @@ static void clock_of(const char *iso, char *out, size_t outsz)
         for (int i = 0; i < 3 && iso[20 + i] >= '0' && iso[20 + i] <= '9'; i++)
             ms[i] = iso[20 + i];
     }
-    snprintf(out, outsz, "%.8s.%s", iso + 11, ms);
+    snprintf(out, outsz, "%.*s.%s", 8, iso + 11, ms); /* lint: slice (ISO time, ASCII) */
 }
 
 /* "2026-11-22 00:33:21 UTC" */
@@ -205,7 +206,8 @@ static void date_of(const char *iso, char *out, size_t outsz)
     if (iso == NULL || strlen(iso) < 19)
         snprintf(out, outsz, "%s", iso != NULL ? iso : "-");
     else
-        snprintf(out, outsz, "%.10s %.8s UTC", iso, iso + 11);
+        /* lint: slice (the date and time of an ISO timestamp, ASCII) */
+        snprintf(out, outsz, "%.*s %.*s UTC", 10, iso, 8, iso + 11);
 }
 
 /* A member as text for a field line: strings as they are, other JSON compact;
@@ -290,13 +292,14 @@ static void print_event(const json_t *ev, const json_t *effects, const json_t *o
     const json_t *effect = find_by(effects, "effect_id", eid);
     if (oid != NULL) {
         const json_t *ob = find_by(obligations, "obligation_id", oid);
-        snprintf(subject, sizeof subject, "obligation %.8s step %s %s", oid,
-                 cli_str(ob, "step", "?"), cli_str(ob, "tool", ""));
+        /* lint: slice (the first 8 hex digits of a UUID) */
+        tally_fmt(subject, sizeof subject, "obligation %.*s step %s %s", 8, oid,
+                  cli_str(ob, "step", "?"), cli_str(ob, "tool", ""));
     } else if (effect != NULL) {
-        snprintf(subject, sizeof subject, "step %s %s", cli_str(effect, "step", "?"),
-                 cli_str(effect, "tool", ""));
+        tally_fmt(subject, sizeof subject, "step %s %s", cli_str(effect, "step", "?"),
+                  cli_str(effect, "tool", ""));
     } else if (eid != NULL) {
-        snprintf(subject, sizeof subject, "effect %.8s", eid);
+        snprintf(subject, sizeof subject, "effect %.*s", 8, eid); /* lint: slice (UUID) */
     } else {
         snprintf(subject, sizeof subject, "run");
     }
@@ -742,7 +745,9 @@ static void print_action(const char *action)
     while (len > 0 && (action[len - 1] == ' ' || action[len - 1] == '\n'))
         len--;
     char what[1024];
-    snprintf(what, sizeof what, "%.*s", (int)len, action);
+    char *slice = strndup(action, len);
+    tally_text_copy(what, sizeof what, slice != NULL ? slice : action); /* may be a tool's text */
+    free(slice);
     cli_field(stdout, 6, 13, "action", what);
     cli_print_command(stdout, cmd, 8);
 }

@@ -23,6 +23,7 @@
 #include "tally/config.h"
 #include "tally/json.h"
 #include "tally/kafka.h"
+#include "tally/text.h"
 
 #define EXIT_OK      0
 #define EXIT_REFUSED 1
@@ -478,14 +479,14 @@ static rd_kafka_t *outcomes_consumer_new(const tally_config_t *cfg, const char *
     for (size_t i = 0; i < sizeof props / sizeof props[0]; i++) {
         if (rd_kafka_conf_set(conf, props[i][0], props[i][1], why, sizeof why) !=
             RD_KAFKA_CONF_OK) {
-            snprintf(errstr, errsz, "Kafka property %s: %.400s", props[i][0], why);
+            tally_fmt(errstr, errsz, "Kafka property %s: %s", props[i][0], why);
             rd_kafka_conf_destroy(conf);
             return NULL;
         }
     }
     rd_kafka_t *rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, why, sizeof why);
     if (rk == NULL) {
-        snprintf(errstr, errsz, "cannot create the Kafka consumer: %.400s", why);
+        tally_fmt(errstr, errsz, "cannot create the Kafka consumer: %s", why);
         rd_kafka_conf_destroy(conf);
         return NULL;
     }

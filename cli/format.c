@@ -12,6 +12,7 @@
 
 #include "cli.h"
 #include "tally/json.h"
+#include "tally/text.h"
 
 /* ---------------------------------------------------------------------------------------- */
 /* PostgreSQL                                                                               */
@@ -105,29 +106,60 @@ bool cli_is_uuid(const char *s)
     return true;
 }
 
+/* The flags whose values have a limit (text.h), and whether they are words for the audit
+ * trail (a tab allowed) or an identifier. */
+static const struct {
+    const char *flag;
+    size_t limit;
+    bool words;
+} TEXT_FLAGS[] = {
+    {"--reason", TALLY_LIMIT_REASON, true},
+    {"--actor", TALLY_LIMIT_ACTOR, true},
+    {"--run", TALLY_LIMIT_RUN_ID, false},
+    {"--ref", TALLY_LIMIT_EXTERNAL_REF, false},
+};
+
 bool cli_check_text(const char *verb, const char *flag, const char *value)
 {
     if (value == NULL) {
         fprintf(stderr, "tally %s: %s is required\nTry 'tally %s --help'.\n", verb, flag, verb);
         return false;
     }
+    size_t limit = 0;
+    bool words = true;
+    for (size_t i = 0; i < sizeof TEXT_FLAGS / sizeof TEXT_FLAGS[0]; i++) {
+        if (strcmp(TEXT_FLAGS[i].flag, flag) == 0) {
+            limit = TEXT_FLAGS[i].limit;
+            words = TEXT_FLAGS[i].words;
+        }
+    }
     bool blank = true;
     for (const char *p = value; *p != '\0'; p++) {
         unsigned char c = (unsigned char)*p;
-        if ((c < 0x20 && c != '\t') || c == 0x7f) {
+        if ((c < 0x20 && !(words && c == '\t')) || c == 0x7f) {
             fprintf(stderr, "tally %s: %s contains a control character\n", verb, flag);
             return false;
         }
         if (!isspace(c))
             blank = false;
     }
-    if (blank) {
+    if (blank && words) {
         fprintf(stderr, "tally %s: %s is empty; say it in words, it goes into the audit trail\n",
                 verb, flag);
         return false;
     }
+    if (blank) {
+        fprintf(stderr, "tally %s: %s is empty; give the %s\n", verb, flag,
+                strcmp(flag, "--run") == 0 ? "run id" : "value");
+        return false;
+    }
     if (!tally_utf8_valid(value, strlen(value))) {
         fprintf(stderr, "tally %s: %s is not valid UTF-8\n", verb, flag);
+        return false;
+    }
+    if (limit > 0 && strlen(value) > limit) {
+        fprintf(stderr, "tally %s: %s is %zu bytes, above its limit of %zu bytes\n", verb, flag,
+                strlen(value), limit);
         return false;
     }
     return true;

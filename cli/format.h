@@ -68,9 +68,11 @@ json_t *cli_query_json(tally_pg_t *pg, const char *sql, int nparams, const char 
 bool cli_is_uuid(const char *s);
 
 /**
- * @brief Check a free-text option (--reason, --actor, --ref): present, not
- * blank, valid UTF-8, no control characters but tab. Prints "tally <verb>:
- * <flag> ..." and returns false when not.
+ * @brief Check a text option (--reason, --actor, --run, --ref, --alert): present,
+ * not blank, valid UTF-8, no control characters (a tab is allowed in the words of
+ * --reason and --actor), and within its limit (text.h: --reason 4096 bytes, --actor
+ * and --run 200, --ref 512). Prints "tally <verb>: <flag> ..." and returns false
+ * when not.
  */
 bool cli_check_text(const char *verb, const char *flag, const char *value);
 

@@ -295,6 +295,7 @@ static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
         if (o != NULL) {
             o->is_error = true;
         }
+        page(o, "protocol_error");
         return;
     }
     if (text == NULL) {

@@ -38,7 +38,7 @@ static void utc_now(char *out, size_t outsz)
     char base[24];
     size_t n = strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
     int ms = (int)(ts.tv_nsec / 1000000L) % 1000;
-    snprintf(out, outsz, "%.*s.%03dZ", (int)n, base, ms);
+    snprintf(out, outsz, "%.*s.%03dZ", (int)n, base, ms); /* lint: slice */
 }
 
 static json_t *nullable_string(const char *s)

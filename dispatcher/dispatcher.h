@@ -91,7 +91,7 @@ typedef struct dispatcher {
     bool intake_more;       /**< the last poll filled the batch: more is waiting */
     double intake_retry_at; /**< after a database error: not before this (monotonic s) */
     int intake_backoff_ms;
-    bool intake_failed; /**< holding a batch whose transaction failed */
+    bool intake_failed;   /**< holding a batch whose transaction failed */
     size_t intake_done;   /**< the batch's first messages, already committed */
     size_t intake_window; /**< while isolating a refused message: messages per transaction */
 

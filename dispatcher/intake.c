@@ -21,8 +21,9 @@
 
 /* librdkafka's default message.max.bytes is 1,000,000: a DLQ record must stay below it even
  * when TALLY_MAX_MESSAGE_BYTES is larger, or the relay could never publish it. */
-#define DLQ_MAX_BYTES 900000
-#define DLQ_OVERHEAD  4096
+#define DLQ_MAX_BYTES     900000
+#define DLQ_OVERHEAD      4096
+#define DLQ_KEY_MAX_BYTES 1024
 
 /* ---------------------------------------------------------------------------------------- */
 /* SQL                                                                                      */
@@ -228,12 +229,25 @@ static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
         return NULL;
     int rc = 0;
     if (rkm->key && rkm->key_len > 0) {
-        if (tally_utf8_valid(rkm->key, rkm->key_len) && !memchr(rkm->key, '\0', rkm->key_len))
-            rc |= json_object_set_new(data, "key", json_stringn(rkm->key, rkm->key_len));
-        else
-            rc |= json_object_set_new(data, "key_base64", b64(rkm->key, rkm->key_len));
+        /* A key may be as large as the message: keep at most DLQ_KEY_MAX_BYTES of it, so the
+         * record always fits (the original offset names the whole). */
+        size_t klen = rkm->key_len;
+        bool cut = klen > DLQ_KEY_MAX_BYTES;
+        if (tally_utf8_valid(rkm->key, klen) && !memchr(rkm->key, '\0', klen)) {
+            klen = tally_utf8_prefix(rkm->key, klen, DLQ_KEY_MAX_BYTES);
+            /* "original_key" is the schema's name (dlq.schema.json); "key" the older one */
+            rc |= json_object_set_new(data, "key", json_stringn(rkm->key, klen));
+            rc |= json_object_set_new(data, "original_key", json_stringn(rkm->key, klen));
+        } else {
+            rc |= json_object_set_new(data, "key_base64",
+                                      b64(rkm->key, cut ? DLQ_KEY_MAX_BYTES : klen));
+            rc |= json_object_set_new(data, "original_key", json_null());
+        }
+        if (cut)
+            rc |= json_object_set_new(data, "key_bytes", json_integer((json_int_t)rkm->key_len));
     } else {
         rc |= json_object_set_new(data, "key", json_null());
+        rc |= json_object_set_new(data, "original_key", json_null());
     }
     bool text = tally_utf8_valid(val, len);
     size_t keep;
@@ -245,6 +259,7 @@ static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
         rc |= json_object_set_new(data, "original_base64", b64(val, keep));
     }
     rc |= json_object_set_new(data, "original_truncated", json_boolean(keep < len));
+    rc |= json_object_set_new(data, "original_size", json_integer((json_int_t)len));
     (void)d;
     if (rc != 0) {
         json_decref(data);
@@ -484,13 +499,15 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
             return false;
         }
         c->conflict++;
-        char msg[512];
+        char msg[1024];
         const char *other = eid ? eid : sid;
         if (eid)
+            /* lint: slice (the first 12 hex digits of each input hash) */
             tally_fmt(msg, sizeof msg,
                       "operation key '%s' of tool '%s' is already effect %s with different "
-                      "arguments (input hash %s, this intent's %s)",
-                      m->op_key, m->tool->name, eid, PQgetvalue(res, row, 8), m->input_hash);
+                      "arguments (input hash %.*s, this intent's %.*s)",
+                      m->op_key, m->tool->name, eid, 12, PQgetvalue(res, row, 8), 12,
+                      m->input_hash);
         else
             tally_fmt(msg, sizeof msg,
                       "step %s of run %s is already effect %s (tool '%s', key '%s')", m->in.step,

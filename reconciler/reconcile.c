@@ -63,6 +63,7 @@ typedef struct reconciler {
     tally_metric_t *m_lease_expired;
     tally_metric_t *m_lost;
     tally_metric_t *m_inflight;
+    tally_metric_t *m_alert_fail;
 } reconciler_t;
 
 static long long now_ms(void)
@@ -185,7 +186,20 @@ static int record_round(reconciler_t *rc)
         for (size_t i = 0; i < rc->n_done; i++) {
             tally_error_t one;
             tally_error_clear(&one);
-            if (!tally_recon_record(&rc->db, &rc->done[i], 1, &one)) {
+            bool recorded = tally_recon_record(&rc->db, &rc->done[i], 1, &one);
+            if (!recorded && !one.retriable && rc->done[i]->decision.action == TALLY_RECON_STUCK) {
+                /* A STUCK effect must page: its page was refused, so raise it minimal. */
+                tally_metric_add(rc->m_alert_fail, 1, "reconciler");
+                TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                                    "recording STUCK effect %s and its page was refused (%s: "
+                                    "%s); retrying with a minimal page",
+                                    rc->done[i]->effect_id, one.code, one.message);
+                rc->db.minimal_pages = true;
+                tally_error_clear(&one);
+                recorded = tally_recon_record(&rc->db, &rc->done[i], 1, &one);
+                rc->db.minimal_pages = false;
+            }
+            if (!recorded) {
                 tally_log_ctx_t ctx = {.effect_id = rc->done[i]->effect_id,
                                        .tool = rc->done[i]->tool->name};
                 TALLY_LOG(TALLY_LOG_ERROR, &ctx,
@@ -605,6 +619,11 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         "Verdicts not recorded because another worker took the lease over", NULL);
     rc->m_inflight = tally_metrics_gauge(m, "tally_reconciler_inflight_checks",
                                          "Status checks in flight in this worker", NULL);
+    rc->m_alert_fail = tally_metrics_counter(
+        m, "tally_alert_write_failures_total",
+        "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",
+        "worker");
+    tally_metric_add(rc->m_alert_fail, 0, "reconciler");
 
     char errstr[512];
     rc->conn = tally_connector_new(rc->cfg->max_inflight, 0, errstr, sizeof errstr);

@@ -149,6 +149,7 @@ typedef struct tally_recon_db {
     tally_audit_batch_t *audit;
     tally_outbox_batch_t *outbox;
     tally_alert_batch_t *alerts;
+    bool minimal_pages; /**< raise pages with ids and fixed words only (a page was refused) */
 } tally_recon_db_t;
 
 /**

@@ -17,6 +17,7 @@
 #include "tally/json.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
+#include "tally/text.h"
 
 /* The effect columns every event is built from; RETURNING lists them first, in this order. */
 #define EFFECT_COLS                                                                                \
@@ -418,10 +419,10 @@ static void stuck_message(const tally_recon_item_t *it, char *buf, size_t bufsz)
                  "max_attempts is %d); tally will not send it again",
                  it->attempts, it->attempts == 1 ? "" : "s", it->tool->max_attempts);
     } else {
-        snprintf(buf, bufsz,
-                 "the status check stayed inconclusive for %d check%s over %lld s (last: %s)",
-                 it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
-                 it->unknown_ms / 1000, it->verdict.message);
+        tally_fmt(buf, bufsz,
+                  "the status check stayed inconclusive for %d check%s over %lld s (last: %s)",
+                  it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
+                  it->unknown_ms / 1000, it->verdict.message);
     }
 }
 
@@ -652,13 +653,22 @@ static void queue_alert(tally_recon_db_t *db, const PGresult *res, int row,
     char why[512];
     stuck_message(it, why, sizeof why);
     char summary[1024];
-    snprintf(summary, sizeof summary, "tally: effect %s (tool %s, run %s, step %s) is STUCK: %s",
-             it->effect_id, it->tool->name, col(res, row, C_RUN_ID), col(res, row, C_STEP), why);
+    if (db->minimal_pages)
+        snprintf(summary, sizeof summary,
+                 "tally: effect %s is STUCK; its full page could not be written: see tally doctor",
+                 it->effect_id);
+    else
+        tally_fmt(summary, sizeof summary,
+                  "tally: effect %s (tool %s, run %s, step %s) is STUCK: %s", it->effect_id,
+                  it->tool->name, col(res, row, C_RUN_ID), col(res, row, C_STEP), why);
     char *key = tally_alert_effect_key(it->effect_id);
     char *command = tally_alert_effect_command(it->effect_id);
-    json_t *details = json_pack("{s:s, s:s?, s:s?, s:s, s:s, s:i}", "tool", it->tool->name, "owner",
-                                it->tool->owner, "tool_runbook", it->tool->runbook, "operation_key",
-                                it->operation_key, "message", why, "attempts", it->attempts);
+    json_t *details =
+        db->minimal_pages
+            ? NULL
+            : json_pack("{s:s, s:s?, s:s?, s:s, s:s, s:i}", "tool", it->tool->name, "owner",
+                        it->tool->owner, "tool_runbook", it->tool->runbook, "operation_key",
+                        it->operation_key, "message", why, "attempts", it->attempts);
     tally_alert_t alert = {
         .dedup_key = key,
         .severity = "critical",

@@ -103,6 +103,164 @@ json_t *tally_ce_new(const char *type, const char *source, const char *subject, 
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* Bounding                                                                                  */
+
+static size_t dumped_size(const json_t *v)
+{
+    return json_dumpb(v, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
+}
+
+/* Note in @p cut that @p path was cut, saying how. */
+static void note_cut(json_t *cut, const char *path, const char *how)
+{
+    char line[320];
+    tally_fmt(line, sizeof line, "%s: %s", path, how);
+    json_array_append_new(cut, json_string(line));
+}
+
+/* Make the member @p key of @p parent (an object) take at most @p target bytes when dumped:
+ * an object by its largest members first, an array by its last elements, a string by its
+ * end; anything else (or what cannot be cut that far) becomes null. */
+static void shrink(json_t *parent, const char *key, const char *path, size_t target, json_t *cut)
+{
+    json_t *v = json_object_get(parent, key);
+    size_t size = dumped_size(v);
+    if (size <= target)
+        return;
+    if (json_is_string(v) && target > 8) {
+        const char *s = json_string_value(v);
+        size_t len = json_string_length(v);
+        /* escapes make the dump longer than the text: cut by what is over, then check */
+        size_t keep = len > size - target + 8 ? len - (size - target + 8) : 0;
+        for (;;) {
+            keep = tally_utf8_prefix(s, len, keep);
+            char *t = malloc(keep + 4);
+            if (t == NULL)
+                break;
+            memcpy(t, s, keep);
+            memcpy(t + keep, "...", 4);
+            json_t *nv = json_string(t);
+            free(t);
+            if (nv == NULL)
+                break;
+            if (dumped_size(nv) <= target || keep == 0) {
+                char how[64];
+                snprintf(how, sizeof how, "%zu of %zu bytes", keep, len);
+                json_object_set_new(parent, key, nv);
+                note_cut(cut, path, how);
+                return;
+            }
+            json_decref(nv);
+            keep = keep > 64 ? keep - keep / 8 : 0;
+        }
+    } else if (json_is_array(v) && target > 2) {
+        size_t n = json_array_size(v);
+        while (json_array_size(v) > 0 && dumped_size(v) > target)
+            json_array_remove(v, json_array_size(v) - 1);
+        char how[64];
+        snprintf(how, sizeof how, "%zu of %zu items", json_array_size(v), n);
+        note_cut(cut, path, how);
+        return;
+    } else if (json_is_object(v) && target > 2) {
+        for (int round = 0; round < 64 && dumped_size(v) > target; round++) {
+            const char *k, *big = NULL;
+            json_t *m;
+            size_t big_size = 0;
+            json_object_foreach(v, k, m)
+            {
+                size_t s = dumped_size(m);
+                if (s > big_size) {
+                    big_size = s;
+                    big = k;
+                }
+            }
+            if (big == NULL || big_size <= 4)
+                break;
+            size_t over = dumped_size(v) - target;
+            char sub[256];
+            tally_fmt(sub, sizeof sub, "%s.%s", path, big);
+            char *bkey = strdup(big);
+            if (bkey == NULL)
+                break;
+            shrink(v, bkey, sub, big_size > over + 4 ? big_size - over : 4, cut);
+            free(bkey);
+        }
+        if (dumped_size(v) <= target)
+            return;
+    }
+    json_object_set_new(parent, key, json_null());
+    note_cut(cut, path, "omitted");
+}
+
+char *tally_ce_bounded(const char *payload, size_t limit)
+{
+    json_t *ev = json_loads(payload, TALLY_JSON_LOAD_FLAGS, NULL);
+    if (!json_is_object(ev)) {
+        json_decref(ev);
+        return NULL;
+    }
+    size_t original = strlen(payload);
+    json_t *data = json_object_get(ev, "data");
+    json_t *cut = json_array();
+    /* An event cut before (the relay cuts again for a smaller producer limit): the note
+     * keeps the first size and cuts, and is written anew below. */
+    json_t *before = json_object_get(data, "truncated");
+    if (json_is_object(before)) {
+        json_t *n = json_object_get(before, "original_bytes");
+        if (json_is_integer(n) && (size_t)json_integer_value(n) > original)
+            original = (size_t)json_integer_value(n);
+        if (json_is_array(json_object_get(before, "cut")))
+            json_array_extend(cut, json_object_get(before, "cut"));
+        json_object_del(data, "truncated");
+    }
+    /* the run names where the whole is shown (an effect event's subject is its effect) */
+    const char *run = json_string_value(json_object_get(data, "run_id"));
+    if (run == NULL)
+        run = json_string_value(json_object_get(ev, "subject"));
+    const char *type = json_string_value(json_object_get(ev, "type"));
+    char full[320];
+    if (run == NULL)
+        snprintf(full, sizeof full, "tally doctor");
+    else
+        tally_fmt(full, sizeof full, "tally %s --run '%s'",
+                  type != NULL && strncmp(type, "tally.run.", 10) == 0 ? "summary" : "doctor", run);
+    json_t *note = json_pack("{s:I, s:O, s:s}", "original_bytes", (json_int_t)original, "cut", cut,
+                             "full", full);
+    json_decref(cut);
+    char *out = NULL;
+    if (note != NULL && json_is_object(data)) {
+        /* room for the note, which grows as it lists the cuts */
+        size_t reserve = 4096;
+        size_t envelope = dumped_size(ev) - dumped_size(data);
+        size_t target = limit > envelope + reserve ? limit - envelope - reserve : 2;
+        json_t *holder = json_object(); /* shrink cuts a member of an object */
+        json_object_set_new(holder, "d", json_incref(data));
+        json_object_set_new(ev, "data", holder); /* data lives on in holder */
+        shrink(holder, "d", "data", target, json_object_get(note, "cut"));
+        json_t *d = json_incref(json_object_get(holder, "d"));
+        if (json_is_object(d)) {
+            /* the first 20 cuts are enough to say what happened */
+            json_t *c = json_object_get(note, "cut");
+            while (json_array_size(c) > 20)
+                json_array_remove(c, 20);
+            json_object_set(d, "truncated", note);
+            json_object_set(ev, "data", d);
+        } else {
+            json_object_set_new(ev, "data", json_pack("{s:O}", "truncated", note));
+        }
+        json_decref(d);
+        out = json_dumps(ev, JSON_COMPACT);
+        if (out != NULL && strlen(out) > limit) {
+            free(out);
+            out = NULL;
+        }
+    }
+    json_decref(note);
+    json_decref(ev);
+    return out;
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Reasons                                                                                   */
 
 const char *tally_dlq_reason_name(tally_dlq_reason_t r)
@@ -498,17 +656,24 @@ static size_t underflowing_number(const char *s, size_t len, size_t *toklen)
             continue;
         }
         size_t start = i;
-        bool nonzero = false, exponent = false;
+        bool nonzero = false, exponent = false, point = false;
+        size_t zeros = 0; /* after the point, before the first nonzero digit */
         while (i < len && (s[i] == '-' || s[i] == '+' || s[i] == '.' || s[i] == 'e' ||
                            s[i] == 'E' || (s[i] >= '0' && s[i] <= '9'))) {
             if (s[i] == 'e' || s[i] == 'E')
                 exponent = true;
+            else if (s[i] == '.')
+                point = true;
             else if (!exponent && s[i] >= '1' && s[i] <= '9')
                 nonzero = true;
+            else if (!exponent && point && !nonzero && s[i] == '0')
+                zeros++;
             i++;
         }
-        if (!nonzero || !exponent)
-            continue; /* integers and plain decimals never underflow */
+        /* Integers never underflow; a plain decimal only with hundreds of zeros after its
+         * point (a double's smallest is about 4.9e-324); an exponent may always. */
+        if (!nonzero || (!exponent && zeros < 300))
+            continue;
         char *num = strndup(s + start, i - start);
         bool zero = num != NULL && strtod(num, NULL) == 0.0;
         free(num);

@@ -232,11 +232,12 @@ static bool set_kafka_prop(tally_config_t *cfg, const char *env, size_t envlen, 
     if (prop == NULL || val == NULL) {
         free(prop);
         free(val);
-        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env);
+        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env); /* lint: slice */
         return false;
     }
     for (size_t i = 0; i < sizeof kafka_reserved / sizeof kafka_reserved[0]; i++) {
         if (strcmp(prop, kafka_reserved[i].property) == 0) {
+            /* lint: slice (the variable's name, up to '=') */
             snprintf(errstr, errsz, "%.*s: Kafka property %s cannot be passed through: %s",
                      (int)envlen, env, prop, kafka_reserved[i].why);
             free(prop);
@@ -257,7 +258,7 @@ static bool set_kafka_prop(tally_config_t *cfg, const char *env, size_t envlen, 
     if (kv == NULL) {
         free(prop);
         free(val);
-        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env);
+        snprintf(errstr, errsz, "%.*s: out of memory", (int)envlen, env); /* lint: slice */
         return false;
     }
     cfg->kafka_props = kv;
@@ -311,7 +312,7 @@ bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr,
                  strncmp(entry, KAFKA_PREFIX, strlen(KAFKA_PREFIX)) == 0)
             ok = set_kafka_prop(cfg, entry, namelen, value, errstr, errsz);
         else if (!(ok = add_unknown(cfg, entry, namelen)))
-            snprintf(errstr, errsz, "%.*s: out of memory", (int)namelen, entry);
+            snprintf(errstr, errsz, "%.*s: out of memory", (int)namelen, entry); /* lint: slice */
         if (!ok)
             return false;
     }

@@ -5,6 +5,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tally/cloudevent.h"
+#include "tally/log.h"
+#include "tally/text.h"
+
 /* The batch is kept as its parameter's columns (columns.h): each event, serialised once,
  * reaches PostgreSQL byte for byte, neither escaped into a JSON string nor lexed out of one. */
 struct tally_outbox_batch {
@@ -63,9 +67,28 @@ void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, con
                            topic);
         return;
     }
+    /* Every event must fit the broker's message limit, or the relay could never publish it:
+     * a larger one goes out cut, naming where the ledger keeps it whole (cloudevent.h). */
+    char *bounded = NULL;
+    size_t len = strlen(payload);
+    if (len > TALLY_LIMIT_EVENT_BYTES) {
+        bounded = tally_ce_bounded(payload, TALLY_LIMIT_EVENT_BYTES);
+        if (bounded == NULL) {
+            tally_columns_fail(c,
+                               "the event %s for topic '%s' is %zu bytes, above the limit of %d, "
+                               "and could not be cut",
+                               event_id, topic, len, TALLY_LIMIT_EVENT_BYTES);
+            return;
+        }
+        TALLY_WARN("event %s for topic '%s' is %zu bytes, above the limit of %d bytes: "
+                   "published cut to %zu bytes (data.truncated says what was cut)",
+                   event_id, topic, len, TALLY_LIMIT_EVENT_BYTES, strlen(bounded));
+        payload = bounded;
+    }
     bool ok = tally_columns_row_begin(c) && tally_columns_text(c, topic) &&
               tally_columns_text(c, key) && tally_columns_text(c, event_id) &&
               tally_columns_text(c, effect_id) && tally_columns_text(c, payload);
+    free(bounded);
     if (!tally_columns_row_end(c, ok))
         tally_columns_fail(c,
                            "the message for topic '%s' could not be queued (out of memory, or "

@@ -31,6 +31,8 @@
 #include "tally/kafka.h"
 #include "tally/log.h"
 #include "tally/pg.h"
+#include "tally/cloudevent.h"
+#include "tally/text.h"
 
 #define NOTIFY_CHANNEL      "tally_message_outbox"
 #define DEFAULT_MSG_TIMEOUT 30000
@@ -465,28 +467,50 @@ static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
     rd_kafka_topic_t *rkt = topic_handle(r, row->topic);
     if (rkt == NULL) { /* the table's CHECK constraint makes this unreachable */
         row->state = RELAY_ROW_FAILED;
-        snprintf(row->error, sizeof(row->error), "unknown logical topic '%.64s'", row->topic);
+        tally_fmt(row->error, sizeof(row->error), "unknown logical topic '%s'", row->topic);
         return;
     }
+    const char *payload = row->payload;
+    size_t len = (size_t)row->payload_len;
+    char *cut = NULL;
     for (;;) {
-        rd_kafka_resp_err_t e =
-            rd_kafka_producev(r->rk, RD_KAFKA_V_RKT(rkt), RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY),
-                              RD_KAFKA_V_KEY(row->key, row->key ? strlen(row->key) : 0),
-                              RD_KAFKA_V_VALUE((void *)row->payload, (size_t)row->payload_len),
-                              RD_KAFKA_V_HEADER("ce_id", row->event_id, -1),
-                              RD_KAFKA_V_OPAQUE((void *)(intptr_t)row->id), RD_KAFKA_V_END);
+        rd_kafka_resp_err_t e = rd_kafka_producev(
+            r->rk, RD_KAFKA_V_RKT(rkt), RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY),
+            RD_KAFKA_V_KEY(row->key, row->key ? strlen(row->key) : 0),
+            RD_KAFKA_V_VALUE((void *)payload, len), RD_KAFKA_V_HEADER("ce_id", row->event_id, -1),
+            RD_KAFKA_V_OPAQUE((void *)(intptr_t)row->id), RD_KAFKA_V_END);
         if (e == RD_KAFKA_RESP_ERR_NO_ERROR) {
             r->pending++;
-            return;
+            break;
         }
         if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL && mono_ms() < deadline) {
             rd_kafka_poll(r->rk, 100); /* serve delivery reports to make room */
             continue;
         }
+        if (e == RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE && len > 8192) {
+            /* The producer's message.max.bytes (TALLY_KAFKA_MESSAGE_MAX_BYTES) is below tally's
+             * event limit: publish the event cut to half its size (cloudevent.h), and again
+             * until it fits, rather than retry, forever, what can never go. The ledger keeps
+             * the whole. */
+            char *whole = strndup(payload, len);
+            char *half = whole != NULL ? tally_ce_bounded(whole, len / 2) : NULL;
+            free(whole);
+            if (half != NULL) {
+                free(cut);
+                cut = half;
+                TALLY_WARN("relay: event %s (%zu bytes) is above the producer's message.max.bytes; "
+                           "publishing it cut to %zu bytes (data.truncated says what was cut)",
+                           row->event_id, len, strlen(cut));
+                payload = cut;
+                len = strlen(cut);
+                continue;
+            }
+        }
         row->state = RELAY_ROW_FAILED;
         snprintf(row->error, sizeof(row->error), "produce refused: %s", rd_kafka_err2str(e));
-        return;
+        break;
     }
+    free(cut);
 }
 
 /* After a fatal idempotent-producer error the instance is unusable: replace it. */

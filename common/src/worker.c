@@ -453,6 +453,7 @@ static int setup_metrics(tally_worker_t *w)
     /* Show the port actually bound, which differs from the request when it asked for 0. */
     const char *colon = strrchr(addr, ':');
     int host_len = colon != NULL ? (int)(colon - addr) : (int)strlen(addr);
+    /* lint: slice (the host part of the address) */
     snprintf(w->metrics_addr, sizeof w->metrics_addr, "%.*s:%d", host_len, addr,
              tally_httpd_port(w->httpd));
     TALLY_INFO("serving /metrics, /healthz and /readyz on http://%s", w->metrics_addr);
@@ -562,6 +563,7 @@ static int setup_consumer(tally_worker_t *w)
         if (n == 0) {
             snprintf(w->group, sizeof w->group, "tally-%s", w->ops->name);
         } else {
+            /* lint: slice (the prefix without its trailing dot) */
             snprintf(w->group, sizeof w->group, "%.*s-%s", (int)n, prefix, w->ops->name);
         }
     }

@@ -13,6 +13,7 @@
 
 #include "tally/cloudevent.h"
 #include "tally/json.h"
+#include "tally/text.h"
 
 #include "test_rng.h"
 
@@ -746,6 +747,215 @@ static void check_any_input(const unsigned char *buf, size_t len)
     }
 }
 
+/* A JSON string of @p n bytes: 'a's ending in the @p tail bytes (a multi-byte character, so
+ * that it sits right at the limit), as a quoted JSON value. */
+static char *string_of(size_t n, const char *tail)
+{
+    size_t t = strlen(tail);
+    char *s = malloc(n + 3);
+    assert_non_null(s);
+    s[0] = '"';
+    memset(s + 1, 'a', n - t);
+    memcpy(s + 1 + n - t, tail, t);
+    s[n + 1] = '"';
+    s[n + 2] = '\0';
+    return s;
+}
+
+/* Every field with a limit (text.h): at the limit it is accepted, one byte over it refused
+ * with invalid_field and a sentence naming the field; a multi-byte character at the very end
+ * counts in bytes. */
+static void test_every_field_at_and_over_its_limit(void **state)
+{
+    (void)state;
+    struct {
+        const char *type, *base, *field;
+        size_t limit;
+    } cases[] = {
+        {"tally.intent.v1", BASE_INTENT_DATA, "run_id", TALLY_LIMIT_RUN_ID},
+        {"tally.intent.v1", BASE_INTENT_DATA, "step", TALLY_LIMIT_STEP},
+        {"tally.intent.v1", BASE_INTENT_DATA, "tool", TALLY_LIMIT_TOOL},
+        {"tally.intent.v1", BASE_INTENT_DATA, "operation_key", TALLY_LIMIT_OPERATION_KEY},
+        {"tally.intent.v1", BASE_INTENT_DATA, "tenant", TALLY_LIMIT_TENANT},
+        {"tally.compensate_run.v1", BASE_COMPENSATE_DATA, "run_id", TALLY_LIMIT_RUN_ID},
+        {"tally.compensate_run.v1", BASE_COMPENSATE_DATA, "reason", TALLY_LIMIT_REASON},
+        {"tally.cancel_run.v1", BASE_CANCEL_DATA, "reason", TALLY_LIMIT_REASON},
+    };
+    const char *tails[] = {"\xc3\xbc", "\xe2\x82\xac", "\xf0\x9f\x98\x80"};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        for (size_t t = 0; t < 3; t++) {
+            for (size_t over = 0; over <= 1; over++) {
+                tally_intent_t in;
+                char *v = string_of(cases[i].limit + over, tails[t]);
+                tally_dlq_reason_t r =
+                    parse_with_field(cases[i].type, cases[i].base, cases[i].field, v, &in);
+                if (!over) {
+                    if (r != TALLY_DLQ_NONE)
+                        fail_msg("%s of %zu bytes refused: %s", cases[i].field, cases[i].limit,
+                                 detail);
+                    tally_intent_clear(&in);
+                } else {
+                    assert_int_equal(r, TALLY_DLQ_INVALID_FIELD);
+                    char want[64];
+                    snprintf(want, sizeof want, "data.%s", cases[i].field);
+                    if (strstr(detail, want) == NULL)
+                        fail_msg("detail does not name %s: %s", want, detail);
+                    assert_true(tally_utf8_valid(detail, strlen(detail)));
+                }
+                free(v);
+            }
+        }
+    }
+}
+
+/* The CloudEvents id names the intent in every answer: at most 200 bytes. */
+static void test_event_id_limit(void **state)
+{
+    (void)state;
+    for (size_t over = 0; over <= 1; over++) {
+        char *id = string_of(TALLY_LIMIT_EVENT_ID + over, "\xc3\xbc");
+        char *msg = NULL;
+        assert_true(asprintf(&msg,
+                             "{\"specversion\":\"1.0\",\"id\":%s,\"source\":\"/a\",\"type\":"
+                             "\"tally.intent.v1\",\"data\":%s}",
+                             id, BASE_INTENT_DATA) > 0);
+        tally_intent_t in;
+        tally_dlq_reason_t r = parse_str(msg, &in);
+        if (!over) {
+            assert_int_equal(r, TALLY_DLQ_NONE);
+            tally_intent_clear(&in);
+        } else {
+            assert_int_equal(r, TALLY_DLQ_INVALID_FIELD);
+            assert_non_null(strstr(detail, "CloudEvents id must be at most 200 bytes"));
+        }
+        free(id);
+        free(msg);
+    }
+}
+
+/* An operation key with CR/LF would inject headers: invalid, not missing. */
+static void test_operation_key_with_control_characters_is_invalid(void **state)
+{
+    (void)state;
+    tally_intent_t in;
+    assert_int_equal(parse_with_field("tally.intent.v1", BASE_INTENT_DATA, "operation_key",
+                                      "\"k\\r\\nX-Injected: 1\"", &in),
+                     TALLY_DLQ_INVALID_FIELD);
+    assert_non_null(strstr(detail, "data.operation_key"));
+    assert_non_null(strstr(detail, "control character"));
+}
+
+/* The intent with args.amount written as @p number, byte for byte (not through jansson,
+ * which would read it first). */
+static tally_dlq_reason_t parse_amount(const char *number, tally_intent_t *in)
+{
+    char msg[1024];
+    snprintf(msg, sizeof msg,
+             "{\"specversion\":\"1.0\",\"id\":\"i-1\",\"source\":\"/a\",\"type\":"
+             "\"tally.intent.v1\",\"data\":{\"run_id\":\"r\",\"step\":1,\"tool\":\"t\","
+             "\"args\":{\"note\":\"1e-400 in a string\",\"amount\":%s}}}",
+             number);
+    return parse_str(msg, in);
+}
+
+/* 1e-400 is not 0 as written, but a double reads it as 0: refused, never silently changed.
+ * Small numbers that a double holds, and zeros however written, pass. */
+static void test_numbers_that_would_read_as_zero_are_refused(void **state)
+{
+    (void)state;
+    const char *refused[] = {"1e-400", "-2.5E-999", "0.0001e-330", "1.0000000000e-400",
+                             "[1, 1e-400]"};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        tally_intent_t in;
+        assert_int_equal(parse_amount(refused[i], &in), TALLY_DLQ_INVALID_FIELD);
+        if (strstr(detail, "would be read as 0") == NULL)
+            fail_msg("%s: %s", refused[i], detail);
+    }
+    /* plain decimals too: 0.<400 zeros>1 reads as 0; 0.<299 zeros>1 is 1e-300 */
+    char plain[420], small[320];
+    snprintf(plain, sizeof plain, "-0.%0400d", 1);
+    snprintf(small, sizeof small, "0.%0300d", 1);
+    tally_intent_t pin;
+    assert_int_equal(parse_amount(plain, &pin), TALLY_DLQ_INVALID_FIELD);
+    const char *kept[] = {"0e-400",   "0.0E+5", "-0.0",       "1e-300",
+                          "4.9e-324", "12",     "\"1e-400\"", small};
+    for (size_t i = 0; i < sizeof kept / sizeof kept[0]; i++) {
+        tally_intent_t in;
+        tally_dlq_reason_t r = parse_amount(kept[i], &in);
+        if (r != TALLY_DLQ_NONE)
+            fail_msg("%s refused: %s", kept[i], detail);
+        tally_intent_clear(&in);
+    }
+}
+
+/* An event over the broker's limit is published cut: within the limit, valid JSON and UTF-8,
+ * its small fields whole, and data.truncated saying what was cut and where the whole is. */
+static void test_an_oversized_event_is_bounded(void **state)
+{
+    (void)state;
+    /* a run summary of 5,000 entries and a 1 MB reason with multi-byte characters */
+    json_t *items = json_array();
+    for (int i = 0; i < 5000; i++)
+        json_array_append_new(items, json_pack("{s:s, s:i, s:s}", "effect_id",
+                                               "0199a0b1-2c3d-7e4f-8a5b-6c7d8e9f0a1b", "step", i,
+                                               "tool", "charge_card"));
+    char *reason = malloc(1000001);
+    assert_non_null(reason);
+    for (size_t i = 0; i < 1000000; i += 2)
+        memcpy(reason + i, "\xc3\xbc", 2);
+    reason[1000000] = '\0';
+    json_t *data = json_pack("{s:s, s:s, s:s, s:{s:{s:i}, s:o}}", "run_id", "run-\xc3\xbc",
+                             "status", "COMPENSATED", "reason", reason, "summary", "counts",
+                             "compensated", 5000, "compensated", items);
+    json_t *ev =
+        tally_ce_new("tally.run.compensated.v1", "/tally/compensator", "run-\xc3\xbc", data, NULL);
+    char *payload = json_dumps(ev, JSON_COMPACT);
+    assert_true(strlen(payload) > TALLY_LIMIT_EVENT_BYTES);
+    char *out = tally_ce_bounded(payload, TALLY_LIMIT_EVENT_BYTES);
+    assert_non_null(out);
+    assert_true(strlen(out) <= TALLY_LIMIT_EVENT_BYTES);
+    assert_true(tally_utf8_valid(out, strlen(out)));
+    json_t *got = json_loads(out, 0, NULL);
+    assert_non_null(got);
+    assert_string_equal(json_string_value(json_object_get(got, "id")),
+                        json_string_value(json_object_get(ev, "id")));
+    json_t *d = json_object_get(got, "data");
+    assert_string_equal(json_string_value(json_object_get(d, "run_id")), "run-\xc3\xbc");
+    assert_string_equal(json_string_value(json_object_get(d, "status")), "COMPENSATED");
+    assert_int_equal(json_integer_value(json_object_get(
+                         json_object_get(json_object_get(d, "summary"), "counts"), "compensated")),
+                     5000);
+    json_t *tr = json_object_get(d, "truncated");
+    assert_int_equal(json_integer_value(json_object_get(tr, "original_bytes")),
+                     (json_int_t)strlen(payload));
+    assert_string_equal(json_string_value(json_object_get(tr, "full")),
+                        "tally summary --run 'run-\xc3\xbc'");
+    assert_true(json_array_size(json_object_get(tr, "cut")) >= 1);
+    /* the reason, the largest value, was cut first, on a character boundary */
+    const char *r = json_string_value(json_object_get(d, "reason"));
+    assert_non_null(r);
+    assert_true(strlen(r) < 1000000);
+    json_decref(got);
+    /* cut again for a smaller producer limit (the relay does): the note keeps the first size */
+    char *again = tally_ce_bounded(out, 300000);
+    assert_non_null(again);
+    assert_true(strlen(again) <= 300000);
+    got = json_loads(again, 0, NULL);
+    assert_non_null(got);
+    tr = json_object_get(json_object_get(got, "data"), "truncated");
+    assert_int_equal(json_integer_value(json_object_get(tr, "original_bytes")),
+                     (json_int_t)strlen(payload));
+    json_decref(got);
+    free(again);
+    free(out);
+    /* a limit too small for even the envelope: NULL, never an event over it */
+    assert_null(tally_ce_bounded(payload, 100));
+    assert_null(tally_ce_bounded("not json", TALLY_LIMIT_EVENT_BYTES));
+    free(payload);
+    free(reason);
+    json_decref(ev);
+}
+
 static void test_random_and_truncated_inputs_never_crash(void **state)
 {
     (void)state;
@@ -827,6 +1037,11 @@ int main(void)
         cmocka_unit_test(test_detail_stays_utf8_and_bounded),
         cmocka_unit_test(test_deep_nesting),
         cmocka_unit_test(test_random_and_truncated_inputs_never_crash),
+        cmocka_unit_test(test_every_field_at_and_over_its_limit),
+        cmocka_unit_test(test_event_id_limit),
+        cmocka_unit_test(test_operation_key_with_control_characters_is_invalid),
+        cmocka_unit_test(test_numbers_that_would_read_as_zero_are_refused),
+        cmocka_unit_test(test_an_oversized_event_is_bounded),
     };
     return cmocka_run_group_tests_name("cloudevent", tests, NULL, NULL);
 }

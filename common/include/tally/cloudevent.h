@@ -29,6 +29,18 @@ json_t *tally_ce_new(const char *type, const char *source, const char *subject, 
 bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *source,
                             const char *subject, char id_out[37]);
 
+/**
+ * @brief The CloudEvent @p payload (JSON text) cut to at most @p limit bytes, for one that
+ * would not fit the broker's message limit. The envelope is kept; in data, the largest values
+ * are cut first (a string on a character boundary, an array to its first elements, what
+ * cannot be cut to null) until the event fits, and data.truncated says so: {"original_bytes",
+ * "cut": ["summary.compensated: 120 of 5000 items", ...], "full": the command that shows the
+ * whole from the ledger}. The ledger keeps every value whole (runs.summary, effects.receipt,
+ * alerts, events): only the published copy is bounded.
+ * @returns malloc'd JSON text, or NULL when @p payload is not a JSON object or memory ran out.
+ */
+char *tally_ce_bounded(const char *payload, size_t limit) TALLY_WUR;
+
 /** Why an intent message was refused; the names are the DLQ's machine-readable reasons. */
 typedef enum {
     TALLY_DLQ_NONE = 0,
