@@ -14,25 +14,31 @@ static const struct {
     unsigned default_delay_ms;
     unsigned default_status;
     unsigned min_status, max_status; /* 0: `status` is not used by this fault */
+    size_t default_size;             /* 0: `size` is not used by this fault */
 } FAULTS[] = {
-    {"slow", FAKE_FAULT_SLOW, 1000, 0, 0, 0},
-    {"refuse_503", FAKE_FAULT_REFUSE_503, 0, 503, 0, 0},
-    {"refuse_429", FAKE_FAULT_REFUSE_429, 0, 429, 0, 0},
-    {"error_4xx", FAKE_FAULT_ERROR_4XX, 0, 400, 400, 499},
-    {"fail_after_apply", FAKE_FAULT_FAIL_AFTER_APPLY, 0, 500, 400, 599},
-    {"apply_then_hang", FAKE_FAULT_APPLY_THEN_HANG, 30000, 0, 0, 0},
-    {"hang_before_apply", FAKE_FAULT_HANG_BEFORE_APPLY, 30000, 503, 0, 0},
-    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 0, 500, 599},
-    {"reverse_412", FAKE_FAULT_REVERSE_412, 0, 412, 0, 0},
-    {"reverse_500", FAKE_FAULT_REVERSE_500, 0, 500, 0, 0},
-    {"reverse_409", FAKE_FAULT_REVERSE_409, 0, 409, 0, 0},
-    {"status_500", FAKE_FAULT_STATUS_500, 0, 500, 0, 0},
-    {"status_garbage", FAKE_FAULT_STATUS_GARBAGE, 0, 200, 0, 0},
-    {"drop_connection", FAKE_FAULT_DROP_CONNECTION, 0, 0, 0, 0},
+    {"slow", FAKE_FAULT_SLOW, 1000, 0, 0, 0, 0},
+    {"refuse_503", FAKE_FAULT_REFUSE_503, 0, 503, 0, 0, 0},
+    {"refuse_429", FAKE_FAULT_REFUSE_429, 0, 429, 0, 0, 0},
+    {"error_4xx", FAKE_FAULT_ERROR_4XX, 0, 400, 400, 499, 0},
+    {"fail_after_apply", FAKE_FAULT_FAIL_AFTER_APPLY, 0, 500, 400, 599, 0},
+    {"apply_then_hang", FAKE_FAULT_APPLY_THEN_HANG, 30000, 0, 0, 0, 0},
+    {"hang_before_apply", FAKE_FAULT_HANG_BEFORE_APPLY, 30000, 503, 0, 0, 0},
+    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 0, 500, 599, 0},
+    {"reverse_412", FAKE_FAULT_REVERSE_412, 0, 412, 0, 0, 0},
+    {"reverse_500", FAKE_FAULT_REVERSE_500, 0, 500, 0, 0, 0},
+    {"reverse_409", FAKE_FAULT_REVERSE_409, 0, 409, 0, 0, 0},
+    {"status_500", FAKE_FAULT_STATUS_500, 0, 500, 0, 0, 0},
+    {"status_garbage", FAKE_FAULT_STATUS_GARBAGE, 0, 200, 0, 0, 0},
+    {"drop_connection", FAKE_FAULT_DROP_CONNECTION, 0, 0, 0, 0, 0},
+    {"huge_id", FAKE_FAULT_HUGE_ID, 0, 0, 0, 0, 10240},
+    {"etag_version", FAKE_FAULT_ETAG_VERSION, 0, 0, 0, 0, 64},
+    {"receipt_not_utf8", FAKE_FAULT_RECEIPT_NOT_UTF8, 0, 201, 200, 299, 0},
+    {"receipt_not_json", FAKE_FAULT_RECEIPT_NOT_JSON, 0, 201, 200, 299, 0},
 };
 
 #define NFAULTS      (sizeof FAULTS / sizeof FAULTS[0])
 #define MAX_DELAY_MS 3600000
+#define MAX_SIZE     (16LL << 20)
 
 static const char *const OPS[] = {"*", "execute", "status", "reverse", "contain"};
 
@@ -101,10 +107,11 @@ void fake_faults_clear(fake_faults_t *ff)
 
 static json_t *rule_json(const rule_t *r)
 {
-    return json_pack("{s:I, s:s, s:s, s:s, s:s, s:I, s:I, s:I}", "id", (json_int_t)r->id,
+    return json_pack("{s:I, s:s, s:s, s:s, s:s, s:I, s:I, s:I, s:I}", "id", (json_int_t)r->id,
                      "collection", r->collection, "op", r->op, "key", r->key, "fault",
                      fake_fault_name(r->fault.kind), "times", (json_int_t)r->times, "delay_ms",
-                     (json_int_t)r->fault.delay_ms, "status", (json_int_t)r->fault.status);
+                     (json_int_t)r->fault.delay_ms, "status", (json_int_t)r->fault.status, "size",
+                     (json_int_t)r->fault.size);
 }
 
 static bool valid_collection(const char *c)
@@ -184,7 +191,7 @@ json_t *fake_faults_add(fake_faults_t *ff, const json_t *rule, char *errstr, siz
         snprintf(errstr, errsz, "\"op\" must be execute, status, reverse, contain or *");
         return NULL;
     }
-    long long times, delay, status;
+    long long times, delay, status, size = 0;
     if (!int_member(rule, "times", 1, -1, 1LL << 40, &times, errstr, errsz) ||
         !int_member(rule, "delay_ms", FAULTS[fi].default_delay_ms, 0, MAX_DELAY_MS, &delay, errstr,
                     errsz))
@@ -200,12 +207,15 @@ json_t *fake_faults_add(fake_faults_t *ff, const json_t *rule, char *errstr, siz
     } else {
         status = FAULTS[fi].default_status;
     }
+    if (FAULTS[fi].default_size && !int_member(rule, "size", (long long)FAULTS[fi].default_size, 1,
+                                               MAX_SIZE, &size, errstr, errsz))
+        return NULL;
 
     rule_t r = {
         .collection = strdup(collection),
         .op = strdup(op),
         .key = strdup(key),
-        .fault = {FAULTS[fi].kind, (unsigned)delay, (unsigned)status},
+        .fault = {FAULTS[fi].kind, (unsigned)delay, (unsigned)status, (size_t)size},
         .times = times,
     };
     json_t *out = NULL;
@@ -248,7 +258,7 @@ static bool field_matches(const char *pattern, const char *value)
 fake_fault_t fake_faults_take(fake_faults_t *ff, const char *collection, const char *op,
                               const char *key)
 {
-    fake_fault_t got = {FAKE_FAULT_NONE, 0, 0};
+    fake_fault_t got = {FAKE_FAULT_NONE, 0, 0, 0};
     pthread_mutex_lock(&ff->mu);
     for (size_t i = 0; i < ff->n; i++) {
         rule_t *r = &ff->rules[i];

@@ -24,13 +24,20 @@ typedef enum fake_fault_kind {
     FAKE_FAULT_STATUS_500,        /* 500 */
     FAKE_FAULT_STATUS_GARBAGE,    /* 200 with a body that is not JSON */
     FAKE_FAULT_DROP_CONNECTION,   /* apply, then close the connection without an answer */
+    /* Hostile answers: the operation is applied, and what comes back is hard to digest. */
+    FAKE_FAULT_HUGE_ID,          /* the new record's id is `size` bytes long (10240) */
+    FAKE_FAULT_ETAG_VERSION,     /* the new record's version is an opaque `size`-byte string
+                                    (64: a SHA-256 in hex), If-Match must name it whole */
+    FAKE_FAULT_RECEIPT_NOT_UTF8, /* a 2xx answer whose JSON holds bytes that are not UTF-8 */
+    FAKE_FAULT_RECEIPT_NOT_JSON, /* a 2xx answer whose body is not JSON (text/html) */
 } fake_fault_kind_t;
 
-/* The fault a request gets: kind, and its delay and status with the defaults applied. */
+/* The fault a request gets: kind, and its delay, status and size with the defaults applied. */
 typedef struct fake_fault {
     fake_fault_kind_t kind;
     unsigned delay_ms;
     unsigned status;
+    size_t size; /* bytes, for huge_id and etag_version; 0 for the others */
 } fake_fault_t;
 
 typedef struct fake_faults fake_faults_t;

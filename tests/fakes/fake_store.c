@@ -6,6 +6,7 @@
  * the benchmark this process shares two cores with what it measures. */
 #include "fake_store.h"
 
+#include <openssl/evp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +18,8 @@ typedef struct record {
     char *raw; /* the raw request body: the idempotency fingerprint, and "body" parsed */
     size_t raw_len;
     json_int_t version;
+    char *etag; /* etag_version: the version shown, an opaque string (NULL: `version`) */
+    size_t etag_len;
     bool containment;
     char created_at[32], reversed_at[32];
     struct record *same_key_next; /* another record with the same key (apply_twice) */
@@ -256,6 +259,7 @@ static void record_free(record_t *r)
     free(r->effect_id);
     free(r->reversed_by);
     free(r->raw);
+    free(r->etag);
     free(r);
 }
 
@@ -275,9 +279,13 @@ static void record_text(text_t *t, const record_t *r)
     text_lit(t, ",\"body\":");
     text_put(t, r->raw, r->raw_len);
     text_member(t, "status", r->reversed_by ? "reversed" : "active");
-    char version[32];
-    snprintf(version, sizeof version, ",\"version\":%" JSON_INTEGER_FORMAT, r->version);
-    text_lit(t, version);
+    if (r->etag) {
+        text_member(t, "version", r->etag);
+    } else {
+        char version[32];
+        snprintf(version, sizeof version, ",\"version\":%" JSON_INTEGER_FORMAT, r->version);
+        text_lit(t, version);
+    }
     text_member(t, "created_at", r->created_at);
     text_member(t, "run_id", r->run_id);
     text_member(t, "effect_id", r->effect_id);
@@ -366,12 +374,63 @@ void fake_store_reset(fake_store_t *st)
     pthread_mutex_unlock(&st->mu);
 }
 
+/* The opaque version of an etag_version record: the hex SHA-256 of "<id>:<version>", repeated
+ * to etag_len bytes, so it changes whenever the version does. Returns false when out of memory. */
+static bool etag_update(record_t *r)
+{
+    char *etag = malloc(r->etag_len + 1);
+    char num[32];
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    snprintf(num, sizeof num, ":%" JSON_INTEGER_FORMAT, r->version);
+    bool ok = etag && ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) == 1 &&
+              EVP_DigestUpdate(ctx, r->id, strlen(r->id)) == 1 &&
+              EVP_DigestUpdate(ctx, num, strlen(num)) == 1 &&
+              EVP_DigestFinal_ex(ctx, md, &mdlen) == 1 && mdlen > 0;
+    EVP_MD_CTX_free(ctx);
+    if (!ok) {
+        free(etag);
+        return false;
+    }
+    static const char HEX[] = "0123456789abcdef";
+    for (size_t i = 0; i < r->etag_len; i++) {
+        unsigned char b = md[(i / 2) % mdlen];
+        etag[i] = HEX[i % 2 ? b & 0xf : b >> 4];
+    }
+    etag[r->etag_len] = '\0';
+    free(r->etag);
+    r->etag = etag;
+    return true;
+}
+
+/* "<collection>_<n>", padded to id_bytes bytes (when longer) with 'x' and then "-é" to the end:
+ * a huge id, still UTF-8, whose last character is two bytes, so that a limit of id_bytes - 1
+ * falls inside it. Returns malloc'd text or NULL. */
+static char *make_id(const char *collection, uint64_t n, size_t id_bytes)
+{
+    char base[160];
+    int len = snprintf(base, sizeof base, "%s_%llu", collection, (unsigned long long)n);
+    size_t blen = len > 0 ? (size_t)len : 0, total = id_bytes > blen ? id_bytes : blen;
+    char *id = malloc(total + 1);
+    if (!id)
+        return NULL;
+    memcpy(id, base, blen);
+    size_t i = blen;
+    while ((total - i) % 3 != 0)
+        id[i++] = 'x';
+    for (; i < total; i += 3)
+        memcpy(id + i, "-\xc3\xa9", 3); /* "-é" */
+    id[total] = '\0';
+    return id;
+}
+
 /* Creates one record and appends it; returns it, or NULL when out of memory. */
 static record_t *create_record_locked(fake_store_t *st, const char *collection, bool containment,
                                       const char *key, const char *raw, size_t raw_len,
-                                      const char *run_id, const char *effect_id)
+                                      const char *run_id, const char *effect_id,
+                                      const fake_shape_t *shape)
 {
-    char id[160];
     if (st->nrecs == st->caprecs) {
         size_t cap = st->caprecs ? st->caprecs * 2 : 1024;
         record_t **grown = realloc(st->recs, cap * sizeof *grown);
@@ -383,19 +442,19 @@ static record_t *create_record_locked(fake_store_t *st, const char *collection, 
     record_t *r = calloc(1, sizeof *r);
     if (!r)
         return NULL;
-    snprintf(id, sizeof id, "%s_%llu", collection, (unsigned long long)st->next_id);
-    r->id = strdup(id);
+    r->id = make_id(collection, st->next_id, shape ? shape->id_bytes : 0);
     r->collection = strdup(collection);
     r->key = strdup(key);
     r->run_id = strdup_or_null(run_id);
     r->effect_id = strdup_or_null(effect_id);
     r->raw = malloc(raw_len ? raw_len : 1);
     r->version = 1;
+    r->etag_len = shape ? shape->etag_bytes : 0;
     r->containment = containment;
     fake_now_rfc3339(r->created_at, sizeof r->created_at);
     if (!r->id || !r->collection || !r->key || (run_id && !r->run_id) ||
-        (effect_id && !r->effect_id) || !r->raw ||
-        json_object_set_new(st->by_id, id, json_integer((json_int_t)st->nrecs)) != 0) {
+        (effect_id && !r->effect_id) || !r->raw || (r->etag_len && !etag_update(r)) ||
+        json_object_set_new(st->by_id, r->id, json_integer((json_int_t)st->nrecs)) != 0) {
         record_free(r);
         return NULL;
     }
@@ -408,7 +467,7 @@ static record_t *create_record_locked(fake_store_t *st, const char *collection, 
 
 void fake_store_execute(fake_store_t *st, const char *collection, bool containment, const char *key,
                         const char *raw, size_t raw_len, const char *run_id, const char *effect_id,
-                        int copies, fake_reply_t *out)
+                        int copies, const fake_shape_t *shape, fake_reply_t *out)
 {
     char *k = pair_key(collection, key);
     if (!k) {
@@ -430,7 +489,7 @@ void fake_store_execute(fake_store_t *st, const char *collection, bool containme
         size_t first_idx = st->nrecs;
         for (int i = 0; i < copies; i++) {
             record_t *r = create_record_locked(st, collection, containment, key, raw, raw_len,
-                                               run_id, effect_id);
+                                               run_id, effect_id, shape);
             if (!r)
                 break;
             if (prev)
@@ -496,6 +555,25 @@ static long long if_match_version(const char *h)
     return *end ? -1 : v;
 }
 
+/* Whether an If-Match header names the opaque version `etag`: `E`, `"E"` or `W/"E"`, whole. */
+static bool if_match_etag(const char *h, const char *etag)
+{
+    while (*h == ' ' || *h == '\t')
+        h++;
+    if (h[0] == '*')
+        return true;
+    if (h[0] == 'W' && h[1] == '/')
+        h += 2;
+    size_t n = strlen(h);
+    while (n > 0 && (h[n - 1] == ' ' || h[n - 1] == '\t'))
+        n--;
+    if (n >= 2 && h[0] == '"' && h[n - 1] == '"') {
+        h++;
+        n -= 2;
+    }
+    return n == strlen(etag) && memcmp(h, etag, n) == 0;
+}
+
 void fake_store_reverse(fake_store_t *st, const char *collection, const char *reverse_key,
                         const char *external_ref, const json_t *request, const char *if_match,
                         const char *run_id, const char *effect_id, fake_reply_t *out)
@@ -522,11 +600,14 @@ void fake_store_reverse(fake_store_t *st, const char *collection, const char *re
         goto done;
     }
     json_int_t version = r->version;
+    /* the version as the record shows it: the integer, or an etag_version record's string */
+    json_t *shown = r->etag ? json_string(r->etag) : json_integer(version);
     if (if_match) {
-        long long want = if_match_version(if_match);
-        if (want != -2 && want != (long long)version) {
-            json_t *e = json_pack("{s:s, s:I}", "error", "If-Match does not match the version",
-                                  "version", version);
+        long long want = r->etag ? 0 : if_match_version(if_match);
+        bool match = r->etag ? if_match_etag(if_match, r->etag) : want == -2 || want == version;
+        if (!match) {
+            json_t *e = json_pack("{s:s, s:o?}", "error", "If-Match does not match the version",
+                                  "version", shown);
             reply_json(out, 412, e);
             json_decref(e);
             goto done;
@@ -537,9 +618,9 @@ void fake_store_reverse(fake_store_t *st, const char *collection, const char *re
     fake_now_rfc3339(now, sizeof now);
     json_t *reason = json_object_get(request, "reason");
     json_t *rev =
-        json_pack("{s:s, s:s, s:s, s:s, s:O, s:I, s:s, s:o, s:o}", "id", id, "collection",
+        json_pack("{s:s, s:s, s:s, s:s, s:O, s:o?, s:s, s:o, s:o}", "id", id, "collection",
                   collection, "reverses", external_ref, "reverse_key", reverse_key, "reason",
-                  reason ? reason : json_null(), "reversed_version", version, "created_at", now,
+                  reason ? reason : json_null(), "reversed_version", shown, "created_at", now,
                   "run_id", nullable(run_id), "effect_id", nullable(effect_id));
     size_t rev_idx = json_array_size(st->reversals);
     char *reversed_by = strdup(id);
@@ -552,6 +633,8 @@ void fake_store_reverse(fake_store_t *st, const char *collection, const char *re
     }
     st->next_id++;
     r->version = version + 1;
+    if (r->etag)
+        etag_update(r); /* out of memory: the old string stays, as a version that did not move */
     r->reversed_by = reversed_by;
     snprintf(r->reversed_at, sizeof r->reversed_at, "%s", now);
     reply_json(out, 201, rev);

@@ -16,8 +16,9 @@ typedef struct fake_reply {
     unsigned status;
     char *body;
     size_t len;
-    bool replayed;    /* answer with `Idempotent-Replayed: true` */
-    bool retry_after; /* answer with `Retry-After: 1` */
+    bool replayed;            /* answer with `Idempotent-Replayed: true` */
+    bool retry_after;         /* answer with `Retry-After: 1` */
+    const char *content_type; /* a static string; NULL: application/json */
 } fake_reply_t;
 
 /* Sets `r` to `status` with the body {"error": msg}. */
@@ -47,13 +48,21 @@ void fake_store_free(fake_store_t *st);
 /* Forgets every record, reversal, containment and logged request; ids restart at 1. */
 void fake_store_reset(fake_store_t *st);
 
+/* How the records an execute creates look (the hostile answers of README.md); zero is the
+ * ordinary "<collection>_<n>" id and integer version. */
+typedef struct fake_shape {
+    size_t id_bytes;   /* > 0: the id is padded to this many bytes (huge_id) */
+    size_t etag_bytes; /* > 0: "version" is an opaque string this long (etag_version) */
+} fake_shape_t;
+
 /* Execute (or, with `containment`, a containment action): the first request with `key` in
- * `collection` creates `copies` records (2 models an upstream duplicate) and answers 201 with
- * the first; the same key with byte-identical `raw` answers 200 with that record, replayed;
- * with other bytes 422. `raw` must be valid JSON (the record's "body" is `raw` parsed). */
+ * `collection` creates `copies` records (2 models an upstream duplicate) shaped by `shape`
+ * (NULL: ordinary) and answers 201 with the first; the same key with byte-identical `raw`
+ * answers 200 with that record, replayed; with other bytes 422. `raw` must be valid JSON (the
+ * record's "body" is `raw` parsed). */
 void fake_store_execute(fake_store_t *st, const char *collection, bool containment, const char *key,
                         const char *raw, size_t raw_len, const char *run_id, const char *effect_id,
-                        int copies, fake_reply_t *out);
+                        int copies, const fake_shape_t *shape, fake_reply_t *out);
 
 /* Status check: 200 with the JSON array of every record carrying `key` in `collection`. */
 void fake_store_status(fake_store_t *st, const char *collection, const char *key,

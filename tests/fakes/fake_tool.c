@@ -256,7 +256,8 @@ static enum MHD_Result send_reply(struct MHD_Connection *conn, fake_reply_t *r, 
         return MHD_NO;
     }
     r->body = NULL;
-    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONTENT_TYPE,
+                            r->content_type ? r->content_type : "application/json");
     if (r->replayed)
         MHD_add_response_header(resp, "Idempotent-Replayed", "true");
     if (r->retry_after)
@@ -431,18 +432,18 @@ static void log_line(const server_t *srv, const request_t *rq, const fake_reques
 /* Applies the operation: validated, fault-free behaviour. */
 static void apply(server_t *srv, op_t op, const char *collection, const char *key,
                   const request_t *rq, const fake_request_info_t *info, json_t *body, int copies,
-                  fake_reply_t *out)
+                  const fake_shape_t *shape, fake_reply_t *out)
 {
     char contained[MAX_COLLECTION + 16];
     switch (op) {
     case OP_EXECUTE:
         fake_store_execute(srv->st, collection, false, key, rq->body, rq->len, info->run_id,
-                           info->effect_id, copies, out);
+                           info->effect_id, copies, shape, out);
         break;
     case OP_CONTAIN:
         snprintf(contained, sizeof contained, "%s_containments", collection);
         fake_store_execute(srv->st, contained, true, key, rq->body, rq->len, info->run_id,
-                           info->effect_id, copies, out);
+                           info->effect_id, copies, shape, out);
         break;
     case OP_STATUS:
         fake_store_status(srv->st, collection, key, out);
@@ -508,6 +509,32 @@ static enum MHD_Result answer(server_t *srv, struct MHD_Connection *conn, const 
     return send_reply(conn, r, NULL);
 }
 
+/* The hostile answers: a 2xx answer `r` (the record) made indigestible as fault `f` says.
+ * Other answers (a 422 for a reused key) are left alone. */
+static void spoil_answer(const fake_fault_t *f, fake_reply_t *r)
+{
+    if (r->status < 200 || r->status > 299 || !r->body || r->len == 0)
+        return;
+    if (f->kind == FAKE_FAULT_RECEIPT_NOT_JSON) {
+        fake_reply_clear(r);
+        fake_reply_raw(r, f->status,
+                       "<html><body><h1>Created</h1><p>Your request was "
+                       "accepted.</p></body></html>\n");
+        r->content_type = "text/html; charset=utf-8";
+        return;
+    }
+    /* receipt_not_utf8: the record with one more member whose string is Latin-1 ("café",
+     * 0xE9) and two bytes that never occur in UTF-8 */
+    static const char extra[] = ",\"note\":\"caf\xe9 \xff\xfe\"}";
+    char *grown = realloc(r->body, r->len - 1 + sizeof extra);
+    if (!grown)
+        return;
+    memcpy(grown + r->len - 1, extra, sizeof extra); /* replaces the closing '}' */
+    r->body = grown;
+    r->len = r->len - 1 + sizeof extra - 1;
+    r->status = f->status;
+}
+
 /* A request whose wait is over (or cut short) does what follows the wait: slow applies,
  * hang_before_apply refuses, apply_then_hang sends the answer it made before waiting. */
 static enum MHD_Result finish_wait(server_t *srv, struct MHD_Connection *conn, request_t *rq)
@@ -517,7 +544,7 @@ static enum MHD_Result finish_wait(server_t *srv, struct MHD_Connection *conn, r
     fake_reply_t r = rq->reply;
     rq->reply = (fake_reply_t){0};
     if (rq->fault.kind == FAKE_FAULT_SLOW) {
-        apply(srv, rq->op, rq->collection, rq->key, rq, &rq->info, rq->json, 1, &r);
+        apply(srv, rq->op, rq->collection, rq->key, rq, &rq->info, rq->json, 1, NULL, &r);
     } else if (rq->fault.kind == FAKE_FAULT_HANG_BEFORE_APPLY) {
         fake_reply_error(&r, rq->fault.status, "timed out before applying");
         r.retry_after = true;
@@ -573,7 +600,7 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
     fake_reply_t r = {0};
     json_t *body = NULL;
     const char *why;
-    fake_fault_t f = {FAKE_FAULT_NONE, 0, 0};
+    fake_fault_t f = {FAKE_FAULT_NONE, 0, 0, 0};
 
     if (sig_error) {
         fake_reply_error(&r, 401, sig_error);
@@ -588,7 +615,7 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         case FAKE_FAULT_HANG_BEFORE_APPLY:
         case FAKE_FAULT_APPLY_THEN_HANG:
             if (f.kind == FAKE_FAULT_APPLY_THEN_HANG)
-                apply(srv, op, collection, key, rq, &info, body, 1, &r);
+                apply(srv, op, collection, key, rq, &info, body, 1, NULL, &r);
             rq->waiting = true;
             rq->fault = f;
             rq->op = op;
@@ -624,20 +651,34 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
             fake_reply_raw(&r, f.status, "[{\"id\": \"garbage");
             break;
         case FAKE_FAULT_FAIL_AFTER_APPLY:
-            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            apply(srv, op, collection, key, rq, &info, body, 1, NULL, &r);
             fake_reply_clear(&r);
             fake_reply_error(&r, f.status, "injected server error after applying");
             break;
         case FAKE_FAULT_APPLY_TWICE:
-            apply(srv, op, collection, key, rq, &info, body, 2, &r);
+            apply(srv, op, collection, key, rq, &info, body, 2, NULL, &r);
             if (f.status != 0) { /* an upstream duplicate whose answer never reached tally */
                 fake_reply_clear(&r);
                 fake_reply_error(&r, f.status, "injected server error after applying twice");
             }
             break;
+        case FAKE_FAULT_HUGE_ID:
+        case FAKE_FAULT_ETAG_VERSION: {
+            fake_shape_t shape = {
+                .id_bytes = f.kind == FAKE_FAULT_HUGE_ID ? f.size : 0,
+                .etag_bytes = f.kind == FAKE_FAULT_ETAG_VERSION ? f.size : 0,
+            };
+            apply(srv, op, collection, key, rq, &info, body, 1, &shape, &r);
+            break;
+        }
+        case FAKE_FAULT_RECEIPT_NOT_UTF8:
+        case FAKE_FAULT_RECEIPT_NOT_JSON:
+            apply(srv, op, collection, key, rq, &info, body, 1, NULL, &r);
+            spoil_answer(&f, &r);
+            break;
         case FAKE_FAULT_DROP_CONNECTION:
         case FAKE_FAULT_NONE:
-            apply(srv, op, collection, key, rq, &info, body, 1, &r);
+            apply(srv, op, collection, key, rq, &info, body, 1, NULL, &r);
             break;
         }
     }
