@@ -855,6 +855,7 @@ int intake_step(dispatcher_t *d)
         tally_error_clear(&err);
         if (intake_commit(d, lo, hi, &err)) {
             d->intake_done = hi;
+            d->intake_window *= 2; /* past the message at fault: grow back to whole batches */
             continue;
         }
         if (tally_pg_error_is_data(&err) && !(hi - lo == 1 && d->batch[lo].reason != 0)) {

@@ -135,6 +135,17 @@ def cut(s, n=400):
     return s if len(s) <= n else s[:n] + f"... ({len(s)} chars)"
 
 
+def put_field(ce, field, s):
+    """Set one field of an update_ledger intent: a data member, the CloudEvents id, or the
+    argument its key is derived from."""
+    if field == "event_id":
+        ce["id"] = s
+    elif field == "derived_key":
+        ce["data"]["args"]["entry_id"] = s
+    else:
+        ce["data"][field] = s
+
+
 class Msg:
     """One message the test produces, and where Kafka put it."""
 
@@ -410,12 +421,7 @@ class PoisonTest(CompensateCase):
                     s = filled(rnd, limit + rnd.randint(1, 3), self.uniq("ro"))
                 else:
                     s = straddling(rnd, limit, w, rnd.randint(1, w - 1), self.uniq("rs"))
-                if field == "event_id":
-                    ce["id"] = s
-                elif field == "derived_key":
-                    ce["data"]["args"]["entry_id"] = s
-                else:
-                    ce["data"][field] = s
+                put_field(ce, field, s)
                 what = f"{field} of {nbytes(s)} bytes: {show(s)}"
             elif kind == "control":
                 field = rnd.choice(["run_id", "step", "operation_key", "tenant", "tool",
@@ -423,10 +429,7 @@ class PoisonTest(CompensateCase):
                 base = filled(rnd, rnd.randint(2, 60), self.uniq("rc"))
                 at = rnd.randint(1, len(base))
                 s = base[:at] + rnd.choice(CONTROL) + base[at:]
-                if field == "derived_key":
-                    ce["data"]["args"]["entry_id"] = s
-                else:
-                    ce["data"][field] = s
+                put_field(ce, field, s)
                 what = f"{field} with a control character: {s!r}"
             elif kind == "underflow":
                 num = rnd.choice(UNDERFLOWS)
@@ -1209,6 +1212,8 @@ class PoisonTest(CompensateCase):
                         str(e))
 
     def check_offsets(self):
+        """The dispatcher stores an offset once its batch is committed; librdkafka commits the
+        stored offsets every auto.commit.interval.ms (5 s): wait up to 20 s for them."""
         topic = self.topic("intents")
         group = self.prefix.rstrip("._-") + "-dispatcher"
         c = Consumer({"bootstrap.servers": self.stack.kafka, "group.id": group,
@@ -1216,13 +1221,18 @@ class PoisonTest(CompensateCase):
         try:
             parts = c.list_topics(topic=topic, timeout=10).topics[topic].partitions
             tps = [TopicPartition(topic, p) for p in parts]
-            committed = {tp.partition: tp.offset for tp in c.committed(tps, timeout=10)}
             high = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
                     for p in parts}
+            deadline = time.monotonic() + 20
+            while True:
+                committed = {tp.partition: tp.offset for tp in c.committed(tps, timeout=10)}
+                behind = {p: (committed.get(p), high[p]) for p in parts
+                          if high[p] > 0 and committed.get(p) != high[p]}
+                if not behind or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
         finally:
             c.close()
-        behind = {p: (committed.get(p), high[p]) for p in parts
-                  if high[p] > 0 and committed.get(p) != high[p]}
         self.result("offsets-committed", not behind, f"group {group} on {topic}",
                     "committed up to the end of every partition",
                     f"(committed, end) behind: {behind}" if behind else "all committed")
