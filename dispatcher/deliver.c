@@ -769,8 +769,9 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
 
 /* Write @p n finished calls in one transaction (on the recorder's connection). On success the
  * entries are released and @p due says when the earliest retry comes due (0: none); on a
- * database error they are left as they are, to be tried again. */
-static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, double *due_out)
+ * database error they are left as they are, to be tried again, and @p err_out says why. */
+static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, double *due_out,
+                         tally_error_t *err_out)
 {
     double now = dispatch_now();
     qsort(done, n_done, sizeof *done, cmp_done);
@@ -802,7 +803,10 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
                    tally_columns_text(&rows, delay) &&
                    tally_columns_text(&rows, x->maybe_applied ? "t" : "f");
         if (!tally_columns_row_end(&rows, row)) {
-            tally_error_set(&err, "oom", true, "out of memory, or text that is not UTF-8");
+            if (rows.bad_text)
+                tally_error_set(&err, "invalid_text", false, "results not written: %s", rows.why);
+            else
+                tally_error_set(&err, "oom", true, "results not written: out of memory");
             goto out;
         }
     }
@@ -874,6 +878,7 @@ out:
                             n_done, err.code, err.message, d->rec_backoff_ms);
         tally_metric_add(d->m_db_errors, 1, "record");
         tally_worker_set_ready(d->w, false, err.message);
+        *err_out = err;
         return false;
     }
     TALLY_CRASHPOINT("dispatch.after_record_commit");
@@ -914,6 +919,73 @@ out:
     return true;
 }
 
+/* A result PostgreSQL refuses to store (a tool's answer the ledger cannot hold): in its place
+ * a note naming the refusal, with an excerpt of the answer, and the effect's error says so. It
+ * is evidence kept in the only form the ledger takes, never a reason to stop recording. */
+static void downgrade_refused(dispatch_done_t *x, const tally_error_t *err)
+{
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
+    tally_jtext_str(&j, "refused_by_ledger", err->message);
+    if (x->receipt_text != NULL) {
+        size_t len = strlen(x->receipt_text);
+        tally_jtext_int(&j, "bytes", (long long)len);
+        char excerpt[2048];
+        tally_text_copy(excerpt, sizeof excerpt, x->receipt_text);
+        tally_jtext_str(&j, "excerpt", excerpt);
+    }
+    tally_jtext_end(&j);
+    char *note = tally_jtext_take(&j);
+    if (x->receipt_text != NULL || strcmp(x->to_status, "CONFIRMED") == 0) {
+        free(x->receipt_text);
+        x->receipt_text = note != NULL ? note : strdup("{}");
+    } else {
+        free(note);
+    }
+    free(x->external_ref);
+    x->external_ref = NULL;
+    set_error(x, "protocol_error",
+              "PostgreSQL refused to store the tool's answer (%s); a note with an excerpt is "
+              "kept in its place",
+              err->message);
+}
+
+/* A batch PostgreSQL refused for its data: each result written alone, so that one bad answer
+ * does not hold the others; a result refused alone is written again downgraded
+ * (downgrade_refused). The ones still not written are moved to the front of @p done and
+ * counted in @p *n. Returns the number written. */
+static size_t record_isolating(dispatcher_t *d, dispatch_done_t *done, size_t *n, double *due_out)
+{
+    size_t written = 0, kept = 0;
+    for (size_t i = 0; i < *n; i++) {
+        double due = 0;
+        tally_error_t err;
+        tally_error_clear(&err);
+        bool ok = record_batch(d, &done[i], 1, &due, &err);
+        if (!ok && tally_pg_error_is_data(&err)) {
+            tally_log_ctx_t ctx = {.run_id = done[i].call->run_id,
+                                   .effect_id = done[i].call->effect_id,
+                                   .tool = done[i].call->tool->name};
+            TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                      "PostgreSQL refused the result of this call (%s: %s); writing it with a "
+                      "note in place of the tool's answer",
+                      err.code, err.message);
+            downgrade_refused(&done[i], &err);
+            tally_error_clear(&err);
+            ok = record_batch(d, &done[i], 1, &due, &err);
+        }
+        if (ok) {
+            written++;
+            if (due > 0 && (*due_out == 0 || due < *due_out))
+                *due_out = due;
+        } else if (kept++ != i) {
+            done[kept - 1] = done[i];
+        }
+    }
+    *n = kept;
+    return written;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The recorder thread                                                                      */
 
@@ -951,12 +1023,19 @@ static void *recorder_main(void *arg)
         pthread_mutex_unlock(&d->rec_mu);
 
         double due = 0;
-        bool ok = record_batch(d, batch, n, &due);
+        tally_error_t err;
+        tally_error_clear(&err);
+        bool ok = record_batch(d, batch, n, &due, &err);
+        size_t recorded = ok ? n : 0;
+        if (!ok && tally_pg_error_is_data(&err)) {
+            recorded = record_isolating(d, batch, &n, &due);
+            ok = n == 0;
+        }
 
         pthread_mutex_lock(&d->rec_mu);
         d->rec_busy = false;
+        d->rec_recorded += recorded;
         if (ok) {
-            d->rec_recorded += n;
             if (due > 0 && (d->rec_due == 0 || due < d->rec_due))
                 d->rec_due = due;
             retry_at = 0;

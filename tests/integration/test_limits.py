@@ -180,6 +180,39 @@ class LimitsTest(CompensateCase):
         self.assert_ready(d)
         self.assertEqual(self.metric(d, "tally_intake_paused"), 0)
 
+    def test_a_tool_answer_postgres_refuses_is_kept_as_a_note(self):
+        # A tool's answer the ledger cannot hold (here: a test constraint on receipts, as
+        # jsonb refuses some JSON): that result is written with a note in place of the answer,
+        # and the results recorded with it are not held up.
+        self.query("CREATE FUNCTION refuse_receipt() RETURNS trigger LANGUAGE plpgsql AS $$"
+                   " BEGIN RAISE EXCEPTION USING ERRCODE = 'invalid_text_representation',"
+                   " MESSAGE = 'refused by the test''s receipt constraint'; END $$")
+        self.query("CREATE TRIGGER refuse_receipt BEFORE UPDATE ON effects FOR EACH ROW"
+                   " WHEN (NEW.receipt -> 'body' ->> 'refuse' IS NOT NULL)"
+                   " EXECUTE FUNCTION refuse_receipt()")
+        run = new_run_id()
+        tag = uuid.uuid4().hex[:6]
+        good = [self.intent(run, i, "update_ledger", {"entry_id": f"{tag}-{i}"})
+                for i in range(1, 6)]
+        bad = self.intent(run, 9, "update_ledger", {"entry_id": f"{tag}-bad", "refuse": 1})
+        p = self.producer()
+        for ce in good[:2] + [bad] + good[2:]:
+            p.produce(self.topic("intents"), value=json.dumps(ce).encode(), key=run.encode())
+        p.flush(30)
+        d = self.dispatcher()
+        answers = self.outcomes_for([ce["id"] for ce in good + [bad]])
+        for ce in good:
+            self.assertIn("CONFIRMED", [m["data"]["status"] for m in answers[ce["id"]]])
+        ev = [m["data"] for m in answers[bad["id"]] if m["data"]["status"] == "CONFIRMED"][0]
+        self.assertEqual(ev["error"]["code"], "protocol_error")
+        self.assertIn("refused by the test's receipt constraint", ev["error"]["message"])
+        eff = self.effect("update_ledger", f"update_ledger:{tag}-bad")
+        self.assertIn("refused by the test's receipt constraint",
+                      eff["receipt"]["refused_by_ledger"])
+        self.assertIn(f"{tag}-bad", eff["receipt"]["excerpt"])
+        self.assertIsNone(eff["external_ref"])
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, timeout=30, what="/readyz 200")
+
     # --- run-level requests ------------------------------------------------------------------
 
     def test_run_reasons_cut_mid_character_and_over_their_limit(self):
