@@ -858,7 +858,8 @@ int intake_step(dispatcher_t *d)
             d->intake_window *= 2; /* past the message at fault: grow back to whole batches */
             continue;
         }
-        if (tally_pg_error_is_data(&err) && !(hi - lo == 1 && d->batch[lo].reason != 0)) {
+        if (tally_pg_error_is_data(&err) &&
+            !(hi - lo == 1 && d->batch[lo].reason != TALLY_DLQ_NONE)) {
             tally_metric_add(d->m_db_errors, 1, "intake_refused");
             if (hi - lo > 1) {
                 d->intake_window = (hi - lo) / 2;

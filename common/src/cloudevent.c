@@ -113,7 +113,7 @@ static size_t dumped_size(const json_t *v)
 /* Note in @p cut that @p path was cut, saying how. */
 static void note_cut(json_t *cut, const char *path, const char *how)
 {
-    char line[320];
+    char line[160]; /* 20 lines of these, and the rest of the note, fit its 4096-byte reserve */
     tally_fmt(line, sizeof line, "%s: %s", path, how);
     json_array_append_new(cut, json_string(line));
 }
@@ -238,11 +238,11 @@ char *tally_ce_bounded(const char *payload, size_t limit)
         json_object_set_new(ev, "data", holder); /* data lives on in holder */
         shrink(holder, "d", "data", target, json_object_get(note, "cut"));
         json_t *d = json_incref(json_object_get(holder, "d"));
+        /* the first 20 cuts are enough to say what happened */
+        json_t *c = json_object_get(note, "cut");
+        while (json_array_size(c) > 20)
+            json_array_remove(c, 20);
         if (json_is_object(d)) {
-            /* the first 20 cuts are enough to say what happened */
-            json_t *c = json_object_get(note, "cut");
-            while (json_array_size(c) > 20)
-                json_array_remove(c, 20);
             json_object_set(d, "truncated", note);
             json_object_set(ev, "data", d);
         } else {
@@ -251,8 +251,14 @@ char *tally_ce_bounded(const char *payload, size_t limit)
         json_decref(d);
         out = json_dumps(ev, JSON_COMPACT);
         if (out != NULL && strlen(out) > limit) {
+            /* the note itself did not fit: without its list of cuts, then give up */
             free(out);
-            out = NULL;
+            json_array_clear(c);
+            out = json_dumps(ev, JSON_COMPACT);
+            if (out != NULL && strlen(out) > limit) {
+                free(out);
+                out = NULL;
+            }
         }
     }
     json_decref(note);
