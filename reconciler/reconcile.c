@@ -23,6 +23,7 @@
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/metrics.h"
+#include "tally/text.h"
 
 #define NOTIFY_CHANNEL    "tally_unknown"
 #define LEASE_MARGIN_MS   1000
@@ -299,8 +300,8 @@ static void on_check_done(const tally_conn_result_t *res, void *opaque)
         it->records = json_loadb(res->body, res->body_len, TALLY_JSON_LOAD_FLAGS, &jerr);
         char why[200];
         if (it->records == NULL) {
-            char msg[256];
-            snprintf(msg, sizeof msg, "the status answer could not be parsed: %s", jerr.text);
+            char msg[256]; /* jansson's text can end inside a character: cut it whole */
+            tally_fmt(msg, sizeof msg, "the status answer could not be parsed: %s", jerr.text);
             inconclusive(it, "unparseable", msg);
         } else if (!tally_recon_records_usable(it->records, why, sizeof why)) {
             inconclusive(it, "bad_record", why);

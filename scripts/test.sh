@@ -8,7 +8,8 @@
 #   scripts/test.sh --no-sanitize   the same without sanitizers, built into build/
 #   scripts/test.sh [--no-sanitize] -- CTEST-ARGS   e.g. -- -R integration.dev
 #
-# Exits with ctest's status; ctest's summary is the last thing printed.
+# The libFuzzer targets (tests/fuzz/) are built with clang into build-fuzz/ first; the suite
+# runs each for 30 s as fuzz.<target>. Exits with ctest's status; ctest's summary is last.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -26,7 +27,7 @@ while [[ $# -gt 0 ]]; do
         cmake_args=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DTALLY_SANITIZE=OFF)
         ;;
     -h | --help)
-        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     --)
@@ -45,6 +46,12 @@ done
 scripts/deps.sh
 
 jobs=$(nproc 2>/dev/null || echo 2)
+# libFuzzer comes with clang only: the fuzz targets get a tree of their own, which the suite's
+# tree runs them from (TALLY_FUZZ_DIR, tests/fuzz/tests.cmake).
+cmake -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DTALLY_FUZZ=ON -DTALLY_BUILD_TESTS=OFF -DTALLY_BUILD_BENCH=OFF >/dev/null
+cmake --build build-fuzz --target fuzzers -j"$jobs"
+cmake_args+=(-DTALLY_FUZZ_DIR="$PWD/build-fuzz")
 cmake -S . -B "$build" "${cmake_args[@]}" >/dev/null
 cmake --build "$build" -j"$jobs"
 

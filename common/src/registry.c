@@ -805,13 +805,17 @@ tally_registry_t *tally_registry_load_file(const char *path, tally_problems_t *p
     json_error_t jerr;
     json_t *doc = json_load_file(path, TALLY_JSON_LOAD_FLAGS, &jerr);
     if (doc == NULL) {
+        /* jansson quotes the text near the error byte by byte, so it can end inside a
+         * character ("invalid escape near '"a \<first byte of é>'"): a problem line is printed
+         * and logged as JSON, and must stay valid UTF-8 (tests/fuzz/regressions/registry). */
+        char why[sizeof jerr.text];
+        tally_text_copy(why, sizeof why, jerr.text);
         if (json_error_code(&jerr) == json_error_cannot_open_file)
-            tally_problems_add(problems, "registry: rule file: cannot read the registry: %s",
-                               jerr.text);
+            tally_problems_add(problems, "registry: rule file: cannot read the registry: %s", why);
         else
             tally_problems_add(problems,
                                "registry: rule json: not valid JSON at line %d, column %d: %s",
-                               jerr.line, jerr.column, jerr.text);
+                               jerr.line, jerr.column, why);
         return NULL;
     }
     tally_registry_t *reg = tally_registry_load_json(doc, problems);

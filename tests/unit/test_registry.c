@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "tally/json.h"
 #include "tally/registry.h"
 #include "tally/text.h"
 
@@ -648,6 +649,15 @@ static void test_file_errors(void **state)
     write_file(path, "{\"tools\": [], \"tools\": []}");
     assert_null(tally_registry_load_file(path, &p));
     assert_problem(&p, "registry", "json", "duplicate");
+    tally_problems_clear(&p);
+
+    /* jansson quotes the token it stopped at byte by byte, which can end inside a character
+     * (tests/fuzz/regressions/registry): the problem line stays valid UTF-8 */
+    write_file(path, "\"\\\xd5\xb3");
+    assert_null(tally_registry_load_file(path, &p));
+    assert_problem(&p, "registry", "json", "invalid escape");
+    for (size_t i = 0; i < p.n; i++)
+        assert_true(tally_utf8_valid(p.lines[i], strlen(p.lines[i])));
     tally_problems_clear(&p);
 
     unlink(path);

@@ -37,7 +37,8 @@ bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *sour
  * "cut": ["summary.compensated: 120 of 5000 items", ...], "full": the command that shows the
  * whole from the ledger}. The ledger keeps every value whole (runs.summary, effects.receipt,
  * alerts, events): only the published copy is bounded.
- * @returns malloc'd JSON text, or NULL when @p payload is not a JSON object or memory ran out.
+ * @returns malloc'd JSON text, or NULL when @p payload is not a JSON object, when even the
+ * envelope and the note do not fit @p limit, or when memory ran out.
  */
 char *tally_ce_bounded(const char *payload, size_t limit) TALLY_WUR;
 
