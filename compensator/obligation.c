@@ -931,7 +931,9 @@ static bool mark_runs_stuck(compensator_t *c, json_t *stuck_runs, tally_audit_ba
     return true;
 }
 
-int comp_record(compensator_t *c)
+/* Write every outcome in c->done in one transaction; see comp_record. When it fails, @p err_out
+ * says why and @p pages_out how many pages the transaction held. */
+static int record_outcomes(compensator_t *c, tally_error_t *err_out, size_t *pages_out)
 {
     if (c->n_done == 0) {
         return 0;
@@ -1039,17 +1041,8 @@ out:
                             err.message);
         tally_metric_add(c->m_db_errors, 1, "record");
         c->record_retry_at = comp_now() + 0.5;
-        if (queued_pages > 0 && !err.retriable) {
-            /* A page that cannot be written must not hold its obligation RUNNING, unpaged:
-             * say so loudly, and raise it minimal on the retry. */
-            tally_metric_add(c->m_alert_fail, (double)queued_pages, "compensator");
-            TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
-                                "%zu pages refused by PostgreSQL (%s: %s); raising them as "
-                                "minimal pages",
-                                queued_pages, err.code, err.message);
-            c->minimal_pages = true;
-            c->record_retry_at = 0;
-        }
+        *err_out = err;
+        *pages_out = queued_pages;
     }
     PQclear(res);
     free(text);
@@ -1060,5 +1053,77 @@ out:
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(obx);
     tally_alert_batch_free(alerts);
+    return written;
+}
+
+/* A failed record that held pages: a page that cannot be written must not leave its
+ * obligation unpaged, so say so loudly and raise it minimal on the retry, at once (a minimal
+ * page refused too is retried after the usual wait). */
+static void pages_refused(compensator_t *c, size_t pages, const tally_error_t *err)
+{
+    if (pages == 0 || err->retriable) {
+        return;
+    }
+    tally_metric_add(c->m_alert_fail, (double)pages, "compensator");
+    TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                        "%zu pages refused by PostgreSQL (%s: %s); raising them as minimal pages",
+                        pages, err->code, err->message);
+    if (!c->minimal_pages) {
+        c->record_retry_at = 0;
+    }
+    c->minimal_pages = true;
+}
+
+int comp_record(compensator_t *c)
+{
+    tally_error_t err;
+    tally_error_clear(&err);
+    size_t pages = 0;
+    int written = record_outcomes(c, &err, &pages);
+    if (written >= 0) {
+        return written;
+    }
+    if (c->n_done < 2 || !tally_pg_error_is_data(&err)) {
+        pages_refused(c, pages, &err);
+        return written;
+    }
+    /* PostgreSQL refused the batch for its data: one outcome it can never take must not hold
+     * the others, so each is written alone; the ones still refused are kept and retried. */
+    TALLY_WARN("recording %zu outcomes was refused (%s: %s); writing them one by one", c->n_done,
+               err.code, err.message);
+    comp_outcome_t *all = c->done;
+    size_t n = c->n_done, kept = 0;
+    bool minimal = c->minimal_pages, refused_pages = false;
+    written = 0;
+    for (size_t i = 0; i < n; i++) {
+        c->done = &all[i]; /* a view of one: record_outcomes clears it when it is written */
+        c->n_done = 1;
+        c->minimal_pages = minimal; /* only a page refused on its own is raised minimal */
+        tally_error_clear(&err);
+        pages = 0;
+        int w = record_outcomes(c, &err, &pages);
+        if (w >= 0) {
+            written += w;
+        } else {
+            pages_refused(c, pages, &err);
+            refused_pages = refused_pages || c->minimal_pages;
+            TALLY_LOG(TALLY_LOG_ERROR,
+                      (&(tally_log_ctx_t){.run_id = all[i].ob->run_id,
+                                          .obligation_id = all[i].ob->obligation_id}),
+                      "the outcome %s of this obligation is refused by PostgreSQL (%s: %s); "
+                      "kept and retried, its lease keeps it safe",
+                      all[i].to_status, err.code, err.message);
+            if (kept != i) {
+                all[kept] = all[i];
+            }
+            kept++;
+        }
+    }
+    c->done = all;
+    c->n_done = kept;
+    c->minimal_pages = refused_pages;
+    if (kept > 0) {
+        c->record_retry_at = refused_pages && !minimal ? 0 : comp_now() + 0.5;
+    }
     return written;
 }

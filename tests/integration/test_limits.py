@@ -316,6 +316,30 @@ class LimitsTest(CompensateCase):
         self.assertRegex(d.log(), "above the producer's message.max.bytes")
         self.assert_ready(d)
 
+    def test_an_outcome_postgres_refuses_does_not_hold_the_others(self):
+        # The compensator records the outcomes of a round in one transaction: one that
+        # PostgreSQL refuses (a test constraint on one run's obligations) is kept and retried
+        # alone, and the others are written.
+        self.query("CREATE FUNCTION refuse_outcome() RETURNS trigger LANGUAGE plpgsql AS $$"
+                   " BEGIN RAISE EXCEPTION USING ERRCODE = 'check_violation',"
+                   " MESSAGE = 'refused by the test''s obligation constraint'; END $$")
+        self.query("CREATE TRIGGER refuse_outcome BEFORE UPDATE ON obligations FOR EACH ROW"
+                   " WHEN (NEW.run_id LIKE 'refuse-%' AND NEW.status = 'RESOLVED')"
+                   " EXECUTE FUNCTION refuse_outcome()")
+        tag = uuid.uuid4().hex[:6]
+        runs = [new_run_id() for _ in range(5)] + [f"refuse-{tag}"]
+        for i, run_id in enumerate(runs):
+            self.add_effect(run_id, 1, "charge_card", {"tenant_id": "t1",
+                                                       "payment_id": f"p-{tag}-{i}",
+                                                       "amount": 5})
+            self.compensate(run_id)
+        comp = self.compensator()
+        for run_id in runs[:5]:
+            self.wait_run(run_id, "COMPENSATED")
+        self.assertIn(self.obligation_of(runs[5], "charge_card")["status"],
+                      ("RUNNING", "PENDING"))
+        self.assert_ready(comp)
+
     # --- pages --------------------------------------------------------------------------------
 
     def test_a_stuck_obligation_pages_whatever_its_run_id(self):
