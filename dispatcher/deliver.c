@@ -18,6 +18,7 @@
 #include "tally/audit.h"
 #include "tally/crashpoint.h"
 #include "tally/log.h"
+#include "tally/runops.h"
 #include "tally/ledger.h"
 #include "tally/text.h"
 
@@ -110,8 +111,9 @@ static const char SQL_RECORD[] =
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
     "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
     "   ORDER BY run_id FOR SHARE),"
-    " x AS (SELECT r.*, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END"
-    "   AS stop, CASE WHEN ru.status <> 'ACTIVE' THEN r.maybe_applied"
+    " x AS (SELECT r.*, CASE WHEN NOT " TALLY_SQL_RUN_GOES_ON("ru.status") " THEN"
+    "   'the run is ' || ru.status END"
+    "   AS stop, CASE WHEN NOT " TALLY_SQL_RUN_GOES_ON("ru.status") " THEN r.maybe_applied"
     "     OR " TALLY_SQL_MAYBE_APPLIED("e") " END AS maybe"
     "   FROM r LEFT JOIN effects e ON r.status = 'PLANNED' AND e.effect_id = r.effect_id"
     "   LEFT JOIN ru ON ru.run_id = e.run_id),"
@@ -165,8 +167,8 @@ static const char SQL_RECORD_FINAL[] =
     "   RETURNING e.effect_id),"
     " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
     " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
-    " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL FROM upd"
-    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload FROM mo";
+    " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL FROM upd"
+    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
 // clang-format on
 
 /* A page for the tool's owner; one open alert per tool (re-opened when it was resolved). */

@@ -33,6 +33,8 @@ typedef struct intake_msg {
     bool parsed;
     tally_dlq_reason_t reason; /**< TALLY_DLQ_NONE when the message is valid */
     char detail[256];
+    char field[64];    /**< the field at fault, for the refusal's answer ("" when unknown) */
+    char *reply;       /**< where its answers go too (replies.destination JSON), or NULL */
     tally_intent_t in; /**< valid when parsed and reason == NONE */
     const tally_tool_t *tool;
     char *op_key;    /**< operation key (intents) */
@@ -219,6 +221,9 @@ typedef struct effect_view {
     const char *error_message;
     long long attempts;
     const char *intent_id;
+    bool own;             /**< the answer to one message alone: not copied to the effect's
+                               replies (a replay, a conflict) */
+    const char *reply_to; /**< that message's reply destination, or NULL */
 } effect_view_t;
 
 /**

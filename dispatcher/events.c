@@ -96,7 +96,8 @@ bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const ef
     char *payload = tally_jtext_take(&j);
     if (!payload)
         return false;
-    tally_outbox_batch_add_text(ob, "outcomes", v->run_id, id, v->effect_id, payload);
+    tally_outbox_batch_add_answer(ob, "outcomes", v->run_id, id, v->effect_id, payload,
+                                  v->own ? TALLY_REPLY_NONE : TALLY_REPLY_AUTO, v->reply_to);
     free(payload);
     return true;
 }

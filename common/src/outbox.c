@@ -1,6 +1,7 @@
 /* outbox.c — the message outbox writer: events for Kafka, written in the caller's transaction. */
 #include "tally/outbox.h"
 
+#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,11 +16,16 @@ struct tally_outbox_batch {
     tally_columns_t cols;
 };
 
-/* topic, msg_key, event_id, effect_id, payload (TALLY_OUTBOX_INSERT) */
-#define N_COLS 5
+/* topic, msg_key, event_id, effect_id, payload, scope, reply (TALLY_OUTBOX_INSERT) */
+#define N_COLS 7
 
 /* "n" keeps the order of the batch in message_outbox.id, which is the relay's order. */
 static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "");
+
+static void add_row(tally_outbox_batch_t *b, const char *topic, const char *key,
+                    const char *event_id, const char *effect_id, const char *payload,
+                    const char *fanout, const char *reply);
+static bool uuid_text(const char *s);
 
 tally_outbox_batch_t *tally_outbox_batch_new(void)
 {
@@ -47,13 +53,58 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
         tally_columns_fail(c, "out of memory while serialising an outbox message");
         return;
     }
-    tally_outbox_batch_add_text(b, topic, key, json_string_value(json_object_get(event, "id")),
-                                about, payload);
+    /* A run's own events go to the replies of its run (its compensate, cancel and complete
+     * requests); an effect's to its effect's. */
+    const char *type = json_string_value(json_object_get(event, "type"));
+    bool run_event = type != NULL && strncmp(type, "tally.run.", 10) == 0 && about == NULL;
+    bool outcome = topic != NULL && strcmp(topic, "outcomes") == 0;
+    add_row(b, topic, key, json_string_value(json_object_get(event, "id")), about, payload,
+            !outcome           ? NULL
+            : run_event        ? "run"
+            : uuid_text(about) ? "effect"
+                               : NULL,
+            NULL);
     free(payload);
+}
+
+/* An effect id as PostgreSQL's uuid reads it (36 characters, hex and dashes). */
+static bool uuid_text(const char *s)
+{
+    if (s == NULL || strlen(s) != 36)
+        return false;
+    for (int i = 0; i < 36; i++) {
+        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+        if (dash ? s[i] != '-' : !isxdigit((unsigned char)s[i]))
+            return false;
+    }
+    return true;
 }
 
 void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
                                  const char *event_id, const char *effect_id, const char *payload)
+{
+    tally_outbox_batch_add_answer(b, topic, key, event_id, effect_id, payload, TALLY_REPLY_AUTO,
+                                  NULL);
+}
+
+void tally_outbox_batch_add_answer(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                   const char *event_id, const char *effect_id, const char *payload,
+                                   tally_reply_scope_t scope, const char *reply_to)
+{
+    const char *fanout = NULL;
+    if (scope == TALLY_REPLY_AUTO && topic != NULL && strcmp(topic, "outcomes") == 0 &&
+        uuid_text(effect_id))
+        fanout = "effect";
+    add_row(b, topic, key, event_id, effect_id, payload, fanout, NULL);
+    if (reply_to != NULL)
+        add_row(b, "replies", key, event_id, effect_id, payload, NULL, reply_to);
+}
+
+/* One row: @p fanout the reply scope ("effect", "run" or NULL), @p reply its own destination
+ * (topic "replies"). */
+static void add_row(tally_outbox_batch_t *b, const char *topic, const char *key,
+                    const char *event_id, const char *effect_id, const char *payload,
+                    const char *fanout, const char *reply)
 {
     tally_columns_t *c = &b->cols;
     if (c->failed)
@@ -87,7 +138,8 @@ void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, con
     }
     bool ok = tally_columns_row_begin(c) && tally_columns_text(c, topic) &&
               tally_columns_text(c, key) && tally_columns_text(c, event_id) &&
-              tally_columns_text(c, effect_id) && tally_columns_text(c, payload);
+              tally_columns_text(c, effect_id) && tally_columns_text(c, payload) &&
+              tally_columns_text(c, fanout) && tally_columns_text(c, reply);
     free(bounded);
     if (!tally_columns_row_end(c, ok))
         tally_columns_fail(c,

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <jansson.h>
+#include <openssl/evp.h>
 
 #include "tally/crashpoint.h"
 #include "tally/kafka.h"
@@ -52,7 +53,7 @@ static const char SQL_TAKE[] =
     " WHERE m.id IN (SELECT id FROM message_outbox"
     "  WHERE lease_until IS NULL OR lease_until < now()"
     "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
-    " RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload";
+    " RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, m.reply::text";
 
 /* Delivered after their round gave up on them: gone. */
 static const char SQL_DELETE[] = "DELETE FROM message_outbox WHERE id = ANY($1::bigint[])";
@@ -63,16 +64,37 @@ static const char SQL_RELEASE[] = "UPDATE message_outbox SET lease_owner = NULL,
 
 /* After a ROLLBACK: the delivered rows go; the failed ones wait 1 s, 2 s, 4 s ... 30 s, with
  * the reason; those without a report yet wait out the lease ($1 ms), deleted by a late report.
- * A row another relay took meanwhile is waited for; if it deleted it, nothing happens. */
+ * A row another relay took meanwhile is waited for; if it deleted it, nothing happens.
+ * A reply (topic 'replies') that failed REPLY_MAX_ATTEMPTS times is given up: its destination
+ * does not take it (no such topic or partition), and the answer is on <prefix>outcomes; the
+ * statement returns how many were given up. */
+#define REPLY_MAX_ATTEMPTS 8
+#define STR_(x)            #x
+#define STR(x)             STR_(x)
 static const char SQL_SETTLE[] =
     "WITH f AS (SELECT * FROM json_to_recordset($2::json) AS f(id bigint, st text, err text)),"
-    " d AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st = 'delivered')"
-    " UPDATE message_outbox m SET attempts = m.attempts + 1, last_error = f.err,"
-    " lease_owner = CASE WHEN f.st = 'pending' THEN $3 END,"
-    " lease_until = CASE WHEN f.st = 'pending' THEN now() + $1::int * interval '1 millisecond'"
-    "  ELSE now() + least(interval '30 seconds',"
-    "   interval '1 second' * power(2, least(m.attempts, 5))) END"
-    " FROM f WHERE m.id = f.id AND f.st <> 'delivered'";
+    " d AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st = 'delivered'),"
+    " g AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st <> 'delivered'"
+    "  AND m.topic = 'replies' AND m.attempts + 1 >= " STR(
+        REPLY_MAX_ATTEMPTS) "  RETURNING m.id, m.event_id, m.reply ->> 'topic' AS dest, f.err),"
+                            " u AS (UPDATE message_outbox m SET attempts = m.attempts + 1, "
+                            "last_error = f.err,"
+                            " lease_owner = CASE WHEN f.st = 'pending' THEN $3 END,"
+                            " lease_until = CASE WHEN f.st = 'pending' THEN now() + $1::int * "
+                            "interval '1 millisecond'"
+                            "  ELSE now() + least(interval '30 seconds',"
+                            "   interval '1 second' * power(2, least(m.attempts, 5))) END"
+                            " FROM f WHERE m.id = f.id AND f.st <> 'delivered'"
+                            "  AND NOT (m.topic = 'replies' AND m.attempts + 1 >= " STR(
+                                REPLY_MAX_ATTEMPTS) "))"
+                                                    " SELECT event_id, dest, err FROM g";
+
+/* How long a round waits for the reports of replies once every other message of the round is
+ * reported: a reply topic that does not exist holds its message for the topic's whole message
+ * timeout (REPLY_TIMEOUT_MS); the round goes on without it, and its row waits out the lease. */
+#define REPLY_WAIT_MS    200
+#define REPLY_TIMEOUT_MS "10000"
+#define REPLY_CORR_MAX   256
 
 /* Exact up to 10,000 rows; beyond that the id span (an upper bound), so a large backlog costs
  * two index probes instead of a scan. The lag is the age of the first row. */
@@ -97,6 +119,7 @@ typedef struct relay_row {
     const char *event_id;
     const char *payload;
     int payload_len;
+    const char *reply; /* topic 'replies': the destination (JSON), else NULL */
     relay_row_state_t state;
     char error[256];
 } relay_row_t;
@@ -104,7 +127,7 @@ typedef struct relay_row {
 /* A message handed over by tally_relay_hand, its strings in the same allocation. */
 typedef struct relay_hand {
     int64_t id;
-    const char *topic, *key, *event_id, *payload;
+    const char *topic, *key, *event_id, *payload, *reply;
     int payload_len;
     char data[];
 } relay_hand_t;
@@ -133,6 +156,7 @@ struct tally_relay {
     tally_metrics_t *metrics;
     tally_metric_t *m_published;
     tally_metric_t *m_failures;
+    tally_metric_t *m_replies_dropped;
     tally_metric_t *m_backlog;
     tally_metric_t *m_lag;
     int64_t gauges_at_ms;
@@ -141,6 +165,7 @@ struct tally_relay {
     relay_row_t *rows;
     size_t n_rows;
     size_t pending;
+    size_t pending_replies; /* of pending: replies */
     /* delivered after their round stopped waiting (or whose DELETE failed): deleted next round */
     id_list_t late;
 
@@ -225,6 +250,8 @@ static void on_delivery(rd_kafka_t *rk, const rd_kafka_message_t *msg, void *opa
         snprintf(row->error, sizeof(row->error), "%s", rd_kafka_err2str(msg->err));
     }
     r->pending--;
+    if (row->reply != NULL)
+        r->pending_replies--;
 }
 
 /* The message timeout the producer runs with: a passthrough, or tally's default. */
@@ -332,6 +359,12 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
             "Outbox messages published to Kafka (delivery acknowledged)", "topic");
         r->m_failures = tally_metrics_counter(metrics, "tally_relay_failures_total",
                                               "Outbox messages whose delivery failed", NULL);
+        r->m_replies_dropped = tally_metrics_counter(
+            metrics, "tally_relay_replies_dropped_total",
+            "Replies given up after " STR(REPLY_MAX_ATTEMPTS) " failed attempts (their "
+                                                              "destination does not take them; the "
+                                                              "answer is on <prefix>outcomes)",
+            NULL);
         r->m_backlog = tally_metrics_gauge(metrics, "tally_outbox_backlog",
                                            "Rows waiting in message_outbox", NULL);
         r->m_lag = tally_metrics_gauge(metrics, "tally_relay_lag_seconds",
@@ -455,16 +488,100 @@ static void settle_round(tally_relay_t *r)
     snprintf(lease, sizeof(lease), "%d", r->lease_ms);
     const char *params[3] = {lease, text, r->owner};
     tally_error_t err;
-    if (!tally_pg_run(r->pg, SQL_SETTLE, 3, params, &err))
+    PGresult *res = tally_pg_exec(r->pg, SQL_SETTLE, 3, params, &err);
+    if (res == NULL)
         TALLY_WARN("relay: cannot settle %zu message_outbox rows (%s: %s); they are published "
                    "again",
                    r->n_rows, err.code, err.message);
+    for (int i = 0; res != NULL && i < PQntuples(res); i++) {
+        TALLY_WARN("relay: reply %s to topic %s given up after %d attempts (%s); the answer is "
+                   "on the outcomes topic",
+                   PQgetvalue(res, i, 0), PQgetvalue(res, i, 1), REPLY_MAX_ATTEMPTS,
+                   PQgetisnull(res, i, 2) ? "no delivery report" : PQgetvalue(res, i, 2));
+        if (r->m_replies_dropped != NULL)
+            tally_metric_add(r->m_replies_dropped, 1.0);
+    }
+    PQclear(res);
     free(text);
+}
+
+/* base64 @p in into @p out (at most @p cap bytes). @returns the length, or -1. */
+static int b64_decode(const char *in, unsigned char *out, size_t cap)
+{
+    size_t n = strlen(in);
+    if (n == 0)
+        return 0;
+    if (n % 4 != 0 || n / 4 * 3 > cap)
+        return -1;
+    int len = EVP_DecodeBlock(out, (const unsigned char *)in, (int)n);
+    if (len < 0)
+        return -1;
+    /* EVP_DecodeBlock counts the padding as zero bytes */
+    if (in[n - 1] == '=')
+        len--;
+    if (n >= 2 && in[n - 2] == '=')
+        len--;
+    return len;
+}
+
+/* Where a reply goes (the row's destination, written by intake): its topic handle, partition
+ * and correlation bytes. @returns false with the reason in row->error. */
+typedef struct reply_dest {
+    rd_kafka_topic_t *rkt; /* a reference of our own: rd_kafka_topic_destroy after producing */
+    int32_t partition;
+    unsigned char corr[REPLY_CORR_MAX];
+    int corr_len; /* -1: none */
+} reply_dest_t;
+
+static bool reply_dest(tally_relay_t *r, relay_row_t *row, reply_dest_t *out)
+{
+    out->rkt = NULL;
+    out->partition = RD_KAFKA_PARTITION_UA;
+    out->corr_len = -1;
+    json_t *dest = json_loads(row->reply, 0, NULL);
+    const char *topic = json_string_value(json_object_get(dest, "topic"));
+    json_t *part = json_object_get(dest, "partition");
+    const char *corr = json_string_value(json_object_get(dest, "correlation"));
+    bool ok = topic != NULL && *topic != '\0' && (part == NULL || json_is_integer(part));
+    if (ok && part != NULL) {
+        json_int_t p = json_integer_value(part);
+        ok = p >= 0 && p <= INT32_MAX;
+        out->partition = (int32_t)p;
+    }
+    if (ok && corr != NULL) {
+        out->corr_len = b64_decode(corr, out->corr, sizeof out->corr);
+        ok = out->corr_len >= 0;
+    }
+    if (!ok) {
+        json_decref(dest);
+        snprintf(row->error, sizeof(row->error), "the reply destination is not usable");
+        return false;
+    }
+    /* A topic that does not exist holds a message for the whole message timeout: a reply's
+     * is short, so one bad destination delays only itself. */
+    char errstr[256];
+    rd_kafka_topic_conf_t *tconf = rd_kafka_topic_conf_new();
+    if (tconf != NULL && rd_kafka_topic_conf_set(tconf, "message.timeout.ms", REPLY_TIMEOUT_MS,
+                                                 errstr, sizeof errstr) != RD_KAFKA_CONF_OK) {
+        rd_kafka_topic_conf_destroy(tconf);
+        tconf = NULL;
+    }
+    out->rkt = rd_kafka_topic_new(r->rk, topic, tconf);
+    if (out->rkt == NULL)
+        tally_fmt(row->error, sizeof(row->error), "reply topic '%s': %s", topic,
+                  rd_kafka_err2str(rd_kafka_last_error()));
+    json_decref(dest);
+    return out->rkt != NULL;
 }
 
 static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
 {
-    rd_kafka_topic_t *rkt = topic_handle(r, row->topic);
+    reply_dest_t dest = {.rkt = NULL, .partition = RD_KAFKA_PARTITION_UA, .corr_len = -1};
+    if (row->reply != NULL && !reply_dest(r, row, &dest)) {
+        row->state = RELAY_ROW_FAILED;
+        return;
+    }
+    rd_kafka_topic_t *rkt = row->reply != NULL ? dest.rkt : topic_handle(r, row->topic);
     if (rkt == NULL) { /* the table's CHECK constraint makes this unreachable */
         row->state = RELAY_ROW_FAILED;
         tally_fmt(row->error, sizeof(row->error), "unknown logical topic '%s'", row->topic);
@@ -474,15 +591,23 @@ static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
     size_t len = (size_t)row->payload_len;
     char *cut = NULL;
     for (;;) {
-        rd_kafka_resp_err_t e = rd_kafka_producev(
-            r->rk, RD_KAFKA_V_RKT(rkt), RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY),
-            RD_KAFKA_V_KEY(row->key, row->key ? strlen(row->key) : 0),
-            RD_KAFKA_V_VALUE((void *)payload, len), RD_KAFKA_V_HEADER("ce_id", row->event_id, -1),
-            RD_KAFKA_V_OPAQUE((void *)(intptr_t)row->id), RD_KAFKA_V_END);
-        if (e == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        rd_kafka_headers_t *hdrs = rd_kafka_headers_new(2);
+        rd_kafka_header_add(hdrs, "ce_id", -1, row->event_id, -1);
+        if (dest.corr_len >= 0) /* Spring Kafka's ReplyingKafkaTemplate matches on it */
+            rd_kafka_header_add(hdrs, "kafka_correlationId", -1, dest.corr, dest.corr_len);
+        rd_kafka_resp_err_t e =
+            rd_kafka_producev(r->rk, RD_KAFKA_V_RKT(rkt), RD_KAFKA_V_PARTITION(dest.partition),
+                              RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY),
+                              RD_KAFKA_V_KEY(row->key, row->key ? strlen(row->key) : 0),
+                              RD_KAFKA_V_VALUE((void *)payload, len), RD_KAFKA_V_HEADERS(hdrs),
+                              RD_KAFKA_V_OPAQUE((void *)(intptr_t)row->id), RD_KAFKA_V_END);
+        if (e == RD_KAFKA_RESP_ERR_NO_ERROR) { /* the message owns the headers now */
             r->pending++;
+            if (row->reply != NULL)
+                r->pending_replies++;
             break;
         }
+        rd_kafka_headers_destroy(hdrs);
         if (e == RD_KAFKA_RESP_ERR__QUEUE_FULL && mono_ms() < deadline) {
             rd_kafka_poll(r->rk, 100); /* serve delivery reports to make room */
             continue;
@@ -511,6 +636,8 @@ static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
         break;
     }
     free(cut);
+    if (dest.rkt != NULL)
+        rd_kafka_topic_destroy(dest.rkt);
 }
 
 /* After a fatal idempotent-producer error the instance is unusable: replace it. */
@@ -536,12 +663,20 @@ static void publish_rows(tally_relay_t *r, int64_t start, size_t *delivered_out,
     int64_t deadline = start + r->wait_ms;
     for (size_t i = 0; i < r->n_rows; i++)
         produce_row(r, &r->rows[i], deadline);
+    int64_t others_done = 0;
     while (r->pending > 0) {
         int64_t now = mono_ms();
         if (stopping(r) && deadline > now + STOP_WAIT_CAP_MS)
             deadline = now + STOP_WAIT_CAP_MS;
         if (now >= deadline)
             break;
+        if (r->pending == r->pending_replies) {
+            /* only replies left: a little longer, then they wait out their lease */
+            if (others_done == 0)
+                others_done = now;
+            else if (now - others_done >= REPLY_WAIT_MS)
+                break;
+        }
         /* flush, not poll: it sends at once instead of after linger.ms, and serves reports */
         int64_t left = deadline - now;
         rd_kafka_flush(r->rk, left < 100 ? (int)left : 100);
@@ -622,11 +757,13 @@ int tally_relay_round(tally_relay_t *r)
         row->event_id = PQgetvalue(res, i, 3);
         row->payload = PQgetvalue(res, i, 4);
         row->payload_len = PQgetlength(res, i, 4);
+        row->reply = PQgetisnull(res, i, 5) ? NULL : PQgetvalue(res, i, 5);
     }
     /* keys of one run stay in outbox order; sorted ids also let reports find their row */
     qsort(r->rows, (size_t)n, sizeof(*r->rows), cmp_row_id);
     r->n_rows = (size_t)n;
     r->pending = 0;
+    r->pending_replies = 0;
 
     int64_t start = mono_ms();
     size_t delivered = 0, failed = 0, unknown = 0;
@@ -686,8 +823,8 @@ bool tally_relay_hand(tally_relay_t *r, const tally_relay_msg_t *msgs, size_t n)
             r->cap_hand = cap;
         }
         size_t lt = strlen(m->topic) + 1, lk = m->key ? strlen(m->key) + 1 : 0,
-               le = strlen(m->event_id) + 1;
-        relay_hand_t *h = malloc(sizeof *h + lt + lk + le + m->payload_len + 1);
+               le = strlen(m->event_id) + 1, lr = m->reply ? strlen(m->reply) + 1 : 0;
+        relay_hand_t *h = malloc(sizeof *h + lt + lk + le + lr + m->payload_len + 1);
         if (!h || m->payload_len > INT32_MAX) {
             free(h);
             ok = false;
@@ -701,6 +838,8 @@ bool tally_relay_hand(tally_relay_t *r, const tally_relay_msg_t *msgs, size_t n)
         p += lk;
         h->event_id = memcpy(p, m->event_id, le);
         p += le;
+        h->reply = m->reply ? memcpy(p, m->reply, lr) : NULL;
+        p += lr;
         memcpy(p, m->payload, m->payload_len);
         p[m->payload_len] = '\0';
         h->payload = p;
@@ -741,7 +880,8 @@ bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col,
             .key = PQgetisnull(res, row, c + 2) ? NULL : PQgetvalue(res, row, c + 2),
             .event_id = PQgetvalue(res, row, c + 3),
             .payload = PQgetvalue(res, row, c + 4),
-            .payload_len = (size_t)PQgetlength(res, row, c + 4)};
+            .payload_len = (size_t)PQgetlength(res, row, c + 4),
+            .reply = PQgetisnull(res, row, c + 5) ? NULL : PQgetvalue(res, row, c + 5)};
     }
     bool ok = k == 0 || tally_relay_hand(r, msgs, k);
     free(msgs);
@@ -790,10 +930,12 @@ static int hand_round(tally_relay_t *r)
                                    .key = taken[i]->key,
                                    .event_id = taken[i]->event_id,
                                    .payload = taken[i]->payload,
-                                   .payload_len = taken[i]->payload_len};
+                                   .payload_len = taken[i]->payload_len,
+                                   .reply = taken[i]->reply};
     qsort(r->rows, n, sizeof(*r->rows), cmp_row_id);
     r->n_rows = n;
     r->pending = 0;
+    r->pending_replies = 0;
     rd_kafka_poll(r->rk, 0); /* late reports from an earlier round */
     int64_t start = mono_ms();
     size_t delivered = 0, failed = 0, unknown = 0;

@@ -34,6 +34,22 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
 void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
                                  const char *event_id, const char *effect_id, const char *payload);
 
+/** Who else an answer goes to besides its topic (docs/agent-protocol.md). */
+typedef enum {
+    TALLY_REPLY_AUTO = 0, /**< an effect event (data.effect_id, topic "outcomes") goes to its
+                               effect's replies, a tally.run.* event to its run's */
+    TALLY_REPLY_NONE,     /**< only the topic: an answer that belongs to one message alone */
+} tally_reply_scope_t;
+
+/**
+ * @brief tally_outbox_batch_add_text with the reply routing spelt out: @p scope, and
+ * @p reply_to (may be NULL), a destination (replies.destination's JSON) that gets a copy of
+ * this message whatever the scope: the answer to a message that named it.
+ */
+void tally_outbox_batch_add_answer(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                   const char *event_id, const char *effect_id, const char *payload,
+                                   tally_reply_scope_t scope, const char *reply_to);
+
 /** @brief Number of queued messages. */
 size_t tally_outbox_batch_len(const tally_outbox_batch_t *b);
 
@@ -55,30 +71,50 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
  * @brief The INSERT that writes a batch's rows from its columns parameter @p PARAM (a binary
  * two-dimensional text[]: columns.h), keeping the rows that pass @p WHERE ("" for all; the
  * rows are "r"; r.effect_id is the "effect_id" of the message's data, as text, or NULL); see
- * TALLY_AUDIT_INSERT.
+ * TALLY_AUDIT_INSERT. Each answer is also copied once for each of its reply destinations
+ * (docs/agent-protocol.md): an effect event ("effect" scope) to the replies of its effect, a
+ * run event ("run" scope) to the replies of its run, the 8 most recent each, as rows of topic
+ * 'replies' right after it; a row of topic 'replies' carries its own destination.
  */
 #define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
-    "INSERT INTO message_outbox (topic, msg_key, event_id, payload)"                               \
-    " SELECT r.topic, r.msg_key, r.event_id, r.payload" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
+    "INSERT INTO message_outbox (topic, msg_key, event_id, payload, reply)"                        \
+    " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
 
 /**
  * @brief TALLY_OUTBOX_INSERT for rows handed to a relay (tally_relay_hand): leased to the
  * relay named by the text parameter @p OWNER for @p LEASE_MS (an int parameter) milliseconds
- * from now(), or not leased when OWNER is NULL; returns id, topic, msg_key, event_id, payload.
+ * from now(), or not leased when OWNER is NULL; returns id, topic, msg_key, event_id, payload,
+ * reply (TALLY_OUTBOX_RETURNING).
  */
 // clang-format off
 #define TALLY_OUTBOX_INSERT_HANDED(PARAM, WHERE, OWNER, LEASE_MS)                                  \
-    "INSERT INTO message_outbox (topic, msg_key, event_id, payload, lease_owner, lease_until)"     \
-    " SELECT r.topic, r.msg_key, r.event_id, r.payload, " OWNER "::text,"                          \
+    "INSERT INTO message_outbox (topic, msg_key, event_id, payload, reply, lease_owner,"           \
+    " lease_until)"                                                                                \
+    " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply, " OWNER "::text,"                 \
     " CASE WHEN " OWNER "::text IS NOT NULL"                                                       \
     " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END"                               \
-    TALLY_OUTBOX_ROWS_(PARAM, WHERE) " RETURNING id, topic, msg_key, event_id, payload"
+    TALLY_OUTBOX_ROWS_(PARAM, WHERE) " RETURNING " TALLY_OUTBOX_RETURNING
+
+/** The columns a relay takes a message_outbox row with (tally_relay_hand_result). */
+#define TALLY_OUTBOX_RETURNING "id, topic, msg_key, event_id, payload, reply::text"
 
 #define TALLY_OUTBOX_ROWS_(PARAM, WHERE)                                                           \
+    " FROM (SELECT r.n, q.k, coalesce(q.topic, r.topic) AS topic, r.msg_key, r.event_id,"          \
+    "  CASE WHEN q.reply IS NULL THEN r.payload ELSE tally_reply_payload(r.payload, q.reply)"      \
+    "  END AS payload, q.reply"                                                                    \
     " FROM unnest(" TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) ","                          \
-    TALLY_COLUMN(PARAM, 3) "," TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) ")"               \
-    " WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, n)"                       \
-    " " WHERE " ORDER BY r.n"
+    TALLY_COLUMN(PARAM, 3) "," TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) ","               \
+    TALLY_COLUMN(PARAM, 6) "," TALLY_COLUMN(PARAM, 7) ")"                                          \
+    " WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, n)"         \
+    " CROSS JOIN LATERAL ("                                                                        \
+    "  SELECT 0::bigint AS k, NULL::text AS topic, r.reply::jsonb AS reply"                        \
+    "  UNION ALL (SELECT p.id, 'replies', p.destination FROM replies p"                            \
+    "   WHERE r.scope = 'effect' AND p.effect_id = CASE WHEN r.scope = 'effect'"                   \
+    "    THEN r.effect_id::uuid END ORDER BY p.id DESC LIMIT 8)"                                   \
+    "  UNION ALL (SELECT p.id, 'replies', p.destination FROM replies p"                            \
+    "   WHERE r.scope = 'run' AND p.effect_id IS NULL AND p.run_id = r.msg_key"                    \
+    "   ORDER BY p.id DESC LIMIT 8)) q"                                                            \
+    " " WHERE ") x ORDER BY x.n, x.k"
 // clang-format on
 
 /**

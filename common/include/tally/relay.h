@@ -52,6 +52,7 @@ typedef struct tally_relay_msg {
     const char *event_id;
     const char *payload;
     size_t payload_len;
+    const char *reply; /**< topic "replies": the destination (JSON text), else NULL */
 } tally_relay_msg_t;
 
 #define TALLY_RELAY_HAND_LEASE_MS 10000
@@ -67,8 +68,8 @@ bool tally_relay_hand(tally_relay_t *relay, const tally_relay_msg_t *msgs, size_
 
 /**
  * @brief tally_relay_hand for the rows of a committed INSERT … RETURNING id, topic, msg_key,
- * event_id, payload (TALLY_OUTBOX_INSERT_HANDED). With @p tag_col ≥ 0 only the rows whose
- * column @p tag_col starts with @p tag are messages, their five columns following it.
+ * event_id, payload, reply (TALLY_OUTBOX_INSERT_HANDED). With @p tag_col ≥ 0 only the rows whose
+ * column @p tag_col starts with @p tag are messages, their six columns following it.
  * A NULL @p relay or @p res hands nothing. @returns false when they could not be handed
  * (out of memory): they are then published when their lease ends.
  */
