@@ -2,6 +2,8 @@
  * effects, dispatch outbox, audit events, outcome and DLQ messages); the batch's offsets are
  * stored only after its COMMIT, so a crash anywhere before makes Kafka deliver it again and
  * the ledger's uniqueness turns the second delivery into replays. */
+#include <ctype.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,7 +76,7 @@ static const char SQL_EFFECTS[] =
     "    END,"
     "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END,"
     "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END"
-    "  FROM r JOIN ru ON ru.run_id = r.run_id"
+    "  FROM r JOIN ru ON ru.run_id = r.run_id AND ru.status NOT IN ('COMPLETING', 'COMPLETED')"
     "  CROSS JOIN LATERAL (SELECT CASE WHEN ru.status <> 'ACTIVE' THEN 'CANCELLED'"
     "    WHEN r.gated THEN 'AWAITING_APPROVAL'"
     "    WHEN r.lease_ms IS NOT NULL THEN 'DISPATCHING' ELSE 'PLANNED' END AS status) s"
@@ -95,12 +97,36 @@ static const char SQL_EFFECTS[] =
 static const char SQL_EXISTING[] =
     "SELECT k.ord, e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
     "  e.operation_key, e.status, e.input_hash, e.receipt::text, e.external_ref, e.error_code,"
-    "  e.error_message, e.attempts, s.effect_id::text, s.tool, s.operation_key"
+    "  e.error_message, e.attempts, s.effect_id::text, s.tool, s.operation_key, ru.status"
     " FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
     TALLY_COLUMN("$1", 4) "," TALLY_COLUMN("$1", 5) ") AS k(ord, tool, operation_key, run_id,"
     "   step)"
     " LEFT JOIN effects e ON e.tool = k.tool AND e.operation_key = k.operation_key"
-    " LEFT JOIN effects s ON s.run_id = k.run_id AND s.step = k.step";
+    " LEFT JOIN effects s ON s.run_id = k.run_id AND s.step = k.step"
+    " LEFT JOIN runs ru ON ru.run_id = k.run_id";
+
+/* Where the answers of the batch's messages go too (docs/agent-protocol.md): for an intent, the
+ * effect it created or found; for a run message, the run (effect_id NULL). */
+// clang-format off
+static const char SQL_REPLIES[] =
+    "INSERT INTO replies (run_id, effect_id, intent_id, destination)"
+    " SELECT r.run_id, r.effect_id::uuid, r.intent_id, r.destination::jsonb"
+    " FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
+    TALLY_COLUMN("$1", 4) ") AS r(run_id, effect_id, intent_id, destination)"
+    " ON CONFLICT DO NOTHING";
+// clang-format on
+#define REPLY_COLS 4
+
+/* complete_run: the runs' statuses, locked (their completion serialises with other batches). */
+static const char SQL_COMPLETE_LOCK[] =
+    "SELECT run_id, status, status_reason, summary::text FROM runs"
+    " WHERE run_id = ANY ($1::text[]) ORDER BY run_id FOR UPDATE";
+
+/* complete_run of ACTIVE runs: no new intents from now on; tally_runops_complete finishes the
+ * ones with nothing in flight at once, the reconciler's sweep the others when they settle. */
+static const char SQL_COMPLETING[] =
+    "UPDATE runs SET status = 'COMPLETING', status_reason = 'complete_run', updated_at = now()"
+    " WHERE run_id = ANY ($1::text[]) AND status = 'ACTIVE' RETURNING run_id";
 // clang-format on
 
 /* ---------------------------------------------------------------------------------------- */
@@ -113,6 +139,7 @@ static void msg_clear(intake_msg_t *m)
     tally_intent_clear(&m->in);
     free(m->op_key);
     free(m->canonical);
+    free(m->reply);
     memset(m, 0, sizeof *m);
 }
 
@@ -151,6 +178,210 @@ static bool has_control_char(const char *s)
     return false;
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Reply destinations (docs/agent-protocol.md)                                              */
+
+typedef enum { REPLY_NONE = 0, REPLY_OK, REPLY_INVALID } reply_read_t;
+
+/* The last value of header @p name, or NULL. */
+static const void *header(rd_kafka_headers_t *hdrs, const char *name, size_t *size)
+{
+    const void *v = NULL;
+    *size = 0;
+    if (hdrs == NULL ||
+        rd_kafka_header_get_last(hdrs, name, &v, size) != RD_KAFKA_RESP_ERR_NO_ERROR)
+        return NULL;
+    return v != NULL ? v : "";
+}
+
+static bool topic_char(unsigned char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+           c == '_' || c == '-';
+}
+
+/* A partition as digits, or (a header, @p binary) as Spring Kafka writes it: 4 bytes,
+ * big-endian. */
+static bool partition_bytes(const unsigned char *v, size_t n, bool binary, long long *out)
+{
+    bool digits = n > 0 && n <= 10;
+    for (size_t i = 0; i < n && digits; i++)
+        digits = v[i] >= '0' && v[i] <= '9';
+    if (binary && n == 4 && !digits) {
+        int32_t p = (int32_t)((uint32_t)v[0] << 24 | (uint32_t)v[1] << 16 | (uint32_t)v[2] << 8 |
+                              (uint32_t)v[3]);
+        *out = p;
+        return p >= 0;
+    }
+    if (!digits)
+        return false;
+    long long p = 0;
+    for (size_t i = 0; i < n; i++)
+        p = p * 10 + (v[i] - '0');
+    *out = p;
+    return p <= INT32_MAX;
+}
+
+static json_t *base64_json(const void *data, size_t len);
+
+/* Read where the answers of message @p rkm (its parsed CloudEvent @p doc, may be NULL) go:
+ * the Spring Kafka headers, else the CloudEvents extension attributes. REPLY_OK sets *@p out to
+ * the destination as JSON text (replies.destination); REPLY_INVALID says why in @p detail and
+ * names the field in @p field. */
+static reply_read_t read_reply_to(const char *allowed, const rd_kafka_message_t *rkm,
+                                  const json_t *doc, char **out, char *detail, size_t detailsz,
+                                  char *field, size_t fieldsz)
+{
+    *out = NULL;
+    rd_kafka_headers_t *hdrs = NULL;
+    if (rd_kafka_message_headers(rkm, &hdrs) != RD_KAFKA_RESP_ERR_NO_ERROR)
+        hdrs = NULL;
+    size_t tlen = 0, plen = 0, clen = 0;
+    const char *topic = header(hdrs, "kafka_replyTopic", &tlen);
+    const unsigned char *part = header(hdrs, "kafka_replyPartition", &plen);
+    const unsigned char *corr = header(hdrs, "kafka_correlationId", &clen);
+    const char *tname = "kafka_replyTopic", *pname = "kafka_replyPartition",
+               *cname = "kafka_correlationId";
+    json_t *pjson = NULL;
+    if (topic == NULL) {
+        json_t *t = json_object_get(doc, "replytopic");
+        if (t == NULL)
+            return REPLY_NONE;
+        tname = "replytopic";
+        if (!json_is_string(t)) {
+            tally_text_copy(field, fieldsz, tname);
+            tally_fmt(detail, detailsz, "replytopic must be a string (a topic name)");
+            return REPLY_INVALID;
+        }
+        topic = json_string_value(t);
+        tlen = json_string_length(t);
+    }
+    if (part == NULL && (pjson = json_object_get(doc, "replypartition")) != NULL)
+        pname = "replypartition";
+    if (corr == NULL) {
+        json_t *c = json_object_get(doc, "correlationid");
+        if (c != NULL) {
+            cname = "correlationid";
+            if (!json_is_string(c)) {
+                tally_text_copy(field, fieldsz, cname);
+                tally_fmt(detail, detailsz, "correlationid must be a string");
+                return REPLY_INVALID;
+            }
+            corr = (const unsigned char *)json_string_value(c);
+            clen = json_string_length(c);
+        }
+    }
+
+    size_t alen = strlen(allowed);
+    bool chars = tlen > 0;
+    for (size_t i = 0; i < tlen && chars; i++)
+        chars = topic_char((unsigned char)topic[i]);
+    if (!chars || tlen > TALLY_LIMIT_REPLY_TOPIC || tlen <= alen ||
+        memcmp(topic, allowed, alen) != 0) {
+        char shown[128];
+        if (tally_utf8_valid(topic, tlen) && !memchr(topic, '\0', tlen)) {
+            char *t = strndup(topic, tlen);
+            tally_text_copy(shown, sizeof shown, t ? t : "");
+            free(t);
+        } else {
+            snprintf(shown, sizeof shown, "(%zu bytes that are not text)", tlen);
+        }
+        tally_text_copy(field, fieldsz, tname);
+        if (!chars || tlen > TALLY_LIMIT_REPLY_TOPIC)
+            tally_fmt(detail, detailsz,
+                      "%s '%s' is not a topic name (1-%d bytes of A-Z a-z 0-9 . _ -)", tname, shown,
+                      TALLY_LIMIT_REPLY_TOPIC);
+        else
+            tally_fmt(detail, detailsz,
+                      "%s '%s' is outside the allowed prefix '%s' (TALLY_REPLY_TOPIC_PREFIX): "
+                      "tally answers only on reply topics it is allowed to write",
+                      tname, shown, allowed);
+        return REPLY_INVALID;
+    }
+    long long p = -1;
+    bool p_ok = true;
+    if (part != NULL)
+        p_ok = partition_bytes(part, plen, true, &p);
+    else if (pjson != NULL && json_is_integer(pjson))
+        p = json_integer_value(pjson), p_ok = p >= 0 && p <= INT32_MAX;
+    else if (pjson != NULL && json_is_string(pjson))
+        p_ok = partition_bytes((const unsigned char *)json_string_value(pjson),
+                               json_string_length(pjson), false, &p);
+    else if (pjson != NULL && !json_is_null(pjson))
+        p_ok = false;
+    if (!p_ok) {
+        tally_text_copy(field, fieldsz, pname);
+        tally_fmt(detail, detailsz,
+                  "%s must be a partition number from 0 to 2147483647 (Spring Kafka's 4-byte "
+                  "big-endian int, or digits)",
+                  pname);
+        return REPLY_INVALID;
+    }
+    if (corr != NULL && (clen == 0 || clen > TALLY_LIMIT_CORRELATION)) {
+        tally_text_copy(field, fieldsz, cname);
+        tally_fmt(detail, detailsz, "%s must be 1 to %d bytes; it is %zu", cname,
+                  TALLY_LIMIT_CORRELATION, clen);
+        return REPLY_INVALID;
+    }
+    json_t *dest = json_object();
+    int rc = dest ? json_object_set_new(dest, "topic", json_stringn(topic, tlen)) : -1;
+    if (p >= 0)
+        rc |= json_object_set_new(dest, "partition", json_integer((json_int_t)p));
+    if (corr != NULL) {
+        rc |= json_object_set_new(dest, "correlation", base64_json(corr, clen));
+        bool text = tally_utf8_valid((const char *)corr, clen);
+        for (size_t i = 0; i < clen && text; i++)
+            text = corr[i] >= 0x20 && corr[i] != 0x7f;
+        if (text)
+            rc |= json_object_set_new(dest, "correlation_text",
+                                      json_stringn((const char *)corr, clen));
+    }
+    *out = rc == 0 ? json_dumps(dest, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    json_decref(dest);
+    if (*out == NULL) {
+        tally_text_copy(field, fieldsz, tname);
+        tally_fmt(detail, detailsz, "out of memory reading the reply destination");
+        return REPLY_INVALID;
+    }
+    return REPLY_OK;
+}
+
+/* The field a refusal's detail sentence names ("data.tool", "id", ...), for its answer. */
+static void field_of(const intake_msg_t *m, char *out, size_t outsz)
+{
+    if (m->field[0] != '\0') {
+        tally_text_copy(out, outsz, m->field);
+        return;
+    }
+    out[0] = '\0';
+    const char *d = m->detail;
+    const char *p = strstr(d, "data.");
+    if (m->reason == TALLY_DLQ_UNKNOWN_TOOL) {
+        tally_text_copy(out, outsz, "data.tool");
+    } else if (m->reason == TALLY_DLQ_MISSING_OPERATION_KEY) {
+        tally_text_copy(out, outsz, "data.operation_key");
+    } else if (p != NULL) {
+        size_t n = 5;
+        while (p[n] && (isalnum((unsigned char)p[n]) || p[n] == '_' || p[n] == '.') &&
+               n + 1 < outsz)
+            n++;
+        while (n > 5 && p[n - 1] == '.')
+            n--;
+        memcpy(out, p, n);
+        out[n] = '\0';
+    } else if (strstr(d, "CloudEvents id") != NULL) {
+        tally_text_copy(out, outsz, "id");
+    } else if (strstr(d, "CloudEvents type") != NULL) {
+        tally_text_copy(out, outsz, "type");
+    } else if (strstr(d, "specversion") != NULL) {
+        tally_text_copy(out, outsz, "specversion");
+    } else if (strstr(d, "datacontenttype") != NULL) {
+        tally_text_copy(out, outsz, "datacontenttype");
+    } else if (strncmp(d, "data ", 5) == 0 || strncmp(d, "data is", 7) == 0) {
+        tally_text_copy(out, outsz, "data");
+    }
+}
+
 /* Validate one message: envelope and data (cloudevent.c), then the registry. */
 static void parse_msg(dispatcher_t *d, intake_msg_t *m)
 {
@@ -163,6 +394,13 @@ static void parse_msg(dispatcher_t *d, intake_msg_t *m)
     if (has_control_char(m->in.run_id)) {
         m->reason = TALLY_DLQ_INVALID_FIELD;
         snprintf(m->detail, sizeof m->detail, "data.run_id holds a control character");
+        return;
+    }
+    char allowed[256];
+    tally_config_reply_prefix(d->cfg, allowed, sizeof allowed);
+    if (read_reply_to(allowed, rkm, m->in.doc, &m->reply, m->detail, sizeof m->detail, m->field,
+                      sizeof m->field) == REPLY_INVALID) {
+        m->reason = TALLY_DLQ_INVALID_REPLY_TO;
         return;
     }
     if (m->in.type != TALLY_MSG_INTENT)
@@ -192,7 +430,8 @@ static void parse_msg(dispatcher_t *d, intake_msg_t *m)
         tally_intent_clear(&m->in);
         free(m->op_key);
         free(m->canonical);
-        m->op_key = m->canonical = NULL;
+        free(m->reply);
+        m->op_key = m->canonical = m->reply = NULL;
         return;
     }
     tally_uuid_v7(m->effect_id);
@@ -211,6 +450,11 @@ static json_t *b64(const void *data, size_t len)
     json_t *s = json_stringn((const char *)out, (size_t)(n > 0 ? n : 0));
     free(out);
     return s;
+}
+
+static json_t *base64_json(const void *data, size_t len)
+{
+    return b64(data, len);
 }
 
 static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
@@ -308,11 +552,69 @@ static bool dlq_add(dispatcher_t *d, tally_outbox_batch_t *ob, const intake_msg_
     return false;
 }
 
+/* tally.intent.rejected.v1 (docs/agent-protocol.md): the answer to a message tally refuses,
+ * on the outcomes topic and on @p reply (may be NULL). @p step (borrowed) may be NULL. @p dlq:
+ * the message was dead-lettered (its position is named). */
+static bool reject_add(dispatcher_t *d, tally_outbox_batch_t *ob, const intake_msg_t *m,
+                       const char *id, const char *run_id, json_t *step, const char *tool,
+                       const char *type, const char *reply, bool dlq)
+{
+    char field[64];
+    field_of(m, field, sizeof field);
+    const rd_kafka_message_t *rkm = m->rkm;
+    json_t *where =
+        dlq ? json_pack("{s:s, s:i, s:I}", "topic", rd_kafka_topic_name(rkm->rkt), "partition",
+                        (int)rkm->partition, "offset", (json_int_t)rkm->offset)
+            : json_null();
+    json_t *data = json_pack(
+        "{s:s, s:s, s:O, s:o, s:o, s:s, s:s, s:o, s:s, s:o}", "intent_id", id, "run_id", run_id,
+        "step", step ? step : json_null(), "tool", tool ? json_string(tool) : json_null(), "type",
+        type ? json_string(type) : json_null(), "status", "REJECTED", "reason",
+        tally_dlq_reason_name(m->reason), "field", field[0] ? json_string(field) : json_null(),
+        "detail", m->detail, "dlq", where);
+    if (!data)
+        return false;
+    char eid[37];
+    json_t *ce = tally_ce_new("tally.intent.rejected.v1", d->source, run_id, data, eid);
+    char *payload = ce ? json_dumps(ce, JSON_COMPACT) : NULL;
+    json_decref(ce);
+    if (!payload)
+        return false;
+    tally_outbox_batch_add_answer(ob, "outcomes", run_id, eid, NULL, payload, TALLY_REPLY_NONE,
+                                  reply);
+    free(payload);
+    return true;
+}
+
+/* A dead-lettered message: its DLQ record, and its answer when its id and run id can be read
+ * (with its reply destination when that is valid). */
+static bool refuse(dispatcher_t *d, tally_outbox_batch_t *ob, intake_msg_t *m)
+{
+    if (!dlq_add(d, ob, m))
+        return false;
+    const rd_kafka_message_t *rkm = m->rkm;
+    tally_intent_peek_t pk;
+    if (!tally_intent_peek(rkm->payload, rkm->payload ? rkm->len : 0, &pk))
+        return true; /* the DLQ alone: nothing names whom to answer */
+    char *reply = NULL;
+    if (m->reason != TALLY_DLQ_INVALID_REPLY_TO) {
+        char allowed[256], detail[256], field[64];
+        tally_config_reply_prefix(d->cfg, allowed, sizeof allowed);
+        if (read_reply_to(allowed, rkm, pk.doc, &reply, detail, sizeof detail, field,
+                          sizeof field) != REPLY_OK)
+            reply = NULL;
+    }
+    bool ok = reject_add(d, ob, m, pk.id, pk.run_id, pk.step, pk.tool, pk.type, reply, true);
+    free(reply);
+    tally_intent_peek_clear(&pk);
+    return ok;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The transaction                                                                          */
 
 typedef struct intake_counts {
-    int created, planned, replay, conflict, dlq, cancel, compensate;
+    int created, planned, replay, conflict, dlq, cancel, compensate, complete, not_active;
     int dlq_by_reason[16];
 } intake_counts_t;
 
@@ -370,11 +672,50 @@ static void audit_add(tally_audit_batch_t *ab, const char *run_id, const char *e
     tally_audit_batch_add(ab, &ev);
 }
 
+/* Note that the answers about @p effect_id (NULL: the run's own) go to @p m's reply
+ * destination too, when it named one. */
+static bool add_reply(tally_columns_t *rp, const char *run_id, const char *effect_id,
+                      const intake_msg_t *m)
+{
+    if (!m->reply)
+        return true;
+    bool row = tally_columns_row_begin(rp) && tally_columns_text(rp, run_id) &&
+               tally_columns_text(rp, effect_id) && tally_columns_text(rp, m->in.id) &&
+               tally_columns_text(rp, m->reply);
+    return tally_columns_row_end(rp, row);
+}
+
+/* An intent or complete_run for a run that is completed (or cancelled, compensated, for a
+ * complete_run): answered tally.intent.rejected.v1 run_not_active, and noted in the audit
+ * trail; it is not dead-lettered (nothing is wrong with the message). */
+static bool reject_not_active(dispatcher_t *d, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
+                              intake_msg_t *m, const char *run_status, intake_counts_t *c)
+{
+    m->reason = TALLY_DLQ_RUN_NOT_ACTIVE;
+    tally_fmt(m->detail, sizeof m->detail, "run %s is %s: it takes no new %s", m->in.run_id,
+              run_status, m->in.type == TALLY_MSG_INTENT ? "intents" : "requests to complete");
+    tally_text_copy(m->field, sizeof m->field, "data.run_id");
+    json_t *step = m->in.type == TALLY_MSG_INTENT
+                       ? dispatch_step_json(m->in.step, m->in.step_is_number)
+                       : NULL;
+    bool ok = reject_add(d, ob, m, m->in.id, m->in.run_id, step, m->in.tool,
+                         json_string_value(json_object_get(m->in.doc, "type")), m->reply, false);
+    json_decref(step);
+    const tally_audit_member_t data[] = {
+        {"intent_id", m->in.id, false},
+        {"run_status", run_status, false},
+    };
+    audit_add(ab, m->in.run_id, NULL, "intent", NULL, NULL, d->worker_id, "run_not_active", data,
+              sizeof data / sizeof data[0]);
+    c->not_active++;
+    return ok;
+}
+
 /* The intents that created an effect: their first "transition" event, and the
  * outcome for those that start gated (awaiting approval) or in a run that is over. */
 static bool record_created(dispatcher_t *d, PGresult *res, intake_msg_t **sorted, size_t n,
                            tally_audit_batch_t *ab, tally_outbox_batch_t *ob, intake_counts_t *c,
-                           bool *created)
+                           bool *created, tally_columns_t *rp)
 {
     for (int row = 0; row < PQntuples(res); row++) {
         const char *eid = PQgetvalue(res, row, 0);
@@ -388,6 +729,8 @@ static bool record_created(dispatcher_t *d, PGresult *res, intake_msg_t **sorted
         intake_msg_t *m = *hit;
         created[m - d->batch] = true;
         c->created++;
+        if (!add_reply(rp, m->in.run_id, eid, m))
+            return false;
         if (strcmp(status, "PLANNED") == 0)
             c->planned++;
         const tally_audit_member_t data[] = {
@@ -441,7 +784,8 @@ static bool record_created(dispatcher_t *d, PGresult *res, intake_msg_t **sorted
 
 /* The intents that created nothing: a replay of the same effect, or a conflict. */
 static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t *ab,
-                            tally_outbox_batch_t *ob, intake_counts_t *c, tally_error_t *err)
+                            tally_outbox_batch_t *ob, intake_counts_t *c, tally_columns_t *rp,
+                            tally_error_t *err)
 {
     for (int row = 0; row < PQntuples(res); row++) {
         int ord = atoi(PQgetvalue(res, row, 0));
@@ -450,9 +794,25 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
         intake_msg_t *m = &d->batch[ord];
         const char *eid = val(res, row, 1);
         const char *sid = val(res, row, 14);
-        if (eid && strcmp(PQgetvalue(res, row, 8), m->input_hash) == 0) {
-            /* Rule 5: the same effect. Answer with its state, naming this intent. */
+        const char *run_status = val(res, row, 17);
+        bool same = eid && strcmp(PQgetvalue(res, row, 8), m->input_hash) == 0;
+        if (!same && !sid && run_status &&
+            (strcmp(run_status, "COMPLETING") == 0 || strcmp(run_status, "COMPLETED") == 0)) {
+            /* A completed run takes no new intent (its effects' replays are answered). */
+            if (!reject_not_active(d, ob, ab, m, run_status, c)) {
+                tally_error_set(err, "oom", true, "out of memory building a refusal");
+                return false;
+            }
+            continue;
+        }
+        if (same) {
+            /* Rule 5: the same effect. Answer with its state, naming this intent; its later
+             * answers go to this intent's reply destination too. */
             c->replay++;
+            if (!add_reply(rp, PQgetvalue(res, row, 2), eid, m)) {
+                tally_error_set(err, "oom", true, "out of memory noting a reply destination");
+                return false;
+            }
             json_t *receipt = NULL;
             if (val(res, row, 9))
                 receipt = json_loads(PQgetvalue(res, row, 9), 0, NULL);
@@ -468,7 +828,9 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
                                .error_code = val(res, row, 11),
                                .error_message = val(res, row, 12),
                                .attempts = atoll(PQgetvalue(res, row, 13)),
-                               .intent_id = m->in.id};
+                               .intent_id = m->in.id,
+                               .own = true,
+                               .reply_to = m->reply};
             json_t *extra = json_pack(
                 "{s:b, s:s, s:o}", "replay", 1, "effect_run_id", PQgetvalue(res, row, 2),
                 "effect_step",
@@ -523,7 +885,9 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
                            .status = "CONFLICT",
                            .error_code = "conflict",
                            .error_message = msg,
-                           .intent_id = m->in.id};
+                           .intent_id = m->in.id,
+                           .own = true,
+                           .reply_to = m->reply};
         json_t *extra = json_pack("{s:s}", "conflicting_effect_id", other);
         bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
         const tally_audit_member_t data[] = {
@@ -570,6 +934,105 @@ static void start_claimed(dispatcher_t *d, size_t lo, size_t hi)
     }
 }
 
+/* A text[] literal of the run ids of @p ms (quoted, escaped). @returns malloc'd text. */
+static char *run_id_array(intake_msg_t **ms, size_t n)
+{
+    size_t cap = 3;
+    for (size_t i = 0; i < n; i++)
+        cap += 3 + 2 * strlen(ms[i]->in.run_id);
+    char *s = malloc(cap);
+    if (!s)
+        return NULL;
+    size_t k = 0;
+    s[k++] = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i)
+            s[k++] = ',';
+        s[k++] = '"';
+        for (const char *p = ms[i]->in.run_id; *p; p++) {
+            if (*p == '"' || *p == '\\')
+                s[k++] = '\\';
+            s[k++] = *p;
+        }
+        s[k++] = '"';
+    }
+    s[k++] = '}';
+    s[k] = '\0';
+    return s;
+}
+
+/* complete_run requests (docs/agent-protocol.md): an ACTIVE run turns COMPLETING, and
+ * COMPLETED at once when nothing of it is in flight; a COMPLETED one is answered with its
+ * summary again; a COMPLETING one is answered when it completes; any other (cancelled, under
+ * compensation) refuses with run_not_active. */
+static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_audit_batch_t *ab,
+                          tally_outbox_batch_t *ob, intake_counts_t *c, tally_error_t *err)
+{
+    char *ids = run_id_array(ms, n);
+    if (!ids) {
+        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+        return false;
+    }
+    const char *params[1] = {ids};
+    bool ok = false;
+    PGresult *res = tally_pg_exec(d->pg, SQL_COMPLETE_LOCK, 1, params, err);
+    PGresult *moved = NULL;
+    const char **moving = calloc(n, sizeof *moving);
+    size_t n_moving = 0, done = 0;
+    if (!res || !moving)
+        goto out;
+    for (size_t i = 0; i < n; i++) {
+        intake_msg_t *m = ms[i];
+        const char *status = "ACTIVE", *summary = NULL, *why = NULL;
+        for (int row = 0; row < PQntuples(res); row++)
+            if (strcmp(PQgetvalue(res, row, 0), m->in.run_id) == 0) {
+                status = PQgetvalue(res, row, 1);
+                why = val(res, row, 2);
+                summary = val(res, row, 3);
+            }
+        const tally_audit_member_t data[] = {{"intent_id", m->in.id, false}};
+        if (strcmp(status, "ACTIVE") == 0 || strcmp(status, "COMPLETING") == 0) {
+            audit_add(ab, m->in.run_id, NULL, "complete_run", NULL, NULL, d->worker_id,
+                      m->in.reason, data, 1);
+            moving[n_moving++] = m->in.run_id;
+        } else if (strcmp(status, "COMPLETED") == 0) {
+            audit_add(ab, m->in.run_id, NULL, "complete_run", NULL, NULL, d->worker_id,
+                      m->in.reason, data, 1);
+            if (!tally_runops_completed_event(m->in.run_id, why, summary, d->source, ob))
+                goto oom;
+        } else if (!reject_not_active(d, ob, ab, m, status, c)) {
+            goto oom;
+        }
+    }
+    if (n_moving > 0) {
+        moved = tally_pg_exec(d->pg, SQL_COMPLETING, 1, params, err);
+        if (!moved)
+            goto out;
+        for (int row = 0; row < PQntuples(moved); row++) {
+            tally_audit_event_t ev = {.run_id = PQgetvalue(moved, row, 0),
+                                      .kind = "transition",
+                                      .from_status = "ACTIVE",
+                                      .to_status = "COMPLETING",
+                                      .actor = d->worker_id,
+                                      .reason = "complete_run"};
+            tally_audit_batch_add(ab, &ev);
+        }
+        if (!tally_runops_complete(d->pg, moving, n_moving, (int)n_moving, 0, d->worker_id,
+                                   d->source, ob, ab, &done, err))
+            goto out;
+    }
+    ok = true;
+    goto out;
+oom:
+    tally_error_set(err, "oom", true, "out of memory answering complete_run");
+out:
+    PQclear(res);
+    PQclear(moved);
+    free(moving);
+    free(ids);
+    return ok;
+}
+
 /* Everything messages [lo, hi) of the batch say, in one transaction. The caller commits or
  * rolls back. The messages are leased to this worker's relay and @p handed receives them, for
  * the caller to hand to the relay after COMMIT. */
@@ -579,10 +1042,14 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
 {
     bool ok = false;
     /* The statements' $1 */
-    tally_columns_t runs = {0}, effects = {0}, existing = {0};
+    tally_columns_t runs = {0}, effects = {0}, existing = {0}, replies = {0};
     tally_columns_init(&runs, 2);
     tally_columns_init(&effects, EFFECT_COLS);
     tally_columns_init(&existing, 5);
+    tally_columns_init(&replies, REPLY_COLS);
+    /* complete_run: the messages, and the runs they name */
+    intake_msg_t **completes = calloc(d->n_batch ? d->n_batch : 1, sizeof *completes);
+    size_t n_completes = 0;
     intake_msg_t **sorted = calloc(d->n_batch ? d->n_batch : 1, sizeof *sorted);
     bool *created = calloc(d->n_batch ? d->n_batch : 1, sizeof *created);
     /* compensate_run / cancel_run: the same run-level SQL as `tally compensate|cancel` */
@@ -592,7 +1059,7 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
     int *room = calloc(n_tools ? n_tools : 1, sizeof *room);
     PGresult *res = NULL;
     size_t n_sorted = 0, n_ops = 0;
-    if (!sorted || !created || !ops || !op_results || !room) {
+    if (!sorted || !created || !ops || !op_results || !room || !completes) {
         tally_error_set(err, "oom", true, "out of memory building the intake batch");
         goto out;
     }
@@ -601,9 +1068,13 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
         room[t] = tally_connector_capacity(d->conn, tally_registry_at(d->reg, t));
     for (size_t i = lo; i < hi; i++) {
         intake_msg_t *m = &d->batch[i];
-        m->dispatch = false; /* a retried batch claims again */
+        m->dispatch = false;                         /* a retried batch claims again */
+        if (m->reason == TALLY_DLQ_RUN_NOT_ACTIVE) { /* decided by the failed try: decide again */
+            m->reason = TALLY_DLQ_NONE;
+            m->detail[0] = m->field[0] = '\0';
+        }
         if (m->reason != TALLY_DLQ_NONE) {
-            if (!dlq_add(d, ob, m)) {
+            if (!refuse(d, ob, m)) {
                 tally_error_set(err, "oom", true, "out of memory building a DLQ record");
                 goto out;
             }
@@ -617,7 +1088,22 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
                    tally_columns_text(&runs, in->tenant);
         if (!tally_columns_row_end(&runs, run))
             goto oom;
+        /* An intent after a complete_run of its run in this batch: the run is over for it. */
+        bool after_complete = false;
+        for (size_t k = 0; k < n_completes && in->type == TALLY_MSG_INTENT; k++)
+            after_complete = after_complete || strcmp(completes[k]->in.run_id, in->run_id) == 0;
+        if (after_complete) {
+            if (!reject_not_active(d, ob, ab, m, "COMPLETING", c))
+                goto oom;
+            continue;
+        }
         switch (in->type) {
+        case TALLY_MSG_COMPLETE_RUN:
+            c->complete++;
+            completes[n_completes++] = m;
+            if (!add_reply(&replies, in->run_id, NULL, m))
+                goto oom;
+            break;
         case TALLY_MSG_INTENT: {
             bool gated =
                 m->tool->effect_class == TALLY_CLASS_DESTRUCTIVE || m->tool->requires_approval;
@@ -652,6 +1138,8 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
         }
         case TALLY_MSG_CANCEL_RUN:
         case TALLY_MSG_COMPENSATE_RUN:
+            if (!add_reply(&replies, in->run_id, NULL, m))
+                goto oom;
             if (in->type == TALLY_MSG_CANCEL_RUN)
                 c->cancel++;
             else
@@ -675,7 +1163,7 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
     if (effects.n > 0) {
         if (!exec_rows(d, SQL_EFFECTS, &effects, d->worker_id, &res, err))
             goto out;
-        if (!record_created(d, res, sorted, n_sorted, ab, ob, c, created))
+        if (!record_created(d, res, sorted, n_sorted, ab, ob, c, created, &replies))
             goto oom;
         PQclear(res);
         res = NULL;
@@ -695,14 +1183,19 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
         if (existing.n > 0) {
             if (!exec_rows(d, SQL_EXISTING, &existing, NULL, &res, err))
                 goto out;
-            if (!record_existing(d, res, ab, ob, c, err))
+            if (!record_existing(d, res, ab, ob, c, &replies, err))
                 goto out;
             PQclear(res);
             res = NULL;
         }
     }
+    /* The reply destinations first: the answers below are copied to them. */
+    if (replies.n > 0 && !exec_rows(d, SQL_REPLIES, &replies, NULL, NULL, err))
+        goto out;
     if (n_ops > 0 &&
         !tally_runops_apply(d->pg, ops, n_ops, d->worker_id, d->source, ob, ab, op_results, err))
+        goto out;
+    if (n_completes > 0 && !complete_runs(d, completes, n_completes, ab, ob, c, err))
         goto out;
     if (!tally_audit_batch_flush(ab, d->pg, err) ||
         !dispatch_flush_messages(d, d->pg, ob, handed, err))
@@ -710,10 +1203,11 @@ static bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batc
     ok = true;
     goto out;
 oom:
-    if (runs.bad_text || effects.bad_text || existing.bad_text)
+    if (runs.bad_text || effects.bad_text || existing.bad_text || replies.bad_text)
         tally_error_set(err, "invalid_text", false, "intake batch not written: %s",
                         runs.bad_text      ? runs.why
                         : effects.bad_text ? effects.why
+                        : replies.bad_text ? replies.why
                                            : existing.why);
     else
         tally_error_set(err, "oom", true, "out of memory building the intake batch");
@@ -722,6 +1216,8 @@ out:
     tally_columns_release(&runs);
     tally_columns_release(&effects);
     tally_columns_release(&existing);
+    tally_columns_release(&replies);
+    free(completes);
     free(ops);
     free(op_results);
     free(sorted);

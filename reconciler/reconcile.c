@@ -434,6 +434,18 @@ static void sweep(reconciler_t *rc)
             rc->next_sweep_ms = 0; /* more may have expired: sweep again at once */
         }
     }
+    tally_error_clear(&err);
+    int completed =
+        tally_recon_complete_runs(&rc->db, rc->cfg->batch_size, rc->cfg->run_idle_timeout_ms, &err);
+    if (completed < 0) {
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "completing runs failed (%s: %s)", err.code,
+                            err.message);
+    } else if (completed > 0) {
+        TALLY_INFO("%d run%s completed", completed, completed == 1 ? "" : "s");
+        if (completed == rc->cfg->batch_size) {
+            rc->next_sweep_ms = 0;
+        }
+    }
     long long unknown = 0;
     long long stuck = 0;
     double oldest = 0;

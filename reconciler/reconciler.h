@@ -162,6 +162,13 @@ typedef struct tally_recon_db {
 int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *err);
 
 /**
+ * @brief Complete the runs that are done (tally_runops_complete): COMPLETING runs whose effects
+ * settled, and with @p idle_ms > 0 ACTIVE runs idle that long; at most @p limit, in one
+ * transaction with their tally.run.completed.v1. @returns runs completed, or -1.
+ */
+int tally_recon_complete_runs(tally_recon_db_t *db, int limit, int idle_ms, tally_error_t *err);
+
+/**
  * @brief Lease up to @p limit due UNKNOWN effects (next_attempt_at <= now(), no live lease) of
  * the tools in @p tools_json (a JSON array of {tool, lease_ms, settle_ms}) in one statement:
  * FOR UPDATE SKIP LOCKED, lease_until = now() + lease_ms, lease_epoch + 1, lease_owner = actor.

@@ -17,6 +17,7 @@
 #include "tally/json.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
+#include "tally/runops.h"
 #include "tally/text.h"
 
 /* The effect columns every event is built from; RETURNING lists them first, in this order. */
@@ -123,8 +124,7 @@ static const char SQL_RECORD[] =
 static const char SQL_STOPPED_RUNS[] =
     "SELECT e.effect_id::text FROM effects e JOIN runs r USING (run_id)"
     " WHERE e.effect_id IN (SELECT json_array_elements_text($1::json)::uuid)"
-    "   AND r.status <> 'ACTIVE'"
-    " ORDER BY r.run_id FOR SHARE OF r";
+    "   AND NOT " TALLY_SQL_RUN_GOES_ON("r.status") " ORDER BY r.run_id FOR SHARE OF r";
 
 #define RUN_STOPPED                                                                                \
     "the run is no longer ACTIVE and the status check found no upstream record after the "         \
@@ -337,6 +337,20 @@ int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *er
     }
     PQclear(res);
     return ok ? n : -1;
+}
+
+int tally_recon_complete_runs(tally_recon_db_t *db, int limit, int idle_ms, tally_error_t *err)
+{
+    tally_recon_db_t tx = *db;
+    if (!tx_begin(&tx, err)) {
+        tx_end(&tx, false, err);
+        return -1;
+    }
+    size_t done = 0;
+    bool ok = tally_runops_complete(tx.pg, NULL, 0, limit, idle_ms, tx.actor, tx.source, tx.outbox,
+                                    tx.audit, &done, err);
+    ok = tx_end(&tx, ok, err);
+    return ok ? (int)done : -1;
 }
 
 /* ---- the claim ------------------------------------------------------------------------- */

@@ -23,6 +23,7 @@
 static const char *const TYPE_INTENT = "tally.intent.v1";
 static const char *const TYPE_COMPENSATE_RUN = "tally.compensate_run.v1";
 static const char *const TYPE_CANCEL_RUN = "tally.cancel_run.v1";
+static const char *const TYPE_COMPLETE_RUN = "tally.complete_run.v1";
 
 /* ---------------------------------------------------------------------------------------- */
 /* Building                                                                                  */
@@ -294,6 +295,10 @@ const char *tally_dlq_reason_name(tally_dlq_reason_t r)
         return "missing_operation_key";
     case TALLY_DLQ_LEDGER_REFUSED:
         return "ledger_refused";
+    case TALLY_DLQ_INVALID_REPLY_TO:
+        return "invalid_reply_to";
+    case TALLY_DLQ_RUN_NOT_ACTIVE:
+        return "run_not_active";
     }
     return "unknown";
 }
@@ -601,9 +606,11 @@ static bool parse_run_data(const json_t *data, tally_intent_t *out, check_t *ck)
                               ck);
     if (out->run_id == NULL)
         return false;
-    out->reason = data_string(data, "reason", true, false, TALLY_LIMIT_REASON, false,
+    /* a run is completed for a reason when one is given; compensating and cancelling need one */
+    bool need_reason = out->type != TALLY_MSG_COMPLETE_RUN;
+    out->reason = data_string(data, "reason", need_reason, false, TALLY_LIMIT_REASON, false,
                               "a string of at most 4096 bytes", ck);
-    if (out->reason == NULL)
+    if (out->reason == NULL && (need_reason || ck->reason != TALLY_DLQ_NONE))
         return false;
     if (out->type == TALLY_MSG_CANCEL_RUN) {
         json_t *c = json_object_get(data, "compensate");
@@ -729,13 +736,15 @@ static tally_dlq_reason_t parse_doc(json_t *doc, tally_intent_t *out, check_t *c
         out->type = TALLY_MSG_COMPENSATE_RUN;
     } else if (strcmp(type, TYPE_CANCEL_RUN) == 0) {
         out->type = TALLY_MSG_CANCEL_RUN;
+    } else if (strcmp(type, TYPE_COMPLETE_RUN) == 0) {
+        out->type = TALLY_MSG_COMPLETE_RUN;
     } else {
         char ex[EXCERPT_MAX_BYTES + 4];
         excerpt(type, ex);
         set_detail(ck->detail, ck->detailsz,
                    "the CloudEvents type \"%s\" is not one tally accepts on the intents topic "
-                   "(%s, %s, %s)",
-                   ex, TYPE_INTENT, TYPE_COMPENSATE_RUN, TYPE_CANCEL_RUN);
+                   "(%s, %s, %s, %s)",
+                   ex, TYPE_INTENT, TYPE_COMPENSATE_RUN, TYPE_CANCEL_RUN, TYPE_COMPLETE_RUN);
         return ck->reason = TALLY_DLQ_UNKNOWN_TYPE;
     }
 
@@ -837,6 +846,47 @@ tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_by
     }
     out->doc = doc;
     return TALLY_DLQ_NONE;
+}
+
+/* A string of 1..@p max bytes without control characters, or NULL. */
+static const char *plain_string(const json_t *v, size_t max)
+{
+    const char *s = json_string_value(v);
+    size_t n = s != NULL ? json_string_length(v) : 0;
+    if (s == NULL || n == 0 || n > max || strlen(s) != n || has_control_chars(s, n))
+        return NULL;
+    return s;
+}
+
+bool tally_intent_peek(const void *buf, size_t len, tally_intent_peek_t *out)
+{
+    memset(out, 0, sizeof *out);
+    if (buf == NULL || len > TALLY_PEEK_MAX_BYTES || !tally_utf8_valid(buf, len))
+        return false;
+    json_t *doc = json_loadb(buf, len, TALLY_JSON_LOAD_FLAGS, NULL);
+    json_t *data = json_object_get(doc, "data");
+    out->id = plain_string(json_object_get(doc, "id"), TALLY_LIMIT_EVENT_ID);
+    out->run_id = plain_string(json_object_get(data, "run_id"), TALLY_LIMIT_RUN_ID);
+    if (!json_is_object(doc) || out->id == NULL || out->run_id == NULL) {
+        json_decref(doc);
+        memset(out, 0, sizeof *out);
+        return false;
+    }
+    out->doc = doc;
+    out->type = plain_string(json_object_get(doc, "type"), TALLY_LIMIT_EVENT_ID);
+    out->tool = plain_string(json_object_get(data, "tool"), TALLY_LIMIT_TOOL);
+    json_t *step = json_object_get(data, "step");
+    if (json_is_integer(step) || plain_string(step, TALLY_LIMIT_STEP) != NULL)
+        out->step = step;
+    return true;
+}
+
+void tally_intent_peek_clear(tally_intent_peek_t *p)
+{
+    if (p == NULL)
+        return;
+    json_decref(p->doc);
+    memset(p, 0, sizeof *p);
 }
 
 void tally_intent_clear(tally_intent_t *in)

@@ -57,6 +57,8 @@ static const param_t params[] = {
     STR(pager_url, "TALLY_PAGER_URL", "", NULL, NULL,
         "PagerDuty Events API v2 endpoint; empty: alerts only go to the alerts topic"),
     STR(pager_routing_key, "TALLY_PAGER_ROUTING_KEY", "", NULL, NULL, "PagerDuty routing key"),
+    STR(reply_prefix, "TALLY_REPLY_TOPIC_PREFIX", "", NULL, "<TALLY_TOPIC_PREFIX>replies.",
+        "reply topics named by intents must start with this (docs/agent-protocol.md)"),
     INT(batch_size, "TALLY_BATCH_SIZE", "500", 1, "messages / rows per poll batch"),
     INT(lease_ms, "TALLY_LEASE_MS", "30000", 1, "how long a claim is held (database clock)"),
     INT(poll_ms, "TALLY_POLL_MS", "1000", 1, "longest idle wait before looking for work again"),
@@ -72,6 +74,8 @@ static const param_t params[] = {
         "an UNKNOWN effect older than this is aging (tally status exits 1)"),
     INT(session_timeout_ms, "TALLY_SESSION_TIMEOUT_MS", "45000", 1,
         "Kafka consumer session timeout"),
+    INT(run_idle_timeout_ms, "TALLY_RUN_IDLE_TIMEOUT_MS", "0", 0,
+        "the reconciler completes ACTIVE runs whose effects have not changed this long; 0: off"),
 };
 
 #undef STR
@@ -579,4 +583,13 @@ void tally_config_free(tally_config_t *cfg)
         free(cfg->unknown_vars[i]);
     free(cfg->unknown_vars);
     free(cfg);
+}
+
+const char *tally_config_reply_prefix(const tally_config_t *cfg, char *out, size_t outsz)
+{
+    if (cfg->reply_prefix != NULL && cfg->reply_prefix[0] != '\0')
+        snprintf(out, outsz, "%s", cfg->reply_prefix);
+    else
+        snprintf(out, outsz, "%sreplies.", cfg->topic_prefix ? cfg->topic_prefix : "");
+    return out;
 }

@@ -315,6 +315,35 @@ static const char *nullable(PGresult *res, int row, int col)
     return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
 }
 
+/* A tally.run.<what>.v1 on topic "outcomes" (key and subject: the run id; its replies get a
+ * copy): data {run_id, status, reason (when given), and the members of @p extra (stolen)}. */
+static bool queue_run_event(const char *type, const char *run_id, const char *status,
+                            const char *reason, json_t *extra, const char *source,
+                            tally_outbox_batch_t *ob)
+{
+    json_t *data = json_pack("{s:s, s:s}", "run_id", run_id, "status", status);
+    if (data != NULL && reason != NULL &&
+        json_object_set_new(data, "reason", json_string(reason)) != 0) {
+        json_decref(data);
+        data = NULL;
+    }
+    if (data != NULL && extra != NULL && json_object_update(data, extra) != 0) {
+        json_decref(data);
+        data = NULL;
+    }
+    json_decref(extra);
+    if (data == NULL) {
+        return false;
+    }
+    json_t *ce = tally_ce_new(type, source, run_id, data, NULL);
+    if (ce == NULL) {
+        return false;
+    }
+    tally_outbox_batch_add(ob, "outcomes", run_id, ce);
+    json_decref(ce);
+    return true;
+}
+
 /* The audit event and the tally.obligation.v1 of one new obligation. */
 static bool queue_obligation(const char *oid, const char *run_id, const char *eid,
                              const char *reason, const char *ref, const char *intent_id,
@@ -391,8 +420,10 @@ static const char *op_kind_name(const tally_runop_t *op)
 static const char *next_run_status(const tally_runop_t *op, const run_state_t *rs)
 {
     const char *cur = rs->status;
+    bool open = strcmp(cur, "ACTIVE") == 0 || strcmp(cur, "COMPLETING") == 0;
     if (wants_compensation(op)) {
-        if (strcmp(cur, "ACTIVE") == 0 || strcmp(cur, "CANCELLED") == 0) {
+        /* a completed run can still be undone */
+        if (open || strcmp(cur, "CANCELLED") == 0 || strcmp(cur, "COMPLETED") == 0) {
             return "COMPENSATING";
         }
         if ((strcmp(cur, "COMPENSATED") == 0 || strcmp(cur, "PARTIALLY_COMPENSATED") == 0) &&
@@ -401,7 +432,7 @@ static const char *next_run_status(const tally_runop_t *op, const run_state_t *r
         }
         return cur;
     }
-    return strcmp(cur, "ACTIVE") == 0 ? "CANCELLED" : cur;
+    return open ? "CANCELLED" : cur;
 }
 
 static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_error_t *err)
@@ -652,6 +683,16 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
                                   .data = data};
         tally_audit_batch_add(ab, &ev);
         json_decref(data);
+        /* A cancel without compensation is answered at once; one with compensation by the
+         * compensation summary (tally.run.compensated.v1 / stuck), later. */
+        if (r->found && op->kind == TALLY_RUNOP_CANCEL && !op->compensate &&
+            !queue_run_event(
+                "tally.run.cancelled.v1", op->run_id, r->status_after, NULL,
+                json_pack("{s:I}", "effects_cancelled", (json_int_t)r->effects_cancelled), source,
+                ob)) {
+            tally_error_set(err, "oom", true, "out of memory building a run event");
+            goto out;
+        }
     }
 
     for (size_t i = 0; i < n_runs; i++) {
@@ -983,4 +1024,118 @@ bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligat
     *changed = (size_t)PQntuples(res);
     PQclear(res);
     return true;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Runs that complete                                                                       */
+
+/* Runs that are done: COMPLETING ones (of $3, or all when $3 is NULL) with nothing in flight,
+ * and with an idle timeout ($2 ms, 0: off) ACTIVE ones whose effects have not changed for that
+ * long, at most $1, each with its short summary. Effects that wait for a human
+ * (AWAITING_APPROVAL, STUCK) do not hold a run open: the summary lists them. */
+// clang-format off
+static const char SQL_COMPLETE[] =
+    "WITH c AS (SELECT r.run_id, r.status AS from_status,"
+    "   CASE WHEN r.status = 'COMPLETING' THEN 'complete_run' ELSE 'idle_timeout' END AS why"
+    "  FROM runs r"
+    "  WHERE (r.status = 'COMPLETING' OR ($2::int > 0 AND $3::text[] IS NULL"
+    "     AND r.status = 'ACTIVE' AND r.created_at < now() - $2::int * interval '1 millisecond'"
+    "     AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"
+    "       AND e.updated_at > now() - $2::int * interval '1 millisecond')))"
+    "   AND ($3::text[] IS NULL OR r.run_id = ANY ($3::text[]))"
+    "   AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"
+    "     AND e.status IN ('PLANNED', 'DISPATCHING', 'UNKNOWN'))"
+    "  ORDER BY r.created_at LIMIT $1 FOR UPDATE OF r SKIP LOCKED),"
+    " s AS (SELECT c.run_id, jsonb_build_object("
+    "   'total', (SELECT count(*) FROM effects e WHERE e.run_id = c.run_id),"
+    "   'effects', coalesce((SELECT jsonb_object_agg(g.status, g.n) FROM (SELECT e.status,"
+    "     count(*) AS n FROM effects e WHERE e.run_id = c.run_id GROUP BY e.status) g), '{}'),"
+    "   'open', coalesce((SELECT jsonb_agg(jsonb_build_object('effect_id', o.effect_id,"
+    "     'step', CASE WHEN o.step_num IS NOT NULL THEN to_jsonb(o.step_num)"
+    "       ELSE to_jsonb(o.step) END, 'tool', o.tool, 'status', o.status)"
+    "     ORDER BY o.step_num, o.seq) FROM (SELECT * FROM effects e WHERE e.run_id = c.run_id"
+    "     AND e.status IN ('AWAITING_APPROVAL', 'STUCK') ORDER BY e.step_num, e.seq LIMIT 100) o),"
+    "     '[]'),"
+    "   'open_count', (SELECT count(*) FROM effects e WHERE e.run_id = c.run_id"
+    "     AND e.status IN ('AWAITING_APPROVAL', 'STUCK'))) AS summary FROM c),"
+    " u AS (UPDATE runs r SET status = 'COMPLETED', summary = s.summary, completed_at = now(),"
+    "   status_reason = c.why, updated_at = now()"
+    "  FROM c JOIN s USING (run_id) WHERE r.run_id = c.run_id RETURNING r.run_id)"
+    " SELECT c.run_id, c.from_status, c.why, s.summary::text"
+    " FROM c JOIN s USING (run_id) JOIN u USING (run_id)";
+// clang-format on
+
+bool tally_runops_completed_event(const char *run_id, const char *reason, const char *summary,
+                                  const char *source, tally_outbox_batch_t *ob)
+{
+    json_t *sum = summary != NULL ? json_loads(summary, 0, NULL) : NULL;
+    return queue_run_event("tally.run.completed.v1", run_id, "COMPLETED", reason,
+                           json_pack("{s:o}", "summary", sum != NULL ? sum : json_object()), source,
+                           ob);
+}
+
+bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n, int limit,
+                           int idle_ms, const char *actor, const char *source,
+                           tally_outbox_batch_t *ob, tally_audit_batch_t *ab, size_t *completed,
+                           tally_error_t *err)
+{
+    *completed = 0;
+    char *ids = NULL;
+    if (run_ids != NULL) {
+        /* a text[] literal: every element quoted, " and \ escaped */
+        size_t cap = 3;
+        for (size_t i = 0; i < n; i++) {
+            cap += 3 + 2 * strlen(run_ids[i]);
+        }
+        ids = malloc(cap);
+        if (ids == NULL) {
+            tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+            return false;
+        }
+        size_t k = 0;
+        ids[k++] = '{';
+        for (size_t i = 0; i < n; i++) {
+            if (i > 0) {
+                ids[k++] = ',';
+            }
+            ids[k++] = '"';
+            for (const char *p = run_ids[i]; *p; p++) {
+                if (*p == '"' || *p == '\\') {
+                    ids[k++] = '\\';
+                }
+                ids[k++] = *p;
+            }
+            ids[k++] = '"';
+        }
+        ids[k++] = '}';
+        ids[k] = '\0';
+    }
+    char lim[16], idle[16];
+    snprintf(lim, sizeof lim, "%d", limit > 0 ? limit : 1);
+    snprintf(idle, sizeof idle, "%d", idle_ms > 0 ? idle_ms : 0);
+    const char *params[3] = {lim, idle, ids};
+    PGresult *res = tally_pg_exec(pg, SQL_COMPLETE, 3, params, err);
+    free(ids);
+    if (res == NULL) {
+        return false;
+    }
+    bool ok = true;
+    for (int row = 0; ok && row < PQntuples(res); row++) {
+        const char *run_id = PQgetvalue(res, row, 0);
+        const char *why = PQgetvalue(res, row, 2);
+        tally_audit_event_t ev = {.run_id = run_id,
+                                  .kind = "transition",
+                                  .from_status = PQgetvalue(res, row, 1),
+                                  .to_status = "COMPLETED",
+                                  .actor = actor,
+                                  .reason = why};
+        tally_audit_batch_add(ab, &ev);
+        ok = tally_runops_completed_event(run_id, why, PQgetvalue(res, row, 3), source, ob);
+        if (!ok) {
+            tally_error_set(err, "oom", true, "out of memory building a run event");
+        }
+        (*completed)++;
+    }
+    PQclear(res);
+    return ok;
 }

@@ -20,6 +20,9 @@ static const tally_limit_t LIMITS[] = {
     {"receipt_version", TALLY_LIMIT_RECEIPT_VERSION,
      "the \"version\" of a tool's receipt (sent as If-Match)"},
     {"event", TALLY_LIMIT_EVENT_BYTES, "one event tally publishes, whole"},
+    {"reply_topic", TALLY_LIMIT_REPLY_TOPIC, "kafka_replyTopic header; replytopic attribute"},
+    {"correlation_id", TALLY_LIMIT_CORRELATION,
+     "kafka_correlationId header; correlationid attribute"},
 };
 
 const tally_limit_t *tally_limits(size_t *n)

@@ -54,7 +54,9 @@ typedef enum {
     TALLY_DLQ_INVALID_FIELD,  /* "invalid_field" */
     TALLY_DLQ_UNKNOWN_TOOL,   /* "unknown_tool" */
     TALLY_DLQ_MISSING_OPERATION_KEY, /* "missing_operation_key" */
-    TALLY_DLQ_LEDGER_REFUSED, /* "ledger_refused": valid, but PostgreSQL refuses to store it */
+    TALLY_DLQ_LEDGER_REFUSED,   /* "ledger_refused": valid, but PostgreSQL refuses to store it */
+    TALLY_DLQ_INVALID_REPLY_TO, /* "invalid_reply_to": a reply destination tally may not use */
+    TALLY_DLQ_RUN_NOT_ACTIVE,   /* "run_not_active": the run is completed (not dead-lettered) */
 } tally_dlq_reason_t;
 
 const char *tally_dlq_reason_name(tally_dlq_reason_t r);
@@ -63,6 +65,7 @@ typedef enum {
     TALLY_MSG_INTENT = 1,     /* tally.intent.v1 */
     TALLY_MSG_COMPENSATE_RUN, /* tally.compensate_run.v1 */
     TALLY_MSG_CANCEL_RUN,     /* tally.cancel_run.v1 */
+    TALLY_MSG_COMPLETE_RUN,   /* tally.complete_run.v1 */
 } tally_msg_type_t;
 
 /** @brief A parsed message from the intents topic. Strings point into @p doc. */
@@ -94,5 +97,28 @@ tally_dlq_reason_t tally_intent_parse(const void *buf, size_t len, size_t max_by
                                       tally_intent_t *out, char *detail, size_t detailsz);
 
 void tally_intent_clear(tally_intent_t *in);
+
+/** The most of a refused message tally reads to answer it (larger ones go to the DLQ alone). */
+#define TALLY_PEEK_MAX_BYTES (16u * 1024 * 1024)
+
+/** @brief What can be read of a refused message to answer it (docs/agent-protocol.md). */
+typedef struct tally_intent_peek {
+    json_t *doc;        /**< owned */
+    const char *id;     /**< the CloudEvents id: 1-200 bytes, no control characters */
+    const char *run_id; /**< data.run_id, the same rules */
+    const char *type;   /**< or NULL */
+    const char *tool;   /**< or NULL */
+    json_t *step;       /**< an integer or a plain string, or NULL; borrowed from doc */
+} tally_intent_peek_t;
+
+/**
+ * @brief Read the id and run id of a message tally refuses, and its type, tool and step when
+ * they are usable, so that the refusal can be answered. @returns false (nothing to free) when
+ * they cannot be read: not UTF-8, not a JSON object, over TALLY_PEEK_MAX_BYTES, no usable id
+ * or run id. Free with tally_intent_peek_clear.
+ */
+bool tally_intent_peek(const void *buf, size_t len, tally_intent_peek_t *out);
+
+void tally_intent_peek_clear(tally_intent_peek_t *p);
 
 #endif

@@ -31,6 +31,8 @@ typedef struct tally_config {
     char *consumer_group;    /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
     char *pager_url;         /**< TALLY_PAGER_URL: PagerDuty Events API v2 endpoint, or "" */
     char *pager_routing_key; /**< TALLY_PAGER_ROUTING_KEY */
+    char *reply_prefix;      /**< TALLY_REPLY_TOPIC_PREFIX: reply topics must start with it;
+                                  "" means "<topic_prefix>replies." (tally_config_reply_prefix) */
     int batch_size;          /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
     int lease_ms;            /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
     int poll_ms;             /**< TALLY_POLL_MS: longest idle wait before sweeping again */
@@ -43,12 +45,18 @@ typedef struct tally_config {
                             */
     int unknown_age_s;     /**< TALLY_UNKNOWN_AGE_S: an UNKNOWN older than this is "aging" */
     int session_timeout_ms;  /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
+    int run_idle_timeout_ms; /**< TALLY_RUN_IDLE_TIMEOUT_MS: complete ACTIVE runs idle this long
+                                  (reconciler); 0 is off */
     tally_kv_t *kafka_props; /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
     size_t n_kafka_props;
     char **unknown_vars; /**< TALLY_* names that are neither settings nor Kafka properties;
                               ignored, but listed as warnings by tally_config_describe */
     size_t n_unknown_vars;
 } tally_config_t;
+
+/** @brief The prefix every reply topic must start with: TALLY_REPLY_TOPIC_PREFIX, or
+ * "<TALLY_TOPIC_PREFIX>replies." when it is empty, written into @p out. */
+const char *tally_config_reply_prefix(const tally_config_t *cfg, char *out, size_t outsz);
 
 /** @brief A config holding every default. Returns NULL only when out of memory. */
 tally_config_t *tally_config_new(void) TALLY_WUR;

@@ -15,6 +15,14 @@
 #include "tally/pg.h"
 #include "tally/registry.h"
 
+/** SQL: whether a run in status @p COL still carries its effects forward: ACTIVE, and a
+ * completed run (COMPLETING, COMPLETED), whose open effects still finish. Any other status
+ * (cancelled, under compensation) stops what has not been sent. */
+#define TALLY_SQL_RUN_GOES_ON(COL) "(" COL " IN ('ACTIVE', 'COMPLETING', 'COMPLETED'))"
+
+/** SQL: whether a run in status @p COL takes new intents: ACTIVE only. */
+#define TALLY_SQL_RUN_TAKES_INTENTS(COL) "(" COL " = 'ACTIVE')"
+
 /* ---- the decision table (pure) -------------------------------------------------------- */
 
 /** @brief What compensating one confirmed effect means (DESIGN §4). */
@@ -156,5 +164,26 @@ bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligat
                                       bool approve, const char *actor, const char *reason,
                                       tally_audit_batch_t *ab, size_t *changed,
                                       tally_error_t *err) TALLY_WUR;
+
+/* ---- runs that complete (docs/agent-protocol.md) ---------------------------------------- */
+
+/**
+ * @brief Complete the runs that are done, in the caller's transaction: COMPLETING runs (those
+ * of @p run_ids, or every one when @p run_ids is NULL) none of whose effects is PLANNED,
+ * DISPATCHING or UNKNOWN, and, when @p idle_ms > 0 and @p run_ids is NULL, ACTIVE runs none of
+ * whose effects changed for @p idle_ms; at most @p limit (FOR UPDATE SKIP LOCKED). Each turns
+ * COMPLETED with its summary in runs.summary ({"total", "effects": {status: n}, "open": [...]
+ * (AWAITING_APPROVAL and STUCK effects, at most 100), "open_count"}), an audit transition on
+ * @p ab and a tally.run.completed.v1 on @p ob. @p completed receives how many.
+ */
+bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n, int limit,
+                           int idle_ms, const char *actor, const char *source,
+                           tally_outbox_batch_t *ob, tally_audit_batch_t *ab, size_t *completed,
+                           tally_error_t *err) TALLY_WUR;
+
+/** @brief Queue tally.run.completed.v1 of a COMPLETED run (its runs.summary as @p summary text,
+ * may be NULL) on @p ob: the answer to a complete_run of a run that already completed. */
+bool tally_runops_completed_event(const char *run_id, const char *reason, const char *summary,
+                                  const char *source, tally_outbox_batch_t *ob) TALLY_WUR;
 
 #endif

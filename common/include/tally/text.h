@@ -25,6 +25,8 @@
 #define TALLY_LIMIT_EXTERNAL_REF    512    /**< a receipt's external ref (an index key) */
 #define TALLY_LIMIT_RECEIPT_VERSION 256    /**< a receipt's "version" (the If-Match header) */
 #define TALLY_LIMIT_EVENT_BYTES     900000 /**< one published event, whole */
+#define TALLY_LIMIT_REPLY_TOPIC     249    /**< a reply topic (Kafka's own limit) */
+#define TALLY_LIMIT_CORRELATION     256    /**< a reply's correlation id, in bytes */
 
 /** @brief One row of the limits table. */
 typedef struct tally_limit {
