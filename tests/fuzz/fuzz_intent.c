@@ -34,7 +34,7 @@ static void check_parsed(const tally_intent_t *in)
 {
     FUZZ_CHECK(in->doc != NULL && json_is_object(in->doc), "a parsed intent has no document");
     FUZZ_CHECK(in->type == TALLY_MSG_INTENT || in->type == TALLY_MSG_COMPENSATE_RUN ||
-                   in->type == TALLY_MSG_CANCEL_RUN,
+                   in->type == TALLY_MSG_CANCEL_RUN || in->type == TALLY_MSG_COMPLETE_RUN,
                "type %d", (int)in->type);
     check_field("id", in->id, true, TALLY_LIMIT_EVENT_ID, true, false);
     check_field("run_id", in->run_id, true, TALLY_LIMIT_RUN_ID, true, true);
@@ -52,7 +52,9 @@ static void check_parsed(const tally_intent_t *in)
         FUZZ_CHECK(in->args != NULL && json_is_object(in->args), "args is not an object");
         FUZZ_CHECK(in->reason == NULL, "an intent carries a reason");
     } else {
-        check_field("reason", in->reason, true, TALLY_LIMIT_REASON, false, false);
+        /* a run is completed with or without a reason; compensated and cancelled with one */
+        check_field("reason", in->reason, in->type != TALLY_MSG_COMPLETE_RUN, TALLY_LIMIT_REASON,
+                    false, false);
         FUZZ_CHECK(in->tool == NULL && in->args == NULL, "a run message carries a tool");
     }
 }
@@ -65,6 +67,19 @@ static tally_dlq_reason_t parse(const uint8_t *data, size_t size, size_t max_byt
     tally_intent_t in;
     tally_dlq_reason_t r = tally_intent_parse(data, size, max_bytes, &in, detail, detailsz);
     FUZZ_CHECK(r <= TALLY_DLQ_MISSING_OPERATION_KEY, "reason %d", (int)r);
+    /* what the dispatcher reads of a refused message to answer it (tally_intent_peek) */
+    tally_intent_peek_t pk;
+    if (tally_intent_peek(data, size, &pk)) {
+        check_field("peeked id", pk.id, true, TALLY_LIMIT_EVENT_ID, true, true);
+        check_field("peeked run_id", pk.run_id, true, TALLY_LIMIT_RUN_ID, true, true);
+        check_field("peeked type", pk.type, false, TALLY_LIMIT_EVENT_ID, true, true);
+        check_field("peeked tool", pk.tool, false, TALLY_LIMIT_TOOL, true, true);
+        FUZZ_CHECK(pk.step == NULL || json_is_integer(pk.step) || json_is_string(pk.step),
+                   "a peeked step that is neither an integer nor a string");
+        tally_intent_peek_clear(&pk);
+    } else {
+        FUZZ_CHECK(pk.doc == NULL && pk.id == NULL, "a failed peek keeps its fields");
+    }
     FUZZ_CHECK(strcmp(tally_dlq_reason_name(r), "unknown") != 0, "reason %d has no name", (int)r);
     if (r == TALLY_DLQ_NONE) {
         check_parsed(&in);
