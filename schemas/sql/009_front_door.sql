@@ -27,9 +27,11 @@ CREATE TABLE replies (
     destination jsonb NOT NULL CHECK (jsonb_typeof(destination -> 'topic') = 'string'),
     created_at  timestamptz NOT NULL DEFAULT now()
 );
-CREATE UNIQUE INDEX replies_effect_key ON replies (effect_id, destination)
+-- One row per message that named a destination (the same message delivered again by Kafka
+-- adds nothing); the keys stay narrow, as a row is written for nearly every intent.
+CREATE UNIQUE INDEX replies_effect_key ON replies (effect_id, intent_id)
     WHERE effect_id IS NOT NULL;
-CREATE UNIQUE INDEX replies_run_key ON replies (run_id, destination) WHERE effect_id IS NULL;
+CREATE UNIQUE INDEX replies_run_key ON replies (run_id, intent_id) WHERE effect_id IS NULL;
 
 -- A reply is a message_outbox row of topic 'replies' whose destination is in reply.
 ALTER TABLE message_outbox DROP CONSTRAINT message_outbox_topic_check;
