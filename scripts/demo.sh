@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo: install what is missing, build, run the whole system on the embedded stack and
-# let the example agent (examples/agent/agent.py) tell tally's story:
-#   1. a run that succeeds (and a replay, and a conflict)
+# let the example agent (examples/agent/agent.py, on clients/python) tell tally's story:
+#   1. a run that succeeds (a replay, a conflict, an unknown tool refused), then is completed
 #   2. a timeout resolved by the reconciler
 #   3. a duplicate detected and reversed
 #   4. a failed run compensated, with its summary

@@ -1,27 +1,32 @@
 #!/usr/bin/python3
-"""An example agent: it publishes intents to tally and reads the outcomes, as a real agent
-would, and tells the story of tally's demo (scripts/demo.sh) while it does.
+"""An example agent on tally's Python client (clients/python, `tally_client`), and the narrator
+of tally's demo (scripts/demo.sh).
 
 What a real agent takes from this file (docs/agents.md walks through it):
-  - an intent is a CloudEvent (structured JSON) on <prefix>intents with the run id as the
-    Kafka key, so one run stays in order;
-  - the answer is the tally.effect.*.v1 event on <prefix>outcomes whose data.intent_id is the
-    intent's CloudEvents id; an UNKNOWN answer is followed later by the final one for the same
-    effect (data.effect_id) once the reconciler has asked the tool;
-  - arguments that make up the operation key come from the agent's own plan (payment id,
-    message id), never from the clock, so a retried intent is the same effect (a replay)
-    and a changed one with the same key is a CONFLICT.
+  - one `Tally` per process; `tally.run(run_id)` per task; each tool call is one line,
+    `run.call(step, tool, args)`, which returns the final answer (the library waits through
+    UNKNOWN while the reconciler asks the tool) or raises what went wrong: EffectFailed,
+    EffectConflict, IntentRefused (tally refused the intent itself, at once), OutcomeTimeout;
+  - the arguments that make up the operation key come from the agent's own plan (payment id,
+    message id), never from the clock, so a retried call is the same effect (a replay) and a
+    changed one under the same key is a CONFLICT;
+  - a run ends with `run.complete()` (its summary) or `run.compensate(reason)` (undo it, last
+    step first); after complete(), tally refuses new intents for it (run_not_active).
 
-The demo parts (arming faults on the fake tool service, running `tally summary`) are clearly
-marked: a real agent has no control API over its tools.
+The demo parts are marked [demo] or [operator]: arming faults on the fake tool service and
+reading its records (a real agent has no control API over its tools), and running `tally`
+verbs as an on-call engineer would.
 
-Needs Debian's python3-confluent-kafka. Environment: TALLY_KAFKA_BROKERS, TALLY_TOPIC_PREFIX
-(default "tally."), TALLY_FAKE_TOOL_URL (the fake tool service), and for the `tally` steps
-whatever the CLI needs (TALLY_PG). Exit status: 0 when every scenario ended as expected,
-1 when one did not (the reason is printed), 2 on a usage error.
+Needs Debian's python3-confluent-kafka (the library's only dependency); the library is
+imported from clients/python/src of this repository. Environment: TALLY_KAFKA_BROKERS,
+TALLY_TOPIC_PREFIX (default "tally."), TALLY_FAKE_TOOL_URL (the fake tool service), and for
+the `tally` steps whatever the CLI needs (TALLY_PG). Exit status: 0 when every scenario ended
+as expected, 1 when one did not (the reason is printed), 2 on a usage error (or when the
+library or its dependency is missing).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -30,16 +35,20 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 
+CLIENT_SRC = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                           "..", "clients", "python", "src"))
+sys.path.insert(0, CLIENT_SRC)
 try:
-    from confluent_kafka import OFFSET_END, Consumer, KafkaException, Producer, TopicPartition
-except ImportError:  # pragma: no cover - a message instead of a traceback
-    sys.stderr.write("agent.py: python3-confluent-kafka is missing (apt-get install "
-                     "python3-confluent-kafka; run with Debian's /usr/bin/python3)\n")
+    from tally_client import (EffectConflict, EffectFailed, IntentRefused, Tally, TallyError)
+except ImportError as e:  # pragma: no cover - a message instead of a traceback
+    if e.name == "confluent_kafka":
+        sys.stderr.write("agent.py: python3-confluent-kafka is missing (apt-get install "
+                         "python3-confluent-kafka; run with Debian's /usr/bin/python3)\n")
+    else:
+        sys.stderr.write(f"agent.py: cannot import tally_client from {CLIENT_SRC} ({e}); "
+                         "it is clients/python/src of the tally repository\n")
     sys.exit(2)
-
-SOURCE = "/agents/demo-agent"
 
 
 class DemoFailed(Exception):
@@ -123,221 +132,129 @@ class FakeTool:
     def clear(self):
         self._call("DELETE", "/_control/faults")
 
-    def records(self, collection):
-        return self._call("GET", f"/_control/records?collection={collection}")
+    def records(self, collection, key):
+        """The tool's own records created under idempotency key `key`."""
+        recs = self._call("GET", f"/_control/records?collection={collection}")["records"]
+        return [r for r in recs if r.get("idempotency_key") == key]
 
-    def requests(self):
-        return self._call("GET", "/_control/requests")
-
-
-# ---- the agent's side of tally ----------------------------------------------------------
-
-
-def traceparent(trace_id):
-    """A W3C traceparent for one step of a run: the run's trace, a new span."""
-    return f"00-{trace_id}-{secrets.token_hex(8)}-01"
-
-
-class Tally:
-    """Publishing intents and reading what tally says back.
-
-    One consumer reads <prefix>outcomes, <prefix>obligations and <prefix>alerts. It is
-    assigned every partition from the current end (the high watermark, fetched before the
-    first intent is published), outside any consumer group: a demo agent wants only the
-    answers to what it publishes from now on, and joining a group would cost a rebalance.
-    An agent service that must survive restarts would use a consumer group and commit its
-    offsets instead. Every event is kept, deduplicated on its CloudEvents id (delivery is at
-    least once), so a wait can find an answer that arrived while it was waiting for another.
-    """
-
-    def __init__(self, brokers, prefix):
-        self.prefix = prefix
-        self.producer = Producer({"bootstrap.servers": brokers, "enable.idempotence": True,
-                                  "linger.ms": 0})
-        self.consumer = Consumer({"bootstrap.servers": brokers,
-                                  "group.id": "demo-agent-" + uuid.uuid4().hex[:8],
-                                  "enable.auto.commit": False,
-                                  "enable.partition.eof": False})
-        parts = []
-        for logical in ("outcomes", "obligations", "alerts"):
-            topic = prefix + logical
-            md = self.consumer.list_topics(topic=topic, timeout=10)
-            tmd = md.topics.get(topic)
-            if tmd is None or tmd.error is not None or not tmd.partitions:
-                raise DemoFailed(f"topic {topic} is not available: "
-                                 f"{tmd.error if tmd is not None else 'missing'}")
-            for p in tmd.partitions:
-                tp = TopicPartition(topic, p)
-                _, high = self.consumer.get_watermark_offsets(tp, timeout=10, cached=False)
-                parts.append(TopicPartition(topic, p, high if high >= 0 else OFFSET_END))
-        self.consumer.assign(parts)
-        self.seen = set()
-        self.events = {"outcomes": [], "obligations": [], "alerts": []}
-
-    def close(self):
-        self.producer.flush(5)
-        self.consumer.close()
-
-    # -- publishing
-
-    def _produce(self, event):
-        errors = []
-        self.producer.produce(
-            self.prefix + "intents", key=event["data"]["run_id"].encode(),
-            value=json.dumps(event).encode(),
-            headers={"content-type": "application/cloudevents+json"},
-            on_delivery=lambda err, msg: errors.append(err) if err else None)
-        left = self.producer.flush(10)
-        if left or errors:
-            raise DemoFailed(f"Kafka did not take the event {event['id']}: "
-                             f"{errors[0] if errors else 'no delivery report within 10 s'}")
-        return event["id"]
-
-    def publish_intent(self, run_id, step, tool, args, trace_id, operation_key=None):
-        """A tally.intent.v1; returns its id (what the answer names as data.intent_id)."""
-        data = {"run_id": run_id, "step": step, "tool": tool, "args": args,
-                "traceparent": traceparent(trace_id)}
-        if operation_key is not None:
-            data["operation_key"] = operation_key
-        return self._produce({
-            "specversion": "1.0", "id": str(uuid.uuid4()), "source": SOURCE,
-            "type": "tally.intent.v1", "time": now_rfc3339(),
-            "datacontenttype": "application/json", "subject": run_id, "data": data})
-
-    def compensate_run(self, run_id, reason):
-        """tally.compensate_run.v1: undo what the run did, last step first."""
-        return self._produce({
-            "specversion": "1.0", "id": str(uuid.uuid4()), "source": SOURCE,
-            "type": "tally.compensate_run.v1", "time": now_rfc3339(),
-            "datacontenttype": "application/json", "subject": run_id,
-            "data": {"run_id": run_id, "reason": reason}})
-
-    # -- reading
-
-    def _poll(self, seconds):
-        msg = self.consumer.poll(seconds)
-        if msg is None:
-            return
-        if msg.error():
-            if msg.error().fatal():
-                raise DemoFailed(f"Kafka consumer: {msg.error()}")
-            return
-        try:
-            ev = json.loads(msg.value())
-        except ValueError:
-            return  # not ours to judge; a real agent would log it
-        if not isinstance(ev, dict) or ev.get("id") in self.seen:
-            return  # at-least-once delivery: the same event again
-        self.seen.add(ev.get("id"))
-        logical = msg.topic()[len(self.prefix):]
-        self.events.setdefault(logical, []).append(ev)
-
-    def wait(self, logical, match, timeout, what):
-        """The first event of <prefix><logical> for which match(event) is true."""
-        deadline = time.monotonic() + timeout
-        checked = 0
-        while True:
-            evs = self.events[logical]
-            for ev in evs[checked:]:
-                if match(ev):
-                    return ev
-            checked = len(evs)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DemoFailed(f"no {what} on {self.prefix}{logical} within {timeout:g} s")
-            self._poll(min(0.2, left))
-
-    def answer(self, intent_id, timeout):
-        """The effect event that answers intent `intent_id`."""
-        return self.wait("outcomes", lambda ev: ev.get("type", "").startswith("tally.effect.")
-                         and data(ev).get("intent_id") == intent_id, timeout,
-                         f"answer to intent {intent_id}")
-
-    def settled(self, effect_id, timeout, what):
-        """The next effect event of `effect_id` that is no longer UNKNOWN."""
-        return self.wait("outcomes", lambda ev: ev.get("type", "").startswith("tally.effect.")
-                         and data(ev).get("effect_id") == effect_id
-                         and kind(ev) not in ("UNKNOWN", "DISPATCHING", "PLANNED"),
-                         timeout, what)
-
-
-def data(ev):
-    d = ev.get("data")
-    return d if isinstance(d, dict) else {}
-
-
-def kind(ev):
-    """What an effect event says, from its CloudEvents type: tally.effect.<kind>.v1 ->
-    CONFIRMED, FAILED, UNKNOWN, DUPLICATE, CONFLICT, REJECTED, AWAITING_APPROVAL, STUCK,
-    COMPENSATED. Agents switch on the type; data.status is the effect's ledger state."""
-    parts = str(ev.get("type", "")).split(".")
-    if len(parts) == 4 and parts[0] == "tally" and parts[1] == "effect":
-        return parts[2].upper()
-    return str(data(ev).get("status", "?"))
-
-
-def now_rfc3339():
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    def executions(self, collection, key):
+        """The execute requests the tool received for `key`."""
+        return [r for r in self._call("GET", "/_control/requests")
+                if r.get("op") == "execute" and r.get("collection") == collection
+                and r.get("idempotency_key") == key]
 
 
 # ---- the story --------------------------------------------------------------------------
 
 
+class Expected:
+    """What Demo.expect caught: `error`, the library's exception."""
+
+    error = None
+
+
 class Demo:
+    """The story. The agent's own code is the `run.*` calls in each scenario; the rest prints
+    what they answer ([demo] and [operator] lines are not an agent's business)."""
+
     def __init__(self, opts, out):
         self.opts = opts
         self.out = out
         self.timeout = opts.timeout
         self.fake = FakeTool(opts.fake_url)
-        self.tally = Tally(opts.brokers, opts.topic_prefix)
         self.prefix = opts.run_prefix
         self.tenant = "t1"
+        self.t0 = time.monotonic()
+        # One client per process: its own reply topic brings it the answers to its messages.
+        self.tally = Tally(opts.brokers, "demo-agent", topic_prefix=opts.topic_prefix)
 
-    # -- helpers
+    def close(self):
+        self.tally.close()
 
-    def run_id(self, name):
-        return f"{self.prefix}-{name}"
+    # -- printing what the library answers
 
-    def step(self, run_id, step, tool, args, trace_id, expect=("CONFIRMED",), label=None):
-        """Publish one intent, wait for its answer, print it. Returns the answer's data with
-        "kind" added: what the answer says, from its type (CONFIRMED, UNKNOWN, CONFLICT...)."""
-        shown = label or ", ".join(f"{k}={v}" for k, v in args.items())
-        self.out.line(f"{self.out.cyan('→')} step {step} {self.out.bold(tool)} "
+    def step(self, step, tool, args):
+        """Say which call the agent makes next, and start its clock."""
+        shown = ", ".join(f"{k}={v}" for k, v in args.items())
+        self.out.line(f"{self.out.cyan('→')} step {step} {self.out.bold(tool)}  "
                       + self.out.dim(shown))
-        t0 = time.monotonic()
-        iid = self.tally.publish_intent(run_id, step, tool, args, trace_id)
-        ev = self.tally.answer(iid, self.timeout)
-        d = dict(data(ev), kind=kind(ev))
-        self.print_answer(d, time.monotonic() - t0)
-        if d["kind"] not in expect:
-            raise DemoFailed(f"step {step} ({tool}) answered {d['kind']}, "
-                             f"expected {' or '.join(expect)}: {json.dumps(d.get('error'))}")
-        return d
+        self.t0 = time.monotonic()
 
-    def print_answer(self, d, seconds=None):
-        st = d.get("kind") or d.get("status")
-        took = f"  {seconds * 1000:.0f} ms" if seconds is not None else ""
-        err = d.get("error") or {}
-        why = self.out.dim(f"{err.get('code', '')}: {err.get('message', '')}{took}")
-        if st == "CONFIRMED":
-            ref = d.get("external_ref") or "(no ref)"
-            extra = "  replayed: the same effect, the tool was not called" if d.get("replay") \
-                else f"  attempt {d.get('attempts')}"
-            self.out.line(f"  {self.out.green('✓ CONFIRMED')}  receipt {self.out.bold(ref)}"
-                          + self.out.dim(extra + took), indent=3)
-        elif st in ("UNKNOWN", "AWAITING_APPROVAL"):
-            self.out.line(f"  {self.out.yellow('? ' + st)}  " + why, indent=3)
-        elif st == "DUPLICATE":
-            self.out.line(f"  {self.out.yellow('⚠ DUPLICATE')}  " + why, indent=3)
-        else:  # FAILED, CONFLICT, REJECTED, STUCK
-            self.out.line(f"  {self.out.red('✗ ' + st)}  " + why, indent=3)
+    def took(self):
+        return f"  {(time.monotonic() - self.t0) * 1000:.0f} ms"
 
-    def cli(self, *args, ok=(0,)):
-        """Run a `tally` verb and show its output, as an operator would see it."""
+    def answer_line(self, o, last=True):
+        """One answer of a call (an Outcome), as a line; `last` adds the time the call took."""
+        took = self.took() if last else ""
+        err = o.error or {}
+        why = f"{err.get('code')}: {err.get('message')}" if err else ""
+        receipt = f"  receipt {self.out.bold(str(o.external_ref))}"
+        if o.status == "CONFIRMED":
+            extra = "  replayed: the same effect, the tool was not called" if o.replay \
+                else f"  attempt {o.attempts}"
+            text = self.out.green("✓ CONFIRMED") + receipt + self.out.dim(extra + took)
+        elif o.status == "DUPLICATE":
+            text = (self.out.yellow("⚠ DUPLICATE") + receipt
+                    + self.out.dim(f"  {why or 'applied more than once upstream'}{took}"))
+        elif o.status in ("UNKNOWN", "AWAITING_APPROVAL", "STUCK", "PLANNED", "DISPATCHING"):
+            text = self.out.yellow("? " + o.status) + "  " + self.out.dim(why + took)
+        elif o.status == "REFUSED":
+            fld = (o.event.get("data") or {}).get("field")
+            text = (self.out.red("✗ REFUSED") + f"  {err.get('code')}"
+                    + (f" ({fld})" if fld else "") + self.out.dim(f": {err.get('message')}{took}"))
+        else:  # FAILED, CONFLICT, REJECTED, CANCELLED
+            text = self.out.red("✗ " + o.status) + "  " + self.out.dim(why + took)
+        self.out.line("  " + text)
+
+    def show(self, o):
+        """Print a call's answers (the history: e.g. UNKNOWN, then the final CONFIRMED) and
+        return the final one."""
+        for earlier in o.history[:-1]:
+            self.answer_line(earlier, last=False)
+        self.answer_line(o)
+        return o
+
+    @contextlib.contextmanager
+    def expect(self, error_class):
+        """The block's call must raise `error_class` (printed, then swallowed); any other
+        outcome stops the story."""
+        caught = Expected()
+        try:
+            yield caught
+        except error_class as e:
+            caught.error = e
+            if e.outcome is not None:
+                self.show(e.outcome)
+            else:
+                self.out.line("  " + self.out.red("✗ " + type(e).__name__) + "  " + str(e))
+            return
+        raise DemoFailed(f"the call returned instead of raising {error_class.__name__}")
+
+    def show_run(self, s):
+        """Print a RunSummary (tally.run.*.v1)."""
+        mark = {"COMPLETED": self.out.green("✓"), "COMPENSATED": self.out.green("✓"),
+                "PARTIALLY_COMPENSATED": self.out.green("✓")}.get(s.status, self.out.red("✗"))
+        if s.status == "COMPLETED":
+            by_status = sorted((s.summary.get("effects") or {}).items())
+            effects = ", ".join(f"{n} {st}" for st, n in by_status)
+            waiting = s.summary.get("open_count") or "none"
+            detail = f"{s.summary.get('total')} effects ({effects}), {waiting} waiting for a human"
+        else:
+            counts = ((len(s.compensated), "reversed"),
+                      (len(s.uncompensatable), "cannot be undone"),
+                      (len(s.skipped), "skipped"), (len(s.failed), "failed"))
+            detail = ", ".join(f"{n} {what}" for n, what in counts if n)
+        self.out.line(f"  {mark} run {self.out.bold(str(s.status))}  {detail}"
+                      + self.out.dim(f"  {s.type}{self.took()}"))
+
+    # -- [operator] the tally command, as an on-call engineer runs it
+
+    def cli(self, *args, ok=(0,), quiet=False):
+        """Run a `tally` verb and show its output (unless quiet)."""
         shown = " ".join(a if a and all(c.isalnum() or c in "-_.:/=@" for c in a)
                          else "'" + a.replace("'", "'\\''") + "'" for a in args)
-        self.out.line(self.out.dim("$ ") + self.out.bold("tally " + shown))
+        if not quiet:
+            self.out.line(self.out.dim("[operator] $ ") + self.out.bold("tally " + shown))
         try:
             p = subprocess.run([self.opts.tally, *args], capture_output=True, text=True,
                                timeout=60)
@@ -345,232 +262,260 @@ class Demo:
             raise DemoFailed(f"cannot run {self.opts.tally} (pass --tally PATH)") from None
         except subprocess.TimeoutExpired:
             raise DemoFailed(f"tally {shown} did not finish within 60 s") from None
-        text = (p.stdout or "") + (p.stderr or "")
-        self.out.block(text if text.strip() else "(no output)")
+        if not quiet:
+            text = (p.stdout or "") + (p.stderr or "")
+            self.out.block(text if text.strip() else "(no output)")
         if p.returncode not in ok:
-            raise DemoFailed(f"tally {shown} exited with {p.returncode}")
+            raise DemoFailed(f"tally {shown} exited with {p.returncode}: {p.stderr.strip()}")
         return p
 
-    def wait_records(self, collection, key, pred, what):
-        """Poll the tool's own records until pred(records of key) holds."""
+    def until(self, what, probe):
+        """Poll probe() until it returns something true; return that."""
         deadline = time.monotonic() + self.timeout
         while True:
-            recs = [r for r in self.fake.records(collection)["records"]
-                    if r.get("idempotency_key") == key]
-            if pred(recs):
-                return recs
+            got = probe()
+            if got:
+                return got
             if time.monotonic() > deadline:
-                raise DemoFailed(f"{what} did not happen within {self.timeout:g} s "
-                                 f"(the tool's records for {key}: {json.dumps(recs)})")
+                raise DemoFailed(f"{what} did not happen within {self.timeout:g} s")
             time.sleep(0.2)
 
-    def execute_requests(self, collection, key):
-        return [r for r in self.fake.requests()
-                if r.get("op") == "execute" and r.get("collection") == collection
-                and r.get("idempotency_key") == key]
-
-    # -- 1. a run that succeeds, then a replay and a conflict
+    # -- 1. a run that succeeds, a replay, a conflict, a refusal, and the run completed
 
     def scenario_success(self):
-        run = self.run_id("checkout")
-        self.out.heading(1, "A run that succeeds", run)
-        trace = secrets.token_hex(16)
-        pay = f"pay-{self.prefix}-1"
-        charge = {"tenant_id": self.tenant, "payment_id": pay, "amount": 1200, "currency": "EUR"}
-        self.step(run, 1, "check_balance", {"request_id": f"bal-{self.prefix}-1",
-                                            "account": "acct-42"}, trace)
-        first = self.step(run, 2, "charge_card", charge, trace)
-        self.step(run, 3, "send_email", {"message_id": f"msg-{self.prefix}-1",
-                                         "to": "alice@example.com", "template": "receipt"}, trace)
-        self.step(run, 4, "create_hold", {"hold_id": f"hold-{self.prefix}-1", "amount": 300},
-                  trace)
+        run_id = f"{self.prefix}-checkout"
+        self.out.heading(1, "A run that succeeds, and is completed", run_id)
+        run = self.tally.run(run_id)
+        t, p = self.timeout, self.prefix
+        balance = {"request_id": f"bal-{p}-1", "account": "acct-42"}
+        charge = {"tenant_id": self.tenant, "payment_id": f"pay-{p}-1", "amount": 1200,
+                  "currency": "EUR"}
+        email = {"message_id": f"msg-{p}-1", "to": "alice@example.com", "template": "receipt"}
+        hold = {"hold_id": f"hold-{p}-1", "amount": 300}
+
+        self.step(1, "check_balance", balance)
+        self.show(run.call(1, "check_balance", balance, timeout=t))
+        self.step(2, "charge_card", charge)
+        first = self.show(run.call(2, "charge_card", charge, timeout=t))
+        self.step(3, "send_email", email)
+        self.show(run.call(3, "send_email", email, timeout=t))
+        self.step(4, "create_hold", hold)
+        self.show(run.call(4, "create_hold", hold, timeout=t))
         self.out.note("Every effect is in the ledger with the tool's receipt.")
 
         self.out.line()
-        self.out.line("The agent restarts and sends step 2 again (same arguments, new event id):")
-        d = self.step(run, 2, "charge_card", charge, trace)
-        if d.get("effect_id") != first.get("effect_id") or \
-                d.get("external_ref") != first.get("external_ref"):
+        self.out.line("The agent restarts and makes step 2 again (same arguments):")
+        self.step(2, "charge_card", charge)
+        again = self.show(run.call(2, "charge_card", charge, timeout=t))
+        if not again.replay or again.effect_id != first.effect_id \
+                or again.external_ref != first.external_ref:
             raise DemoFailed("the retried step 2 was not answered with the first effect")
-        calls = self.execute_requests("charges", first["operation_key"])
-        self.out.note(f"Same operation key {first['operation_key']}, same effect "
-                      f"{first['effect_id'][:8]}…: the tool saw {len(calls)} charge request.")
+        calls = self.fake.executions("charges", first.operation_key)
+        self.out.note(f"[demo] Same operation key {first.operation_key}, same effect "
+                      f"{first.effect_id[:8]}…: the tool saw {len(calls)} charge request.")
         if len(calls) != 1:
             raise DemoFailed(f"the tool saw {len(calls)} charge requests for one intent")
 
         self.out.line()
         self.out.line("A buggy retry changes the amount under the same payment id:")
-        self.step(run, 2, "charge_card", dict(charge, amount=9900), trace, expect=("CONFLICT",))
+        changed = dict(charge, amount=9900)
+        self.step(2, "charge_card", changed)
+        with self.expect(EffectConflict):
+            run.call(2, "charge_card", changed, timeout=t)
         self.out.note("Same key, different arguments: refused and recorded, nothing called.")
+
+        self.out.line()
+        self.out.line("The model asks for a tool that is not in the registry:")
+        sms = {"to": "+15550100", "text": "Your order is on its way"}
+        self.step(5, "send_sms", sms)
+        with self.expect(IntentRefused) as refused:
+            run.call(5, "send_sms", sms, timeout=t)
+        if refused.error.reason != "unknown_tool":
+            raise DemoFailed(f"the intent for send_sms was refused with {refused.error.reason}, "
+                             "expected unknown_tool")
+        self.out.note("tally refused the intent itself (tally.intent.rejected.v1): the agent "
+                      "knows at once, instead of waiting out a timeout.")
+
+        self.out.line()
+        self.out.line("The agent is done and completes the run "
+                      f"({self.out.bold('run.complete()')}):")
+        self.t0 = time.monotonic()
+        done = run.complete(timeout=t)
+        self.show_run(done)
+        if done.status != "COMPLETED" or done.summary.get("total") != 4:
+            raise DemoFailed(f"run {run_id} completed as {done.status} with "
+                             f"{json.dumps(done.summary)}, expected COMPLETED with 4 effects")
+        late = {"message_id": f"msg-{p}-1b", "to": "alice@example.com", "template": "survey"}
+        self.out.line("A late worker of the agent still sends one more step:")
+        self.step(6, "send_email", late)
+        with self.expect(IntentRefused) as refused:
+            run.call(6, "send_email", late, timeout=t)
+        if refused.error.reason != "run_not_active":
+            raise DemoFailed(f"the late intent was refused with {refused.error.reason}, "
+                             "expected run_not_active")
+        sent = self.fake.executions("emails", f"send_email:{late['message_id']}")
+        self.out.note("[demo] The run is over: the email was not sent "
+                      f"(the tool saw {len(sent) or 'no'} request for it).")
+        if sent:
+            raise DemoFailed("the email of the late intent was sent")
 
     # -- 2. a timeout resolved by the reconciler
 
     def scenario_timeout(self):
-        run = self.run_id("timeout")
-        self.out.heading(2, "A timeout resolved by the reconciler", run)
-        trace = secrets.token_hex(16)
+        run_id = f"{self.prefix}-timeout"
+        self.out.heading(2, "A timeout resolved by the reconciler", run_id)
+        run = self.tally.run(run_id)
         charge = {"tenant_id": self.tenant, "payment_id": f"pay-{self.prefix}-2",
                   "amount": 4500, "currency": "EUR"}
         key = f"charge_card:{self.tenant}:{charge['payment_id']}"
         self.fake.arm("charges", "apply_then_hang", key=key, delay_ms=6000)
-        self.out.note(f"[fake tool] the next charge for {key} is applied, then the answer "
-                      "hangs for 6 s (tally gives up after 2 s)")
-        d = self.step(run, 1, "charge_card", charge, trace, expect=("UNKNOWN", "CONFIRMED"))
-        if d["kind"] == "UNKNOWN":
-            self.out.note("Nobody knows whether the card was charged. tally does not retry a "
-                          "reversible call blindly;")
-            self.out.note(f"the reconciler asks the tool: GET /charges?idempotency_key={key}")
-            ev = self.tally.settled(d["effect_id"], self.timeout, "resolution of the UNKNOWN charge")
-            final = dict(data(ev), kind=kind(ev))
-            self.print_answer(final)
-            if final["kind"] != "CONFIRMED":
-                raise DemoFailed(f"the UNKNOWN charge ended {final['kind']}, not CONFIRMED")
-        calls = self.execute_requests("charges", key)
-        recs = self.fake.records("charges")["records"]
-        n = len([r for r in recs if r.get("idempotency_key") == key])
-        self.out.note(f"The tool was called once: {len(calls)} charge request, {n} record, "
-                      "found by the status check.")
-        if len(calls) != 1 or n != 1:
-            raise DemoFailed(f"expected 1 charge request and 1 record, got {len(calls)} and {n}")
+        self.out.note(f"[demo] the next charge for {key} is applied, then its answer hangs "
+                      "for 6 s (tally gives up after 2 s)")
+        self.out.note("The agent makes one call and gets one final answer; the library waits "
+                      "through the UNKNOWN while")
+        self.out.note(f"the reconciler asks the tool: GET /charges?idempotency_key={key}")
+        self.step(1, "charge_card", charge)
+        o = self.show(run.call(1, "charge_card", charge, timeout=self.timeout))
+        if o.status != "CONFIRMED":
+            raise DemoFailed(f"the timed-out charge ended {o.status}, not CONFIRMED")
+        answers = " → ".join(h.status for h in o.history)
+        self.out.note(f"The answers the call saw (outcome.history): {answers}. "
+                      "With first=True it would have returned the first one.")
+        calls = self.fake.executions("charges", key)
+        recs = self.fake.records("charges", key)
+        self.out.note(f"[demo] The tool was called once: {len(calls)} charge request, "
+                      f"{len(recs)} record, found by the status check.")
+        if len(calls) != 1 or len(recs) != 1:
+            raise DemoFailed(f"expected 1 charge request and 1 record, got {len(calls)} "
+                             f"and {len(recs)}")
 
     # -- 3. a duplicate detected and reversed
 
-    def arm_duplicate(self, key):
-        """Make the hold service apply `key` twice and lose its answer (a 500): an upstream
-        retry bug that created a second hold, which nobody saw."""
-        self.fake.arm("holds", "apply_twice", key=key, status=500)
-        return "applies the hold twice (an upstream retry bug), then answers 500"
-
     def scenario_duplicate(self):
-        run = self.run_id("duplicate")
-        self.out.heading(3, "A duplicate detected and reversed", run)
-        trace = secrets.token_hex(16)
-        args = {"hold_id": f"hold-{self.prefix}-3", "amount": 700}
-        key = f"create_hold:{args['hold_id']}"
-        how = self.arm_duplicate(key)
-        self.out.note(f"[fake tool] the hold service {how}")
-        # UNKNOWN first; the reconciler's verdict may overtake it when two workers' relays
-        # publish at the same moment, so any of the three is a fine first answer.
-        d = self.step(run, 1, "create_hold", args, trace,
-                      expect=("UNKNOWN", "DUPLICATE", "CONFIRMED"))
-        self.out.note(f"The reconciler asks GET /holds?idempotency_key={key} and finds two "
-                      "records.")
-        dup = self.tally.wait(
-            "outcomes", lambda ev: data(ev).get("effect_id") == d["effect_id"]
-            and kind(ev) == "DUPLICATE", self.timeout, "DUPLICATE event for the hold")
-        dd = data(dup)
-        self.out.line(f"  {self.out.yellow('⚠ DUPLICATE')}  " + self.out.dim(
-            f"kept {dd.get('external_ref')} as the receipt; "
-            f"the extra record is to be reversed"), indent=3)
-        ob = self.tally.wait("obligations", lambda ev: data(ev).get("effect_id") == d["effect_id"],
-                             self.timeout, "obligation for the extra hold")
-        od = data(ob)
-        self.out.line(f"  {self.out.cyan('→')} obligation {od.get('obligation_id')} "
-                      + self.out.dim(f"({od.get('reason')}): reverse {od.get('external_ref')}"),
-                      indent=3)
-        recs = self.wait_records("holds", key, lambda rs: len(rs) >= 2 and any(
-            r.get("status") == "reversed" for r in rs), "the reversal of the extra hold")
+        run_id = f"{self.prefix}-duplicate"
+        self.out.heading(3, "A duplicate detected and reversed", run_id)
+        run = self.tally.run(run_id)
+        hold = {"hold_id": f"hold-{self.prefix}-3", "amount": 700}
+        key = f"create_hold:{hold['hold_id']}"
+        # An upstream retry bug: the hold service applies the hold twice and loses its answer.
+        self.fake.arm("holds", "apply_twice", key=key, status=500)
+        self.out.note("[demo] the hold service applies the next hold twice (an upstream retry "
+                      "bug), then answers 500")
+        self.step(1, "create_hold", hold)
+        o = self.show(run.call(1, "create_hold", hold, timeout=self.timeout))
+        self.out.note(f"The reconciler asked GET /holds?idempotency_key={key} and found two "
+                      "records: the effect happened, with one")
+        self.out.note("as its receipt, and the compensator got an obligation to reverse the "
+                      "other (tally.effect.duplicate.v1).")
+
+        def reversed_extra():
+            rs = self.fake.records("holds", key)
+            return rs if len(rs) >= 2 and any(r.get("status") == "reversed" for r in rs) else None
+        recs = self.until("the reversal of the extra hold", reversed_extra)
         self.out.line(f"  {self.out.green('✓ reversed')} by the compensator. "
-                      "The hold service's own records:", indent=3)
+                      "[demo] The hold service's own records:")
         for r in recs:
             state = (self.out.green("active   (kept: the receipt)") if r["status"] == "active"
                      else self.out.yellow(f"reversed (by {r.get('reversed_by')})"))
             self.out.line(f"{r['id']:<12} {state}", indent=8)
-        kept = [r for r in recs if r["status"] == "active"]
-        if len(kept) != 1 or len(recs) != 2:
-            raise DemoFailed(f"expected one hold kept and one reversed: {json.dumps(recs)}")
+        kept = [r["id"] for r in recs if r["status"] == "active"]
+        if kept != [o.external_ref] or len(recs) != 2:
+            raise DemoFailed(f"expected the receipt {o.external_ref} kept and one hold "
+                             f"reversed: {json.dumps(recs)}")
         self.fake.clear()
 
     # -- 4. a failed run, compensated
 
     def scenario_failed_run(self):
-        run = self.run_id("refund")
-        self.out.heading(4, "A failed run, compensated", run)
-        trace = secrets.token_hex(16)
-        p = self.prefix
-        self.step(run, 1, "check_balance", {"request_id": f"bal-{p}-4", "account": "acct-7"},
-                  trace)
-        self.step(run, 2, "charge_card", {"tenant_id": self.tenant, "payment_id": f"pay-{p}-4",
-                                          "amount": 2500, "currency": "EUR"}, trace)
-        self.step(run, 3, "send_email", {"message_id": f"msg-{p}-4", "to": "bob@example.com",
-                                         "template": "order_confirmed"}, trace)
+        run_id = f"{self.prefix}-refund"
+        self.out.heading(4, "A failed run, compensated", run_id)
+        run = self.tally.run(run_id)
+        t, p = self.timeout, self.prefix
+        balance = {"request_id": f"bal-{p}-4", "account": "acct-7"}
+        charge = {"tenant_id": self.tenant, "payment_id": f"pay-{p}-4", "amount": 2500,
+                  "currency": "EUR"}
+        email = {"message_id": f"msg-{p}-4", "to": "bob@example.com",
+                 "template": "order_confirmed"}
         hold = {"hold_id": f"hold-{p}-4", "amount": 2500}
+
+        self.step(1, "check_balance", balance)
+        self.show(run.call(1, "check_balance", balance, timeout=t))
+        self.step(2, "charge_card", charge)
+        self.show(run.call(2, "charge_card", charge, timeout=t))
+        self.step(3, "send_email", email)
+        self.show(run.call(3, "send_email", email, timeout=t))
         self.fake.arm("holds", "error_4xx", key=f"create_hold:{hold['hold_id']}", status=422)
-        self.out.note("[fake tool] the hold service will refuse this hold with 422")
-        self.step(run, 4, "create_hold", hold, trace, expect=("FAILED",))
+        self.out.note("[demo] the hold service will refuse this hold with 422")
+        self.step(4, "create_hold", hold)
+        with self.expect(EffectFailed):
+            run.call(4, "create_hold", hold, timeout=t)
+
         self.out.line()
         self.out.line("The run cannot finish, so the agent asks tally to undo it "
-                      f"({self.out.bold('tally.compensate_run.v1')}):")
-        self.tally.compensate_run(run, "hold refused: undo the order")
+                      f"({self.out.bold('run.compensate()')}):")
         self.out.note("The compensator works last step first: nothing to undo for the failed "
                       "hold, the email cannot be unsent,")
         self.out.note("the charge is refunded, the balance check was a read.")
-        ev = self.tally.wait("outcomes", lambda e: e.get("type", "").startswith("tally.run.")
-                             and data(e).get("run_id") == run, self.timeout,
-                             "run compensation summary (tally.run.*.v1)")
-        st = data(ev).get("status")
-        mark = self.out.green("✓") if st in ("COMPENSATED", "PARTIALLY_COMPENSATED") \
-            else self.out.red("✗")
-        self.out.line(f"  {mark} run {self.out.bold(st)}  " + self.out.dim(ev.get("type")),
-                      indent=3)
+        self.t0 = time.monotonic()
+        summary = run.compensate("hold refused: undo the order", timeout=t)
+        self.show_run(summary)
         self.fake.clear()
-        self.cli("summary", "--run", run)
-        if st != "PARTIALLY_COMPENSATED":
-            raise DemoFailed(f"run {run} ended {st}, expected PARTIALLY_COMPENSATED "
-                             "(the email cannot be undone)")
+        self.cli("summary", "--run", run_id)
+        if summary.status != "PARTIALLY_COMPENSATED":
+            raise DemoFailed(f"run {run_id} ended {summary.status}, expected "
+                             "PARTIALLY_COMPENSATED (the email cannot be undone)")
 
     # -- 5. a reverse that fails, goes STUCK, pages, and is resolved by hand
 
     def scenario_stuck(self):
-        run = self.run_id("stuck")
-        self.out.heading(5, "A reverse that fails, goes STUCK, and pages a human", run)
-        trace = secrets.token_hex(16)
-        self.step(run, 1, "charge_card", {"tenant_id": self.tenant,
-                                          "payment_id": f"pay-{self.prefix}-5",
-                                          "amount": 8000, "currency": "EUR"}, trace)
+        run_id = f"{self.prefix}-stuck"
+        self.out.heading(5, "A reverse that fails, goes STUCK, and pages a human", run_id)
+        run = self.tally.run(run_id)
+        charge = {"tenant_id": self.tenant, "payment_id": f"pay-{self.prefix}-5",
+                  "amount": 8000, "currency": "EUR"}
+        self.step(1, "charge_card", charge)
+        self.show(run.call(1, "charge_card", charge, timeout=self.timeout))
         self.fake.arm("charges", "reverse_500", op="reverse", times=-1)
-        self.out.note("[fake tool] from now on every refund fails with 500")
-        self.out.line("The agent asks tally to undo the run:")
-        self.tally.compensate_run(run, "customer cancelled")
+        self.out.note("[demo] from now on every refund fails with 500")
+        self.out.line("The agent asks tally to undo the run "
+                      f"({self.out.bold('run.compensate()')}):")
         self.out.note("The compensator retries the refund with the same reverse key, with "
                       "backoff, until its attempts run out…")
-        alert = self.tally.wait(
-            "alerts", lambda e: e.get("type") == "tally.alert.trigger.v1"
-            and data(e).get("run_id") == run, self.timeout, "alert for the STUCK refund")
-        a = data(alert)
-        self.out.line(f"  {self.out.red('! PAGE')} [{a.get('severity')}] "
-                      + self.out.bold(str(a.get("summary"))), indent=3)
-        self.out.line(self.out.dim(f"dedup key {a.get('dedup_key')}, reason {a.get('reason')}"),
-                      indent=8)
-        if a.get("runbook"):
-            self.out.line(self.out.dim(f"runbook   {a.get('runbook')}"), indent=8)
-        self.out.line(self.out.dim("to resolve:"), indent=8)
-        self.out.block(str(a.get("resolve_command")), indent=10)
-        obligation = a.get("obligation_id")
+        self.t0 = time.monotonic()
+        summary = run.compensate("customer cancelled", timeout=self.timeout)
+        self.show_run(summary)
+        if summary.status != "STUCK" or not summary.failed:
+            raise DemoFailed(f"run {run_id} ended {summary.status}, expected STUCK")
+        item = summary.failed[0]
+        err = item.get("error") or {}
+        self.out.line(self.out.dim(f"step {item.get('step')} {item.get('tool')}: "
+                                   f"{err.get('code')}: {err.get('message')}"), indent=8)
+        obligation = item.get("obligation_id")
         if not obligation:
-            raise DemoFailed(f"the alert names no obligation: {json.dumps(a)}")
-        self.fake.clear()
+            raise DemoFailed(f"the STUCK summary names no obligation: {json.dumps(item)}")
+        self.out.note("tally stops here instead of guessing, and pages a human "
+                      "(tally.alert.trigger.v1 on the alerts topic).")
+
         self.out.line()
-        self.out.line("The on-call engineer refunds the charge in the billing console, then "
-                      "tells tally:")
+        self.out.line("The on-call engineer is paged and looks at what needs a human:")
+        self.cli("status", ok=(2,))  # 2: something is STUCK
+        self.fake.clear()
+        self.out.line("They refund the charge in the billing console, then tell tally:")
         self.cli("resolve", "--obligation", obligation, "--as", "resolved",
                  "--reason", "refunded by hand", "--actor", "demo")
-        self.tally.wait("alerts", lambda e: e.get("type") == "tally.alert.resolve.v1"
-                        and data(e).get("dedup_key") == a.get("dedup_key"), self.timeout,
-                        "resolve event for the alert")
-        self.out.line(f"  {self.out.green('✓ alert resolved')}  " + self.out.dim(
-            "tally.alert.resolve.v1 sent with the same dedup key; the pager closes the page"),
-            indent=3)
-        ev = self.tally.wait(
-            "outcomes", lambda e: e.get("type") == "tally.run.compensated.v1"
-            and data(e).get("run_id") == run, self.timeout,
-            "run summary after the resolution (tally.run.compensated.v1)")
-        st = data(ev).get("status")
-        self.out.line(f"  {self.out.green('✓')} run {self.out.bold(st)}  " + self.out.dim(
-            "the compensator settled the run with the operator's resolution in its summary"),
-            indent=3)
-        if st not in ("COMPENSATED", "PARTIALLY_COMPENSATED"):
-            raise DemoFailed(f"run {run} ended {st} after the resolution")
+
+        def settled():
+            doc = json.loads(self.cli("doctor", "--run", run_id, "--json", quiet=True).stdout)
+            status = (doc.get("run") or {}).get("status")
+            alerts = [a.get("status") for a in doc.get("alerts") or []]
+            if status in ("COMPENSATED", "PARTIALLY_COMPENSATED") and alerts \
+                    and all(a == "RESOLVED" for a in alerts):
+                return status
+            return None
+        status = self.until(f"the settlement of run {run_id} after the resolution", settled)
+        self.out.line(f"  {self.out.green('✓')} run {self.out.bold(status)}, page resolved  "
+                      + self.out.dim("(tally doctor --run): the compensator settled the run "
+                                     "with the operator's resolution in its summary"))
 
     def run(self, which):
         scenarios = {1: self.scenario_success, 2: self.scenario_timeout,
@@ -582,8 +527,8 @@ class Demo:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(
-        description="tally's example agent: publishes intents, reads outcomes, tells the "
-                    "demo's story.")
+        description="tally's example agent on the tally_client library: makes tool calls "
+                    "through tally and tells the demo's story.")
     ap.add_argument("--brokers", default=os.environ.get("TALLY_KAFKA_BROKERS"),
                     help="Kafka bootstrap servers (default $TALLY_KAFKA_BROKERS)")
     ap.add_argument("--topic-prefix", default=os.environ.get("TALLY_TOPIC_PREFIX") or "tally.",
@@ -609,6 +554,8 @@ def parse_args(argv):
         ap.error(f"--scenarios: '{o.scenarios}' is not a list of numbers")
     if not o.which or any(n not in range(1, 6) for n in o.which):
         ap.error("--scenarios takes numbers from 1 to 5")
+    if o.timeout <= 0:
+        ap.error("--timeout must be more than 0 seconds")
     return o
 
 
@@ -623,13 +570,16 @@ def main(argv=None):
     demo = None
     try:
         demo = Demo(opts, out)
+        out.line(out.dim(f"tally_client: answers come back on {demo.tally.reply_topic}"),
+                 indent=0)
         demo.run(opts.which)
     except DemoFailed as e:
         print(flush=True)
         out.line(out.red("✗ the demo stopped: ") + str(e), indent=0)
         return 1
-    except KafkaException as e:
-        out.line(out.red("✗ Kafka: ") + str(e), indent=0)
+    except TallyError as e:  # an answer the story did not expect, or Kafka trouble
+        print(flush=True)
+        out.line(out.red(f"✗ the demo stopped: {type(e).__name__}: ") + str(e), indent=0)
         return 1
     except KeyboardInterrupt:
         out.line(out.red("✗ interrupted"), indent=0)
@@ -640,7 +590,7 @@ def main(argv=None):
                 demo.fake.clear()
             except DemoFailed:
                 pass
-            demo.tally.close()
+            demo.close()
     print(flush=True)
     out.line(out.green("✓ the agent's story is told"), indent=0)
     return 0

@@ -1,7 +1,9 @@
-"""The demo's story (scripts/demo.sh), end to end: the example agent (examples/agent/agent.py)
-against the three workers and the fake tool service, then the end state a user would check —
-each run's effects and obligations in the ledger, the tool's own records, the alert resolved
-by the operator, and the ledger's invariants.
+"""The demo's story (scripts/demo.sh), end to end: the example agent (examples/agent/agent.py,
+on the tally_client library of clients/python) against the three workers and the fake tool
+service, then what a user would check — the answers the agent printed (a refusal for an
+unknown tool, the run completed, a late intent refused), each run's effects and obligations in
+the ledger, the tool's own records, the alert resolved by the operator, and the ledger's
+invariants.
 
 scripts/demo.sh does the same on a stack of its own (`tally dev`); here the stack is the test
 fixture's (its own database and topic prefix), so this runs beside the other tests.
@@ -22,6 +24,7 @@ AGENT = os.path.join(SOURCE_DIR, "examples", "agent", "agent.py")
 SECRET = "whsec_demo_test"
 # Debian's interpreter sees python3-confluent-kafka; the test itself may run under another.
 PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
 
 class DemoStoryTest(TallyCase):
 
@@ -78,9 +81,24 @@ class DemoStoryTest(TallyCase):
         run = {name: f"{prefix}-{name}" for name in
                ("checkout", "timeout", "duplicate", "refund", "stuck")}
 
-        # 1. all four steps CONFIRMED with receipts; the replay and the conflict added nothing
+        # 1. all four steps CONFIRMED with receipts; the replay, the conflict, the intent for an
+        # unknown tool (step 5) and the late one after run.complete() (step 6) added nothing
+        self.assertRegex(story, r"→ step 5 send_sms .*\n +✗ REFUSED  unknown_tool \(data\.tool\)",
+                         "the intent for an unknown tool was not answered by a refusal")
+        self.assertRegex(story, r"✓ run COMPLETED  4 effects \(4 CONFIRMED\), none waiting",
+                         "run.complete() did not return the run's summary")
+        self.assertRegex(story, r"→ step 6 send_email .*\n +✗ REFUSED  run_not_active",
+                         "the late intent was not refused with run_not_active")
         eff = self.effects(run["checkout"])
         self.assertEqual(sorted(eff), ["1", "2", "3", "4"], eff)
+        self.assertEqual(self.scalar("SELECT status FROM runs WHERE run_id = %s",
+                                     (run["checkout"],)), "COMPLETED")
+        self.assertEqual(self.scalar(
+            "SELECT count(*) FROM events WHERE run_id = %s AND reason = 'run_not_active'",
+            (run["checkout"],)), 1, "the late intent's refusal is not in the audit trail")
+        self.assertEqual([r for r in self.fake_records(fake_url, "emails")
+                          if r["idempotency_key"] == f"send_email:msg-{prefix}-1b"], [],
+                         "the late intent of the completed run sent its email")
         for step, (status, tool, ref, has_receipt) in eff.items():
             self.assertEqual(status, "CONFIRMED", f"step {step} ({tool})")
             self.assertTrue(has_receipt and ref, f"step {step} ({tool}) has no receipt")
