@@ -273,6 +273,10 @@ static const char SQL_SWEEP_CONFIRMED_ALL[] =
 
 static const char SQL_PLAN_RUN[] = "SELECT status FROM runs WHERE run_id = $1";
 
+/* The summary a compensation ended with (runs.summary, written by the compensator). */
+static const char SQL_RUN_SUMMARY[] =
+    "SELECT summary::text, status_reason FROM runs WHERE run_id = $1 AND summary ? 'counts'";
+
 static const char SQL_PLAN_EFFECTS[] =
     "SELECT e.effect_id::text, e.step, e.step_num IS NOT NULL, e.tool, e.effect_class, e.status,"
     "  e.external_ref, e.receipt->>'version',"
@@ -726,6 +730,36 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
             tally_error_set(err, "conflict", true,
                             "%zu run(s) changed status under the lock; nothing written",
                             json_array_size(updates) - (size_t)moved);
+            goto out;
+        }
+    }
+    /* A compensation asked again of a run whose compensation is over, with nothing new to
+     * undo, is answered with the summary it ended with, as a second complete_run is. */
+    for (size_t i = 0; i < n; i++) {
+        const tally_runop_result_t *r = &results[i];
+        if (!r->found || !wants_compensation(&ops[i]) || r->obligations_created > 0 ||
+            !(strcmp(r->status_after, "COMPENSATED") == 0 ||
+              strcmp(r->status_after, "PARTIALLY_COMPENSATED") == 0 ||
+              strcmp(r->status_after, "STUCK") == 0)) {
+            continue;
+        }
+        const char *params[1] = {ops[i].run_id};
+        PGresult *res = tally_pg_exec(pg, SQL_RUN_SUMMARY, 1, params, err);
+        if (res == NULL) {
+            goto out;
+        }
+        bool have = PQntuples(res) == 1 && !PQgetisnull(res, 0, 0);
+        json_t *summary = have ? json_loads(PQgetvalue(res, 0, 0), 0, NULL) : NULL;
+        const char *why = have && !PQgetisnull(res, 0, 1) ? PQgetvalue(res, 0, 1) : NULL;
+        bool queued =
+            summary == NULL ||
+            queue_run_event(strcmp(r->status_after, "STUCK") == 0 ? "tally.run.stuck.v1"
+                                                                  : "tally.run.compensated.v1",
+                            ops[i].run_id, r->status_after, why,
+                            json_pack("{s:o}", "summary", summary), source, ob);
+        PQclear(res);
+        if (!queued) {
+            tally_error_set(err, "oom", true, "out of memory building a run event");
             goto out;
         }
     }

@@ -336,6 +336,40 @@ class RepliesTest(RepliesCase):
         self.assertIn(ev["data"]["status"], ("CANCELLED",))
 
 
+class RunAnswersTest(RepliesCase):
+
+    def test_a_compensation_asked_again_is_answered_with_its_summary(self):
+        self.dispatcher()
+        self.start("tally-compensator", TALLY_FAKE_TOOL_URL=self.fake_url,
+                   BILLING_HMAC_SECRET="whsec_dispatch_tests", TALLY_POLL_MS=200,
+                   TALLY_SWEEP_MS=200, TALLY_SHUTDOWN_GRACE_MS=5000)
+        topic = self.reply_topic()
+        reader = self.reply_reader(topic)
+        run = tallytest_run()
+        one = self.intent(run, 1, "charge_card", {"tenant_id": "t1", "payment_id": f"{run}-p1",
+                                                  "amount": 5})
+        self.publish_with(one)
+        self.outcomes_for([one["id"]])
+
+        def compensate(corr):
+            ce = {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
+                  "type": "tally.compensate_run.v1",
+                  "data": {"run_id": run, "reason": "undo"}}
+            self.publish_with(ce, self.spring_headers(topic, corr))
+            got = self.read_replies(reader, lambda vs: any(
+                v["type"] == "tally.run.compensated.v1" for v in vs), timeout=60, settle=0.3)
+            return [(v, h) for v, h, _ in got if v["type"] == "tally.run.compensated.v1"]
+
+        first = compensate(b"c-first")
+        self.assertEqual(first[0][0]["data"]["status"], "COMPENSATED")
+        again = compensate(b"c-again")
+        self.assertEqual(again[-1][1]["kafka_correlationId"], b"c-again")
+        self.assertEqual(again[-1][0]["data"]["status"], "COMPENSATED")
+        self.assertEqual(again[-1][0]["data"]["summary"]["counts"]["compensated"], 1)
+        # asked twice, undone once
+        self.assertEqual(len(self.requests(op="reverse")), 1)
+
+
 class ReplyDeliveryTest(RepliesCase):
 
     def test_a_reply_the_destination_refuses_holds_nothing_else_and_is_given_up(self):
