@@ -1,8 +1,10 @@
 """The TypeScript example agent (examples/agent-ts; docs/agents.md, "Publishing from
 TypeScript") against a real dispatcher and the fake tool. It is built as its users build it
-(`npm ci`, `npm run build`: the TypeScript compiler in strict mode) from a copy of the example,
-then run: it publishes a run of two steps, reads each answer by its intent id, and publishes
-step 2 again, which must be answered with the same effect and must not reach the tool twice.
+(`npm ci`, `npm run build`: the TypeScript compiler in strict mode) from a copy of the example
+and of the client library it depends on (clients/typescript, as `file:../../clients/typescript`,
+so the copy keeps the repository's layout), then run: it makes a run of two steps with
+@tally/client, publishes step 2 again, which must be answered with the same effect and must
+not reach the tool twice, and completes the run.
 """
 
 import json
@@ -15,6 +17,7 @@ import tallytest
 from dispatchcase import DispatchCase
 
 EXAMPLE = os.path.join(tallytest.SOURCE_DIR, "examples", "agent-ts")
+CLIENT = os.path.join(tallytest.SOURCE_DIR, "clients", "typescript")
 
 
 def npm(args, cwd):
@@ -29,16 +32,21 @@ class AgentTsTest(DispatchCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.build = tempfile.mkdtemp(prefix="tally-agent-ts-")
-        for name in ("package.json", "package-lock.json", "tsconfig.json"):
-            shutil.copy(os.path.join(EXAMPLE, name), cls.build)
-        shutil.copytree(os.path.join(EXAMPLE, "src"), os.path.join(cls.build, "src"))
-        npm(["ci"], cls.build)
-        npm(["run", "build"], cls.build)
+        cls.root = tempfile.mkdtemp(prefix="tally-agent-ts-")
+        # the library first: the example links to it and compiles against its dist/*.d.ts
+        for src, rel in ((CLIENT, ("clients", "typescript")), (EXAMPLE, ("examples", "agent-ts"))):
+            dst = os.path.join(cls.root, *rel)
+            os.makedirs(dst)
+            for name in ("package.json", "package-lock.json", "tsconfig.json"):
+                shutil.copy(os.path.join(src, name), dst)
+            shutil.copytree(os.path.join(src, "src"), os.path.join(dst, "src"))
+            npm(["ci"], dst)
+            npm(["run", "build"], dst)
+        cls.build = os.path.join(cls.root, "examples", "agent-ts")
 
     @classmethod
     def tearDownClass(cls):
-        shutil.rmtree(cls.build, ignore_errors=True)
+        shutil.rmtree(cls.root, ignore_errors=True)
 
     def test_publishes_reads_its_answers_and_a_replay_is_the_same_effect(self):
         self.dispatcher()
@@ -46,14 +54,21 @@ class AgentTsTest(DispatchCase):
                              env=self.env(), capture_output=True, text=True, timeout=120)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         answers = [json.loads(line) for line in out.stdout.splitlines()]
-        self.assertEqual([(a["label"], a["step"], a["tool"], a["status"]) for a in answers],
-                         [("step 1", 1, "check_balance", "CONFIRMED"),
-                          ("step 2", 2, "update_ledger", "CONFIRMED"),
-                          ("step 2 again", 2, "update_ledger", "CONFIRMED")])
+        *answers, done = answers
+        self.assertEqual([(a["label"], a["step"], a["tool"], a["status"], a["replay"])
+                          for a in answers],
+                         [("step 1", 1, "check_balance", "CONFIRMED", False),
+                          ("step 2", 2, "update_ledger", "CONFIRMED", False),
+                          ("step 2 again", 2, "update_ledger", "CONFIRMED", True)])
         first, second, replay = answers
         self.assertEqual(replay["effect_id"], second["effect_id"])
         self.assertNotEqual(replay["intent_id"], second["intent_id"])
         self.assertTrue(all(a["type"] == "tally.effect.confirmed.v1" for a in answers))
+        self.assertEqual((done["label"], done["type"], done["run_id"], done["status"]),
+                         ("run completed", "tally.run.completed.v1", first["run_id"],
+                          "COMPLETED"))
+        self.assertEqual((done["summary"]["total"], done["summary"]["effects"]),
+                         (2, {"CONFIRMED": 2}))
 
         # The ledger and the tool agree, and the replay called nothing.
         run_id = first["run_id"]

@@ -1,61 +1,69 @@
-// The TypeScript example agent (docs/agents.md, "Publishing from TypeScript"): one run of two
-// steps, each published and answered, then step 2 published again as an agent unsure of its
-// first send would: the answer is the same effect, and the tool is not called a second time.
-// Prints one JSON line per answer; exits 0 when every answer is CONFIRMED and the replay names
-// the first effect, 1 otherwise.
+// The TypeScript example agent (docs/agents.md, "Publishing from TypeScript"), written with
+// @tally/client (clients/typescript): one run of two steps, each published and answered, then
+// step 2 published again as an agent unsure of its first send would — the answer is the same
+// effect, and the tool is not called a second time — then the run is completed.
+// Prints one JSON line per answer; exits 0 when every step is CONFIRMED, the replay names the
+// first effect and the run is COMPLETED, 1 otherwise.
 //
 //   TALLY_KAFKA_BROKERS=host:9092 TALLY_TOPIC_PREFIX=tally. node dist/main.js
-import { randomUUID } from "node:crypto";
-import { Outcome, Tally } from "./tally";
+import { randomBytes, randomUUID } from "node:crypto";
+import { Outcome, RunOutcome, Tally } from "@tally/client";
 
 function report(label: string, o: Outcome): void {
-  const d = o.data;
   console.log(
     JSON.stringify({
       label,
       type: o.type,
-      run_id: d.run_id,
-      step: d.step,
-      tool: d.tool,
-      status: d.status,
-      effect_id: d.effect_id,
-      external_ref: d.external_ref,
-      error: d.error,
-      intent_id: d.intent_id,
+      run_id: o.runId,
+      step: o.step,
+      tool: o.tool,
+      status: o.status,
+      effect_id: o.effectId,
+      external_ref: o.externalRef,
+      error: o.error,
+      intent_id: o.intentId,
+      replay: o.replay,
     }),
   );
 }
 
+function reportRun(label: string, r: RunOutcome): void {
+  console.log(
+    JSON.stringify({ label, type: r.type, run_id: r.runId, status: r.status, summary: r.summary }),
+  );
+}
+
 async function main(): Promise<number> {
-  const brokers = (process.env.TALLY_KAFKA_BROKERS ?? "localhost:9092").split(",");
-  const tally = new Tally(brokers, process.env.TALLY_TOPIC_PREFIX ?? "tally.");
-  await tally.connect();
+  const tally = await Tally.connect({
+    brokers: (process.env.TALLY_KAFKA_BROKERS ?? "localhost:9092").split(","),
+    topicPrefix: process.env.TALLY_TOPIC_PREFIX ?? "tally.",
+    agent: "ts-example",
+  });
   try {
     const tag = randomUUID().slice(0, 8);
-    const runId = `ts-${tag}`;
-    const traceId = randomUUID().replace(/-/g, "");
-    const steps = [
-      { step: 1, tool: "check_balance", args: { request_id: `rq-${tag}`, account_id: "acct-7" } },
-      {
-        step: 2,
-        tool: "update_ledger",
-        args: { entry_id: `le-${tag}`, amount: 1250, currency: "EUR" },
-      },
-    ];
+    const run = tally.run(`ts-${tag}`);
+    // One trace for the run, a span per step: tally hands it to the tool as `traceparent`.
+    const traceId = randomBytes(16).toString("hex");
+    const traceparent = (): string => `00-${traceId}-${randomBytes(8).toString("hex")}-01`;
+    const balance = { request_id: `rq-${tag}`, account_id: "acct-7" };
+    const entry = { entry_id: `le-${tag}`, amount: 1250, currency: "EUR" };
+
     let ok = true;
-    const effects: Array<string | null> = [];
-    for (const s of steps) {
-      const id = await tally.publishIntent({ runId, traceId, ...s });
-      const o = await tally.outcome(id);
-      report(`step ${s.step}`, o);
-      ok &&= o.data.status === "CONFIRMED";
-      effects.push(o.data.effect_id);
-    }
-    // Not sure the last send went through (a timeout, a crash)? Send it again, unchanged.
-    const again = await tally.publishIntent({ runId, traceId, ...steps[1] });
-    const replay = await tally.outcome(again);
+    const first = await run.call(1, "check_balance", balance, { traceparent: traceparent() });
+    report("step 1", first);
+    const second = await run.call(2, "update_ledger", entry, { traceparent: traceparent() });
+    report("step 2", second);
+    ok &&= first.status === "CONFIRMED" && second.status === "CONFIRMED";
+
+    // Not sure the last send went through (a timeout, a crash)? Send it again, unchanged: the
+    // same tool, key and arguments are the same effect.
+    const replay = await run.call(2, "update_ledger", entry, { traceparent: traceparent() });
     report("step 2 again", replay);
-    ok &&= replay.data.status === "CONFIRMED" && replay.data.effect_id === effects[1];
+    ok &&= replay.status === "CONFIRMED" && replay.replay && replay.effectId === second.effectId;
+
+    const done = await run.complete({ reason: "the example is done" });
+    reportRun("run completed", done);
+    ok &&= done.status === "COMPLETED";
     return ok ? 0 : 1;
   } finally {
     await tally.close();
@@ -65,7 +73,9 @@ async function main(): Promise<number> {
 main().then(
   (code) => process.exit(code),
   (err) => {
-    console.error(`tally-agent-ts: ${err instanceof Error ? err.message : String(err)}`);
+    console.error(
+      `tally-agent-ts: ${err instanceof Error ? `${err.name}: ${err.message}` : String(err)}`,
+    );
     process.exit(1);
   },
 );
