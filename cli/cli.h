@@ -8,7 +8,8 @@
  * Every verb: argv[0] is the verb itself ("migrate"), the rest its options; @p cfg is the
  * environment's configuration (owned by main). Returns the process exit code: 0 success,
  * 1 a problem found or refused, 2 usage error, 3 could not reach PostgreSQL/Kafka — unless
- * the verb documents its own (status: 0 clean, 1 aging UNKNOWN, 2 STUCK).
+ * the verb documents its own (status: 0 clean, 1 aging UNKNOWN, 2 STUCK; publish: 1 the
+ * command failed, 2 usage, 3-8 what the answer was, cmd_publish.c PUB_EXIT_*).
  * Each verb answers --help with its options.
  */
 typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);

@@ -1,8 +1,8 @@
 /* cmd_doctor.c — one run, read whole: `tally doctor --run R` (the timeline of
  * every audit event in order, then each effect's and obligation's current row,
- * and the run's pages) and `tally summary --run R` (the compensation summary of
- * DESIGN §7: what was undone, what cannot be, what was skipped and what waits
- * for a human).
+ * and the run's pages; for a completed run, its completion summary) and `tally summary --run R`
+ * (the compensation summary of DESIGN §7: what was undone, what cannot be, what was skipped and
+ * what waits for a human).
  *
  * Both read one snapshot (REPEATABLE READ) so the timeline and the rows agree.
  * Rows come out of PostgreSQL as to_jsonb(row): --json gives every column under
@@ -30,6 +30,8 @@ static const char USAGE_DOCTOR[] =
     "leases, connector requests and responses, status checks, receipts, obligations,\n"
     "operator decisions, alerts), then each effect as it is now (state, attempts, lease\n"
     "owner/until/epoch, receipt, external ref, error), each obligation, and the run's alerts.\n"
+    "A COMPLETED run shows its completion summary (effects by state, those left open); a\n"
+    "COMPLETING run, the effects it waits for.\n"
     "\n"
     "  --run R     the run id\n"
     "  --json      one JSON document: {run, events, effects, obligations, alerts,\n"
@@ -280,8 +282,109 @@ static const json_t *find_by(const json_t *rows, const char *key, const char *id
     return NULL;
 }
 
+/* runs.summary holds a completed run's completion summary ({total, effects: {status: count},
+ * open: [...], open_count}) or, once the run is compensated, the compensation summary
+ * ({compensated, uncompensatable, skipped, failed, ...}). */
+static bool is_completion_summary(const json_t *summary)
+{
+    return json_is_object(json_object_get(summary, "effects")) &&
+           json_object_get(summary, "compensated") == NULL;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* doctor                                                                                   */
+
+/* Effects a COMPLETING run waits for: those still in flight. */
+static bool in_flight(const char *status)
+{
+    return strcmp(status, "PLANNED") == 0 || strcmp(status, "DISPATCHING") == 0 ||
+           strcmp(status, "UNKNOWN") == 0;
+}
+
+/* The header line of a finishing run: "completing" with what it waits for, or "completed" with
+ * the counts of its completion summary. */
+static void field_completion(const json_t *run, const json_t *effects)
+{
+    char line[1024];
+    const json_t *summary = json_object_get(run, "summary");
+    if (strcmp(cli_str(run, "status", ""), "COMPLETING") == 0) {
+        size_t waiting = 0, i;
+        json_t *e;
+        json_array_foreach(effects, i, e)
+        {
+            waiting += in_flight(cli_str(e, "status", ""));
+        }
+        snprintf(line, sizeof line,
+                 "new intents are refused; completed once %zu effect%s in flight "
+                 "(PLANNED, DISPATCHING, UNKNOWN) settle%s",
+                 waiting, waiting == 1 ? "" : "s", waiting == 1 ? "s" : "");
+        cli_field(stdout, 2, 13, "completing", line);
+        return;
+    }
+    if (!is_completion_summary(summary))
+        return;
+    size_t len = 0;
+    long long total = (long long)cli_num(summary, "total", 0);
+    char at[48] = "";
+    if (cli_str(run, "completed_at", NULL) != NULL) {
+        date_of(cli_str(run, "completed_at", NULL), at, sizeof at);
+        tally_fmt(at + strlen(at), sizeof at - strlen(at), ": ");
+    }
+    int w = snprintf(line, sizeof line, "%s%lld effect%s", at, total, total == 1 ? "" : "s");
+    len = w > 0 ? (size_t)w : 0;
+    const char *state;
+    const json_t *n;
+    size_t k = 0;
+    json_object_foreach((json_t *)json_object_get(summary, "effects"), state, n)
+    {
+        w = snprintf(line + len, sizeof line - len, "%s%s %lld", k++ ? ", " : ": ", state,
+                     (long long)json_integer_value(n));
+        if (w < 0 || (size_t)w >= sizeof line - len)
+            break;
+        len += (size_t)w;
+    }
+    long long open = (long long)cli_num(summary, "open_count", 0);
+    if (len < sizeof line)
+        snprintf(line + len, sizeof line - len, "; %lld left open%s", open,
+                 open > 0 ? " (listed below)" : "");
+    cli_field(stdout, 2, 13, "completed", line);
+}
+
+/* A completed run's open effects (AWAITING_APPROVAL, STUCK: a human decides them). */
+static bool print_open(const json_t *run)
+{
+    const json_t *summary = json_object_get(run, "summary");
+    const json_t *open = json_object_get(summary, "open");
+    long long count = (long long)cli_num(summary, "open_count", (double)json_array_size(open));
+    if (!is_completion_summary(summary) || count == 0)
+        return true;
+    printf("\nLEFT OPEN AT COMPLETION: %lld (a human decides these)\n", count);
+    static const char *const heads[] = {"STEP", "TOOL", "STATUS", "EFFECT"};
+    cli_table_t *t = cli_table_new(4, heads);
+    if (t == NULL)
+        return false;
+    cli_table_keep(t, 3);
+    size_t i;
+    json_t *e;
+    json_array_foreach(open, i, e)
+    {
+        char step[128];
+        const json_t *sv = json_object_get(e, "step");
+        if (json_is_integer(sv))
+            snprintf(step, sizeof step, "%lld", (long long)json_integer_value(sv));
+        else
+            tally_text_copy(step, sizeof step, json_string_value(sv) ? json_string_value(sv) : "?");
+        const char *cells[] = {step, cli_str(e, "tool", "?"), cli_str(e, "status", "?"),
+                               cli_str(e, "effect_id", "?")};
+        cli_table_add(t, cells);
+    }
+    bool ok = cli_table_print(t, stdout, 2);
+    cli_table_free(t);
+    if ((long long)json_array_size(open) < count)
+        printf("  ... and %lld more (EFFECTS below has them all)\n",
+               count - (long long)json_array_size(open));
+    return ok;
+}
 
 static void print_event(const json_t *ev, const json_t *effects, const json_t *obligations)
 {
@@ -471,8 +574,11 @@ static bool print_doctor(const json_t *doc)
     snprintf(line, sizeof line, "%lld message%s of this run waiting for the relay", waiting,
              waiting == 1 ? "" : "s");
     cli_field(stdout, 2, 13, "outbox", line);
-    if (json_object_get(run, "summary") != NULL && !json_is_null(json_object_get(run, "summary")))
+    field_completion(run, effects);
+    const json_t *summary = json_object_get(run, "summary");
+    if (summary != NULL && !json_is_null(summary) && !is_completion_summary(summary))
         cli_field(stdout, 2, 13, "summary", "written; see tally summary --run");
+    bool ok = print_open(run);
 
     printf("\nTIMELINE: %zu event%s, in order (times UTC)\n", json_array_size(events),
            json_array_size(events) == 1 ? "" : "s");
@@ -505,7 +611,7 @@ static bool print_doctor(const json_t *doc)
             print_alert(row);
         }
     }
-    return fflush(stdout) == 0;
+    return fflush(stdout) == 0 && ok;
 }
 
 int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg)
@@ -693,8 +799,9 @@ static const char *const LISTS[] = {"compensated", "uncompensatable", "skipped",
  * items. */
 static json_t *build_summary(const char *run_id, const json_t *stored, const json_t *items)
 {
-    bool use_stored = json_is_true(json_object_get(stored, "current"));
     const json_t *summary = json_object_get(stored, "summary");
+    bool use_stored =
+        json_is_true(json_object_get(stored, "current")) && !is_completion_summary(summary);
     json_t *doc = json_pack("{s:s, s:O, s:O, s:s, s:O?, s:O?}", "run_id", run_id, "run_status",
                             json_object_get(stored, "status"), "run_reason",
                             json_object_get(stored, "status_reason")
@@ -833,7 +940,8 @@ static bool print_summary(const json_t *doc)
     }
     cli_field(stdout, 2, 8, "source", line);
     const char *rs = cli_str(doc, "run_status", "");
-    if ((strcmp(rs, "ACTIVE") == 0 || strcmp(rs, "CANCELLED") == 0) &&
+    if ((strcmp(rs, "ACTIVE") == 0 || strcmp(rs, "CANCELLED") == 0 ||
+         strcmp(rs, "COMPLETING") == 0 || strcmp(rs, "COMPLETED") == 0) &&
         json_array_size(json_object_get(doc, "compensated")) == 0 &&
         json_array_size(json_object_get(doc, "uncompensatable")) == 0) {
         snprintf(line, sizeof line,

@@ -1,9 +1,14 @@
-/* cmd_publish.c — `tally publish`: an intent (or a compensate/cancel request) from the shell.
+/* cmd_publish.c — `tally publish`: an intent (or a compensate/cancel/complete request) from
+ * the shell.
  *
  * The event is checked with the dispatcher's own gate (tally_intent_parse) before anything is
  * sent, so the shell gets the refusal the dispatcher would give, naming the field. Then it is
  * produced to <prefix>intents with the run id as key, and the command waits for the broker's
- * delivery report: an event id printed means the cluster has the message. */
+ * delivery report: an event id printed means the cluster has the message.
+ *
+ * With --wait-outcome it then reads <prefix>outcomes (every partition, from its end as it was
+ * before publishing) for the answers, and its exit status says what the answer was: the table
+ * of PUB_EXIT_* below, which USAGE and docs/operations.md repeat. */
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -19,28 +24,44 @@
 #include <librdkafka/rdkafka.h>
 
 #include "cli.h"
+#include "format.h"
 #include "tally/cloudevent.h"
 #include "tally/config.h"
 #include "tally/json.h"
 #include "tally/kafka.h"
 #include "tally/text.h"
 
-#define EXIT_OK      0
-#define EXIT_REFUSED 1
-#define EXIT_USAGE   2
-#define EXIT_INFRA   3
+/* The exit status of `tally publish`. 0 and 3-8 say what the answer was (--wait-outcome);
+ * with several events (--stdin) the command exits with the highest of their codes. */
+enum {
+    PUB_EXIT_OK = 0,        /* published; waited: CONFIRMED, or the run COMPLETED, COMPENSATED or
+                             * CANCELLED */
+    PUB_EXIT_ERROR = 1,     /* the command failed: Kafka, standard input, memory */
+    PUB_EXIT_USAGE = 2,     /* usage error */
+    PUB_EXIT_FAILED = 3,    /* FAILED */
+    PUB_EXIT_CONFLICT = 4,  /* CONFLICT */
+    PUB_EXIT_REJECTED = 5,  /* REJECTED (approval denied) or CANCELLED */
+    PUB_EXIT_REFUSED = 6,   /* refused: by the local check (nothing sent) or by tally
+                             * (tally.intent.rejected.v1) */
+    PUB_EXIT_OPEN = 7,      /* not final at the timeout (UNKNOWN, AWAITING_APPROVAL, STUCK), or
+                             * the first answer with --first; a run PARTIALLY_COMPENSATED or
+                             * STUCK */
+    PUB_EXIT_NO_ANSWER = 8, /* no answer at all before the timeout */
+};
 
 static const char USAGE[] =
     "usage: tally publish --run R --step S --tool T --args JSON [options]\n"
     "       tally publish --type compensate_run|cancel_run --run R --reason TEXT [--compensate]\n"
-    "       tally publish --stdin [--dry-run] [--wait-outcome SECONDS]\n"
+    "       tally publish --type complete_run --run R [--reason TEXT]\n"
+    "       tally publish --stdin [--dry-run] [--wait-outcome SECONDS [--first]]\n"
     "\n"
     "Publish one CloudEvent to <prefix>intents (key = the run id), after checking it exactly\n"
     "as the dispatcher will. Prints the event id once the broker has acknowledged it.\n"
     "\n"
     "Building the event from options:\n"
-    "  --type TYPE            intent (default), compensate_run or cancel_run\n"
-    "                         (tally.intent.v1, tally.compensate_run.v1, tally.cancel_run.v1)\n"
+    "  --type TYPE            intent (default), compensate_run, cancel_run or complete_run\n"
+    "                         (tally.intent.v1, tally.compensate_run.v1, tally.cancel_run.v1,\n"
+    "                         tally.complete_run.v1)\n"
     "  --run R                data.run_id: the run (1-200 bytes, no control characters)\n"
     "  --step S               data.step: unique in the run; digits without a leading zero\n"
     "                         are sent as a JSON integer (\"3\" -> 3), anything else as a string\n"
@@ -50,7 +71,8 @@ static const char USAGE[] =
     "                         not build it from the args (intent; optional)\n"
     "  --tenant T             data.tenant (intent; optional)\n"
     "  --traceparent TP       data.traceparent: W3C 00-<32 hex>-<16 hex>-<2 hex> (optional)\n"
-    "  --reason TEXT          data.reason: why (compensate_run and cancel_run; required)\n"
+    "  --reason TEXT          data.reason: why (compensate_run and cancel_run: required;\n"
+    "                         complete_run: optional)\n"
     "  --compensate           data.compensate=true: also undo confirmed effects (cancel_run)\n"
     "  --source SRC           CloudEvents source (default /tally/cli/<user>)\n"
     "\n"
@@ -61,17 +83,46 @@ static const char USAGE[] =
     "\n"
     "Both:\n"
     "  --dry-run              print the event JSON (one per line) and exit; no Kafka connection\n"
-    "  --wait-outcome SECONDS after publishing, wait for the tally.effect.*.v1 event on\n"
-    "                         <prefix>outcomes whose data.intent_id is the event id; print it\n"
-    "                         on stdout (the event id goes to stderr) (intents only)\n"
+    "  --wait-outcome SECONDS after publishing, wait up to SECONDS for the final answer on\n"
+    "                         <prefix>outcomes and print every answer as it comes, one JSON\n"
+    "                         event a line on stdout (the event id goes to stderr). An intent\n"
+    "                         is answered by tally.effect.*.v1 (data.intent_id = the event id,\n"
+    "                         then data.effect_id): UNKNOWN, AWAITING_APPROVAL and STUCK are\n"
+    "                         printed and waited through until CONFIRMED, FAILED, CONFLICT,\n"
+    "                         REJECTED or CANCELLED. A run message is answered by its run:\n"
+    "                         tally.run.compensated.v1 or .stuck.v1 (compensate_run, cancel_run\n"
+    "                         --compensate), .cancelled.v1 (cancel_run), .completed.v1\n"
+    "                         (complete_run). Any message may be refused with\n"
+    "                         tally.intent.rejected.v1.\n"
+    "  --first                with --wait-outcome: stop at the first answer, final or not\n"
     "  -h, --help             this text\n"
     "\n"
     "Environment: TALLY_KAFKA_BROKERS, TALLY_TOPIC_PREFIX, TALLY_MAX_MESSAGE_BYTES and any\n"
     "TALLY_KAFKA_<property> for librdkafka (`tally config` lists them).\n"
     "\n"
-    "Exit status: 0 published (and, with --wait-outcome, answered); 1 the event was refused\n"
-    "(the reason and the field are printed) or no outcome arrived in time; 2 usage error;\n"
-    "3 Kafka could not be reached or did not accept the message (the broker's error is printed).\n";
+    "Exit status (with several events, the highest of theirs):\n"
+    "  0  published; with --wait-outcome: CONFIRMED, or the run COMPLETED, COMPENSATED or\n"
+    "     CANCELLED\n"
+    "  1  the command failed: Kafka could not be reached or did not accept the message (the\n"
+    "     broker's error is printed), standard input could not be read\n"
+    "  2  usage error\n"
+    "  3  FAILED\n"
+    "  4  CONFLICT\n"
+    "  5  REJECTED (approval denied) or CANCELLED\n"
+    "  6  refused: by the check before publishing (the reason and the field are on stderr,\n"
+    "     nothing was sent), or by tally with tally.intent.rejected.v1 (printed on stdout)\n"
+    "  7  not final: UNKNOWN, AWAITING_APPROVAL or STUCK at the timeout, or as the first\n"
+    "     answer with --first; a run PARTIALLY_COMPENSATED or STUCK\n"
+    "  8  no answer at all before the timeout\n";
+
+/* What a message is answered with (--wait-outcome). */
+typedef enum {
+    PUB_MSG_INTENT,         /* tally.effect.*.v1 about its effect */
+    PUB_MSG_COMPENSATE_RUN, /* tally.run.compensated.v1 / tally.run.stuck.v1; also
+                             * tally.cancel_run.v1 with compensate */
+    PUB_MSG_CANCEL_RUN,     /* tally.run.cancelled.v1 */
+    PUB_MSG_COMPLETE_RUN,   /* tally.run.completed.v1 */
+} pub_msg_t;
 
 /* One event to publish: the exact bytes checked, and what the check found. */
 typedef struct pub_event {
@@ -84,7 +135,11 @@ typedef struct pub_event {
     int32_t partition;
     int64_t offset;
     /* --wait-outcome */
-    bool answered;
+    pub_msg_t kind;
+    int answer;         /* the PUB_EXIT_* of its latest answer; PUB_EXIT_NO_ANSWER before one */
+    bool settled;       /* the wait for it is over */
+    char effect_id[48]; /* an intent's effect, from its first answer: later answers name it */
+    char last_id[256];  /* the answer seen last, to skip a redelivered copy */
 } pub_event_t;
 
 typedef struct pub_opts {
@@ -102,6 +157,7 @@ typedef struct pub_opts {
     bool from_stdin;
     bool dry_run;
     double wait_s; /* 0: do not wait */
+    bool first;    /* --first: stop at the first answer */
 } pub_opts_t;
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -114,7 +170,7 @@ static int usage_error(const char *fmt, ...)
     vfprintf(stderr, fmt, ap);
     fputs("\nTry 'tally publish --help'.\n", stderr);
     va_end(ap);
-    return EXIT_USAGE;
+    return PUB_EXIT_USAGE;
 }
 
 static double mono_s(void)
@@ -135,6 +191,8 @@ static const char *full_type(const char *t)
         return "tally.compensate_run.v1";
     if (strcmp(t, "cancel_run") == 0 || strcmp(t, "tally.cancel_run.v1") == 0)
         return "tally.cancel_run.v1";
+    if (strcmp(t, "complete_run") == 0 || strcmp(t, "tally.complete_run.v1") == 0)
+        return "tally.complete_run.v1";
     return NULL;
 }
 
@@ -221,7 +279,7 @@ static int build_from_options(const pub_opts_t *o, pub_event_t *ev)
     json_t *data = json_object();
     if (data == NULL) {
         fprintf(stderr, "tally publish: out of memory\n");
-        return EXIT_REFUSED;
+        return PUB_EXIT_ERROR;
     }
     bool ok = set_text(data, "run_id", "--run", o->run);
     if (ok && intent) {
@@ -254,7 +312,7 @@ static int build_from_options(const pub_opts_t *o, pub_event_t *ev)
     ok = ok && set_text(data, "traceparent", "--traceparent", o->traceparent);
     if (!ok) {
         json_decref(data);
-        return EXIT_USAGE;
+        return PUB_EXIT_USAGE;
     }
 
     char source[256];
@@ -272,16 +330,16 @@ static int build_from_options(const pub_opts_t *o, pub_event_t *ev)
     json_t *doc = tally_ce_new(type, source, subject, data, NULL); /* takes data */
     if (doc == NULL) {
         fprintf(stderr, "tally publish: out of memory building the event\n");
-        return EXIT_REFUSED;
+        return PUB_EXIT_ERROR;
     }
     ev->value = json_dumps(doc, JSON_COMPACT);
     json_decref(doc);
     if (ev->value == NULL) {
         fprintf(stderr, "tally publish: out of memory serialising the event\n");
-        return EXIT_REFUSED;
+        return PUB_EXIT_ERROR;
     }
     ev->len = strlen(ev->value);
-    return EXIT_OK;
+    return PUB_EXIT_OK;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -373,16 +431,16 @@ static int read_stdin_events(pub_event_t **evs, size_t *n, size_t **line_of)
     char *all = read_all(stdin, &len);
     if (all == NULL) {
         fprintf(stderr, "tally publish: cannot read standard input: %s\n", strerror(errno));
-        return EXIT_REFUSED;
+        return PUB_EXIT_ERROR;
     }
     size_t cap = 0;
     *evs = NULL;
     *n = 0;
     *line_of = NULL;
-    int rc = EXIT_OK;
+    int rc = PUB_EXIT_OK;
     if (is_blank(all, len)) {
         fprintf(stderr, "tally publish: no event on standard input\n");
-        rc = EXIT_REFUSED;
+        rc = PUB_EXIT_ERROR;
         goto out;
     }
 
@@ -396,7 +454,7 @@ static int read_stdin_events(pub_event_t **evs, size_t *n, size_t **line_of)
          * reports jansson's own complaint about it. */
         json_decref(whole);
         if (!push_event(evs, n, &cap, all, len)) {
-            rc = EXIT_REFUSED;
+            rc = PUB_EXIT_ERROR;
             goto oom;
         }
         *line_of = calloc(1, sizeof **line_of);
@@ -429,7 +487,7 @@ static int read_stdin_events(pub_event_t **evs, size_t *n, size_t **line_of)
     goto out;
 oom:
     fprintf(stderr, "tally publish: out of memory reading standard input\n");
-    rc = EXIT_REFUSED;
+    rc = PUB_EXIT_ERROR;
 out:
     free(all);
     return rc;
@@ -552,9 +610,9 @@ static int produce_all(const tally_config_t *cfg, const char *topic, pub_event_t
     rd_kafka_t *rk = tally_kafka_producer_new(cfg, true, on_delivery, NULL, errstr, sizeof errstr);
     if (rk == NULL) {
         fprintf(stderr, "tally publish: %s\n", errstr);
-        return EXIT_INFRA;
+        return PUB_EXIT_ERROR;
     }
-    int rc = EXIT_OK;
+    int rc = PUB_EXIT_OK;
     size_t queued = 0;
     for (size_t i = 0; i < n; i++) {
         const char *key = evs[i].in.run_id;
@@ -567,7 +625,7 @@ static int produce_all(const tally_config_t *cfg, const char *topic, pub_event_t
         if (err) {
             fprintf(stderr, "tally publish: cannot queue event %s for %s: %s\n", evs[i].in.id,
                     topic, rd_kafka_err2str(err));
-            rc = EXIT_INFRA;
+            rc = PUB_EXIT_ERROR;
             break;
         }
         queued++;
@@ -589,55 +647,216 @@ static int produce_all(const tally_config_t *cfg, const char *topic, pub_event_t
                     evs[i].in.id, topic, rd_kafka_err2str(evs[i].err),
                     timed_out ? " (is the cluster at TALLY_KAFKA_BROKERS=" : "",
                     timed_out ? cfg->kafka_brokers : "", timed_out ? " reachable?)" : "");
-            rc = EXIT_INFRA;
+            rc = PUB_EXIT_ERROR;
         }
     }
     char fatal[256];
     if (rd_kafka_fatal_error(rk, fatal, sizeof fatal) != RD_KAFKA_RESP_ERR_NO_ERROR) {
         fprintf(stderr, "tally publish: the Kafka producer failed: %s\n", fatal);
-        rc = EXIT_INFRA;
+        rc = PUB_EXIT_ERROR;
     }
     tally_kafka_producer_close(rk, 1000);
     return rc;
 }
 
-/* Is this outcome message the answer to some of ours? Prints it and marks them; returns how
- * many it answered. */
-static size_t match_outcome(const rd_kafka_message_t *m, pub_event_t *evs, size_t n)
+/* ---------------------------------------------------------------------------------------- */
+/* Waiting for the answers (--wait-outcome)                                                  */
+
+/* The exit code an effect's state says, and whether the wait ends there. UNKNOWN,
+ * AWAITING_APPROVAL and STUCK are answers a later event changes (the reconciler, an operator),
+ * as are PLANNED and DISPATCHING (the replayed state of an effect on its way); so is a state
+ * this command does not know yet. */
+static int effect_answer(const char *type, const char *status, bool *final)
+{
+    static const struct {
+        const char *status;
+        int code;
+    } FINAL[] = {
+        {"CONFIRMED", PUB_EXIT_OK},       {"FAILED", PUB_EXIT_FAILED},
+        {"CONFLICT", PUB_EXIT_CONFLICT},  {"REJECTED", PUB_EXIT_REJECTED},
+        {"CANCELLED", PUB_EXIT_REJECTED},
+    };
+    if (type != NULL && strcmp(type, "tally.effect.conflict.v1") == 0)
+        status = "CONFLICT";
+    for (size_t i = 0; status != NULL && i < sizeof FINAL / sizeof FINAL[0]; i++) {
+        if (strcmp(status, FINAL[i].status) == 0) {
+            *final = true;
+            return FINAL[i].code;
+        }
+    }
+    *final = false;
+    return PUB_EXIT_OPEN;
+}
+
+/* Is @p type (tally.run.*.v1) the answer to a run message of @p kind? */
+static bool run_answer_expected(pub_msg_t kind, const char *type)
+{
+    switch (kind) {
+    case PUB_MSG_COMPENSATE_RUN:
+        return strcmp(type, "tally.run.compensated.v1") == 0 ||
+               strcmp(type, "tally.run.stuck.v1") == 0;
+    case PUB_MSG_CANCEL_RUN:
+        return strcmp(type, "tally.run.cancelled.v1") == 0;
+    case PUB_MSG_COMPLETE_RUN:
+        return strcmp(type, "tally.run.completed.v1") == 0;
+    case PUB_MSG_INTENT:
+        break;
+    }
+    return false;
+}
+
+/* The exit code of a run's answer (it always ends the wait): data.status, else the type. */
+static int run_answer(const char *type, const char *status)
+{
+    if (status == NULL)
+        status = strcmp(type, "tally.run.stuck.v1") == 0 ? "STUCK" : "COMPLETED";
+    if (strcmp(status, "PARTIALLY_COMPENSATED") == 0 || strcmp(status, "STUCK") == 0)
+        return PUB_EXIT_OPEN;
+    return PUB_EXIT_OK; /* COMPLETED, COMPENSATED, CANCELLED */
+}
+
+static pub_msg_t msg_kind(const tally_intent_t *in)
+{
+    const char *type = json_string_value(json_object_get(in->doc, "type"));
+    if (type == NULL || strcmp(type, "tally.intent.v1") == 0)
+        return PUB_MSG_INTENT;
+    if (strcmp(type, "tally.complete_run.v1") == 0)
+        return PUB_MSG_COMPLETE_RUN;
+    if (strcmp(type, "tally.cancel_run.v1") == 0 && !in->compensate)
+        return PUB_MSG_CANCEL_RUN;
+    return PUB_MSG_COMPENSATE_RUN; /* compensate_run, cancel_run with compensate */
+}
+
+/* "event ID (run R, step S)" for messages about @p ev. */
+static void describe(const pub_event_t *ev, char *out, size_t outsz)
+{
+    if (ev->kind == PUB_MSG_INTENT)
+        tally_fmt(out, outsz, "event %s (run %s, step %s)", ev->in.id, ev->in.run_id, ev->in.step);
+    else
+        tally_fmt(out, outsz, "event %s (run %s)", ev->in.id, ev->in.run_id);
+}
+
+/* Does the outcome @p doc answer @p ev? Sets *code and *final when it does. */
+static bool answers(const pub_event_t *ev, const json_t *doc, const char *type, int *code,
+                    bool *final)
+{
+    const json_t *data = json_object_get(doc, "data");
+    const char *intent_id = json_string_value(json_object_get(data, "intent_id"));
+    const char *status = json_string_value(json_object_get(data, "status"));
+    bool ours = intent_id != NULL && strcmp(intent_id, ev->in.id) == 0;
+
+    if (strcmp(type, "tally.intent.rejected.v1") == 0) {
+        *code = PUB_EXIT_REFUSED;
+        *final = true;
+        return ours;
+    }
+    if (ev->kind == PUB_MSG_INTENT) {
+        if (strncmp(type, "tally.effect.", 13) != 0)
+            return false;
+        if (!ours) {
+            /* A later event of the effect names the intent that created it, which is another
+             * one when ours was answered with an existing effect; a conflict naming our effect
+             * answers someone else's intent. */
+            const char *effect_id = json_string_value(json_object_get(data, "effect_id"));
+            if (ev->effect_id[0] == '\0' || effect_id == NULL ||
+                strcmp(effect_id, ev->effect_id) != 0 ||
+                strcmp(type, "tally.effect.conflict.v1") == 0)
+                return false;
+        }
+        *code = effect_answer(type, status, final);
+        return true;
+    }
+    const char *run_id = json_string_value(json_object_get(data, "run_id"));
+    if (strncmp(type, "tally.run.", 10) != 0 || run_id == NULL ||
+        strcmp(run_id, ev->in.run_id) != 0 || !run_answer_expected(ev->kind, type))
+        return false;
+    *code = run_answer(type, status);
+    *final = true;
+    return true;
+}
+
+/* Say on stderr what an answer was. */
+static void note_answer(const pub_event_t *ev, const json_t *doc, const char *type, bool waiting)
+{
+    const json_t *data = json_object_get(doc, "data");
+    char who[600], line[1200];
+    describe(ev, who, sizeof who);
+    if (strcmp(type, "tally.intent.rejected.v1") == 0) {
+        tally_fmt(line, sizeof line, "%s was refused by tally (%s%s%s): %s", who,
+                  cli_str(data, "reason", "?"), cli_str(data, "field", NULL) ? ", " : "",
+                  cli_str(data, "field", ""), cli_str(data, "detail", "no detail"));
+    } else {
+        const json_t *err = json_object_get(data, "error");
+        tally_fmt(line, sizeof line, "%s: %s (%s)%s%s%s%s", who, cli_str(data, "status", "?"), type,
+                  json_is_object(err) ? ": " : "", cli_str(err, "code", ""),
+                  json_is_object(err) ? " " : "", cli_str(err, "message", ""));
+    }
+    fprintf(stderr, "tally publish: %s%s\n", line, waiting ? "; waiting for the final answer" : "");
+}
+
+/* Print a matched outcome on stdout, one line. */
+static void print_answer(const rd_kafka_message_t *m, const json_t *doc)
+{
+    if (memchr(m->payload, '\n', m->len) == NULL) {
+        fwrite(m->payload, 1, m->len, stdout);
+    } else {
+        char *line = json_dumps(doc, JSON_COMPACT);
+        fputs(line != NULL ? line : "{}", stdout);
+        free(line);
+    }
+    fputc('\n', stdout);
+    fflush(stdout);
+}
+
+/* Is this outcome message an answer to some of ours? Prints it once, notes it for each event
+ * it answers; returns how many of them it settled. */
+static size_t match_outcome(const rd_kafka_message_t *m, pub_event_t *evs, size_t n, bool first)
 {
     json_error_t jerr;
     json_t *doc = json_loadb(m->payload, m->len, 0, &jerr);
     if (doc == NULL)
         return 0;
-    size_t matched = 0;
     const char *type = json_string_value(json_object_get(doc, "type"));
-    const char *intent_id =
-        json_string_value(json_object_get(json_object_get(doc, "data"), "intent_id"));
-    if (type != NULL && intent_id != NULL && strncmp(type, "tally.effect.", 13) == 0) {
-        for (size_t i = 0; i < n; i++) {
-            if (!evs[i].answered && evs[i].in.type == TALLY_MSG_INTENT &&
-                strcmp(evs[i].in.id, intent_id) == 0) {
-                evs[i].answered = true;
-                if (matched++ == 0) {
-                    fwrite(m->payload, 1, m->len, stdout);
-                    fputc('\n', stdout);
-                    fflush(stdout);
-                }
-            }
+    const char *id = json_string_value(json_object_get(doc, "id"));
+    size_t settled = 0;
+    bool printed = false;
+    for (size_t i = 0; type != NULL && i < n; i++) {
+        pub_event_t *ev = &evs[i];
+        int code;
+        bool final;
+        if (ev->settled || !answers(ev, doc, type, &code, &final))
+            continue;
+        if (id != NULL && strcmp(id, ev->last_id) == 0)
+            continue; /* the same answer again (delivery is at least once) */
+        tally_text_copy(ev->last_id, sizeof ev->last_id, id != NULL ? id : "");
+        const char *effect_id =
+            json_string_value(json_object_get(json_object_get(doc, "data"), "effect_id"));
+        if (ev->kind == PUB_MSG_INTENT && ev->effect_id[0] == '\0' && effect_id != NULL &&
+            strcmp(type, "tally.effect.conflict.v1") != 0)
+            tally_text_copy(ev->effect_id, sizeof ev->effect_id, effect_id);
+        ev->answer = code;
+        ev->settled = final || first;
+        settled += ev->settled;
+        if (!printed) {
+            print_answer(m, doc);
+            printed = true;
         }
+        note_answer(ev, doc, type, !ev->settled);
     }
     json_decref(doc);
-    return matched;
+    return settled;
 }
 
+/* Read the answers until every event has its final one (its first with --first) or the time is
+ * up. Returns the highest exit code of the events. */
 static int wait_outcomes(rd_kafka_t *rk, const char *topic, pub_event_t *evs, size_t n,
-                         double wait_s)
+                         double wait_s, bool first)
 {
-    size_t pending = 0;
-    for (size_t i = 0; i < n; i++)
-        pending += evs[i].in.type == TALLY_MSG_INTENT;
-    if (pending == 0)
-        fprintf(stderr, "tally publish: none of the events is an intent; no outcome to wait for\n");
+    for (size_t i = 0; i < n; i++) {
+        evs[i].kind = msg_kind(&evs[i].in);
+        evs[i].answer = PUB_EXIT_NO_ANSWER;
+    }
+    size_t pending = n;
     double deadline = mono_s() + wait_s;
     while (pending > 0) {
         double left = deadline - mono_s();
@@ -653,18 +872,23 @@ static int wait_outcomes(rd_kafka_t *rk, const char *topic, pub_event_t *evs, si
                 fprintf(stderr, "tally publish: reading %s: %s\n", topic,
                         rd_kafka_message_errstr(m));
         } else {
-            pending -= match_outcome(m, evs, n);
+            pending -= match_outcome(m, evs, n, first);
         }
         rd_kafka_message_destroy(m);
     }
-    if (pending == 0)
-        return EXIT_OK;
-    for (size_t i = 0; i < n; i++)
-        if (evs[i].in.type == TALLY_MSG_INTENT && !evs[i].answered)
-            fprintf(stderr,
-                    "tally publish: no outcome for event %s (run %s, step %s) on %s within %g s\n",
-                    evs[i].in.id, evs[i].in.run_id, evs[i].in.step, topic, wait_s);
-    return EXIT_REFUSED;
+    int rc = PUB_EXIT_OK;
+    for (size_t i = 0; i < n; i++) {
+        char who[600];
+        describe(&evs[i], who, sizeof who);
+        if (evs[i].answer == PUB_EXIT_NO_ANSWER)
+            fprintf(stderr, "tally publish: no answer for %s on %s within %g s\n", who, topic,
+                    wait_s);
+        else if (!evs[i].settled)
+            fprintf(stderr, "tally publish: %s has no final answer after %g s\n", who, wait_s);
+        if (evs[i].answer > rc)
+            rc = evs[i].answer;
+    }
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -685,6 +909,7 @@ static int parse_options(int argc, char **argv, pub_opts_t *o)
         OPT_COMPENSATE,
         OPT_DRY_RUN,
         OPT_WAIT,
+        OPT_FIRST,
         OPT_STDIN,
     };
     static const struct option longopts[] = {
@@ -701,6 +926,7 @@ static int parse_options(int argc, char **argv, pub_opts_t *o)
         {"compensate", no_argument, NULL, OPT_COMPENSATE},
         {"dry-run", no_argument, NULL, OPT_DRY_RUN},
         {"wait-outcome", required_argument, NULL, OPT_WAIT},
+        {"first", no_argument, NULL, OPT_FIRST},
         {"stdin", no_argument, NULL, OPT_STDIN},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -739,7 +965,8 @@ static int parse_options(int argc, char **argv, pub_opts_t *o)
             break;
         case OPT_TYPE:
             if (full_type(optarg) == NULL)
-                return usage_error("--type must be intent, compensate_run or cancel_run, not '%s'",
+                return usage_error("--type must be intent, compensate_run, cancel_run or "
+                                   "complete_run, not '%s'",
                                    optarg);
             o->type = optarg, built = true;
             break;
@@ -763,6 +990,9 @@ static int parse_options(int argc, char **argv, pub_opts_t *o)
             o->wait_s = s;
             break;
         }
+        case OPT_FIRST:
+            o->first = true;
+            break;
         case OPT_STDIN:
             o->from_stdin = true;
             break;
@@ -782,11 +1012,11 @@ static int parse_options(int argc, char **argv, pub_opts_t *o)
                            "that build one (--run, --step, --tool, --args, ...)");
     if (!o->from_stdin && !built)
         return usage_error("nothing to publish: give --run, --step, --tool and --args, or --stdin");
-    if (o->wait_s > 0 && !o->from_stdin && strcmp(full_type(o->type), "tally.intent.v1") != 0)
-        return usage_error("--wait-outcome applies to intents only (outcomes answer an intent)");
+    if (o->first && !(o->wait_s > 0))
+        return usage_error("--first applies to --wait-outcome");
     if (o->wait_s > 0 && o->dry_run)
         return usage_error("--wait-outcome and --dry-run exclude each other");
-    return EXIT_OK;
+    return PUB_EXIT_OK;
 }
 
 int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
@@ -794,8 +1024,8 @@ int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
     pub_opts_t o;
     int rc = parse_options(argc, argv, &o);
     if (rc < 0)
-        return EXIT_OK; /* --help */
-    if (rc != EXIT_OK)
+        return PUB_EXIT_OK; /* --help */
+    if (rc != PUB_EXIT_OK)
         return rc;
 
     pub_event_t *evs = NULL;
@@ -805,20 +1035,20 @@ int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
 
     if (o.from_stdin) {
         rc = read_stdin_events(&evs, &n, &line_of);
-        if (rc != EXIT_OK)
+        if (rc != PUB_EXIT_OK)
             goto out;
     } else {
         evs = calloc(1, sizeof *evs);
         line_of = calloc(1, sizeof *line_of);
         if (evs == NULL || line_of == NULL) {
             fprintf(stderr, "tally publish: out of memory\n");
-            rc = EXIT_REFUSED;
+            rc = PUB_EXIT_ERROR;
             goto out;
         }
         evs[0].partition = RD_KAFKA_PARTITION_UA;
         n = 1;
         rc = build_from_options(&o, &evs[0]);
-        if (rc != EXIT_OK)
+        if (rc != PUB_EXIT_OK)
             goto out;
     }
 
@@ -838,9 +1068,11 @@ int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
         fprintf(stderr, "tally publish: %srefused (%s): %s%s%s%s\n", where,
                 tally_dlq_reason_name(r), detail, flag ? " (set it with " : "", flag ? flag : "",
                 flag ? ")" : "");
-        rc = EXIT_REFUSED;
+        rc = PUB_EXIT_REFUSED;
     }
-    if (rc != EXIT_OK)
+    if (rc != PUB_EXIT_OK && !o.dry_run)
+        fprintf(stderr, "tally publish: nothing was published\n");
+    if (rc != PUB_EXIT_OK)
         goto out;
 
     if (o.dry_run) {
@@ -854,14 +1086,14 @@ int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
     if (!brokers_configured(cfg)) {
         fprintf(stderr, "tally publish: no Kafka cluster configured: set TALLY_KAFKA_BROKERS "
                         "(host:port,...), or use --dry-run\n");
-        rc = EXIT_INFRA;
+        rc = PUB_EXIT_ERROR;
         goto out;
     }
     char intents[256], outcomes[256];
     if (!tally_config_topic(cfg, "intents", intents, sizeof intents) ||
         !tally_config_topic(cfg, "outcomes", outcomes, sizeof outcomes)) {
         fprintf(stderr, "tally publish: TALLY_TOPIC_PREFIX is too long\n");
-        rc = EXIT_USAGE;
+        rc = PUB_EXIT_USAGE;
         goto out;
     }
 
@@ -871,26 +1103,27 @@ int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg)
         consumer = outcomes_consumer_new(cfg, outcomes, errstr, sizeof errstr);
         if (consumer == NULL) {
             fprintf(stderr, "tally publish: %s\n", errstr);
-            rc = EXIT_INFRA;
+            rc = PUB_EXIT_ERROR;
             goto out;
         }
     }
 
     rc = produce_all(cfg, intents, evs, n);
-    if (rc != EXIT_OK)
+    if (rc != PUB_EXIT_OK)
         goto out;
     for (size_t i = 0; i < n; i++) {
         if (o.wait_s > 0)
             fprintf(stderr,
                     "tally publish: published event %s to %s [%" PRId32 "] at offset %" PRId64
-                    "; waiting up to %g s for its outcome on %s\n",
-                    evs[i].in.id, intents, evs[i].partition, evs[i].offset, o.wait_s, outcomes);
+                    "; waiting up to %g s for its %s answer on %s\n",
+                    evs[i].in.id, intents, evs[i].partition, evs[i].offset, o.wait_s,
+                    o.first ? "first" : "final", outcomes);
         else
             printf("%s\n", evs[i].in.id);
     }
     fflush(stdout);
     if (o.wait_s > 0)
-        rc = wait_outcomes(consumer, outcomes, evs, n, o.wait_s);
+        rc = wait_outcomes(consumer, outcomes, evs, n, o.wait_s, o.first);
 
 out:
     outcomes_consumer_close(consumer);

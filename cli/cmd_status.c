@@ -15,6 +15,7 @@
 #include "format.h"
 #include "tally/alert.h"
 #include "tally/ledger.h"
+#include "tally/text.h"
 
 #define VERB "status"
 
@@ -27,7 +28,8 @@ static const char USAGE[] =
     "What needs a human in the ledger (TALLY_PG), most urgent first: STUCK effects and\n"
     "obligations with their reason and the exact command that resolves them, the oldest\n"
     "UNKNOWN effects, effects and obligations awaiting approval, open alerts; then the\n"
-    "counts of effects by state and tool, of obligations and of runs.\n"
+    "counts of effects by state and tool, of obligations and of runs (active, completing,\n"
+    "completed, and the compensation states apart).\n"
     "\n"
     "  --unknown-age SECONDS  an UNKNOWN older than this makes the exit code 1\n"
     "                         (default TALLY_UNKNOWN_AGE_S, 300)\n"
@@ -140,6 +142,25 @@ static const struct {
 };
 #define N_STATE_COLUMNS (sizeof STATE_COLUMNS / sizeof STATE_COLUMNS[0])
 
+/* Run states in the order of their lives (DESIGN §3, agent-protocol.md "Runs that finish"):
+ * the key in "runs" of --json, and the words of the RUNS line. The first three are always
+ * shown; the others when some run is in them. */
+static const struct {
+    const char *state;
+    const char *key;
+} RUN_STATES[] = {
+    {"ACTIVE", "active"},
+    {"COMPLETING", "completing"},
+    {"COMPLETED", "completed"},
+    {"COMPENSATING", "compensating"},
+    {"COMPENSATED", "compensated"},
+    {"PARTIALLY_COMPENSATED", "partially_compensated"},
+    {"STUCK", "stuck"},
+    {"CANCELLED", "cancelled"},
+};
+#define N_RUN_STATES      (sizeof RUN_STATES / sizeof RUN_STATES[0])
+#define RUN_STATES_ALWAYS 3
+
 static long long count_of(const json_t *obj, const char *key)
 {
     return (long long)cli_num(obj, key, 0);
@@ -163,6 +184,73 @@ static bool add_commands(json_t *items)
         free(cmd);
     }
     return true;
+}
+
+/* The runs by state under stable lower-case keys, every known state present (0 when none) and
+ * "total"; a state this command does not know is kept under its own name, lower-cased. */
+static json_t *runs_counts(const json_t *by_state)
+{
+    json_t *runs = json_object();
+    json_int_t total = 0;
+    bool ok = runs != NULL;
+    for (size_t s = 0; ok && s < N_RUN_STATES; s++)
+        ok = json_object_set_new(
+                 runs, RUN_STATES[s].key,
+                 json_integer((json_int_t)count_of(by_state, RUN_STATES[s].state))) == 0;
+    const char *state;
+    const json_t *v;
+    json_object_foreach((json_t *)by_state, state, v)
+    {
+        total += json_integer_value(v);
+        bool known = false;
+        for (size_t s = 0; s < N_RUN_STATES; s++)
+            known = known || strcmp(state, RUN_STATES[s].state) == 0;
+        if (known || !ok)
+            continue;
+        char key[64];
+        size_t i = 0;
+        for (; state[i] != '\0' && i + 1 < sizeof key; i++)
+            key[i] = state[i] >= 'A' && state[i] <= 'Z' ? (char)(state[i] - 'A' + 'a') : state[i];
+        key[i] = '\0';
+        ok = json_object_set_new(runs, key, json_integer(json_integer_value(v))) == 0;
+    }
+    ok = ok && json_object_set_new(runs, "total", json_integer(total)) == 0;
+    if (!ok) {
+        json_decref(runs);
+        return NULL;
+    }
+    return runs;
+}
+
+/* "RUNS        3 active, 1 completing, 12 completed, 2 compensated": the runs still taking
+ * intents apart from those that finished, and the compensation states when any run is in
+ * them. */
+static void print_runs_line(const json_t *runs)
+{
+    printf("%-12s", "RUNS");
+    char line[1024] = "";
+    size_t len = 0;
+    const char *key;
+    const json_t *v;
+    json_object_foreach((json_t *)runs, key, v)
+    {
+        size_t s = 0;
+        while (s < N_RUN_STATES && strcmp(key, RUN_STATES[s].key) != 0)
+            s++;
+        if (strcmp(key, "total") == 0 ||
+            (s < N_RUN_STATES && s >= RUN_STATES_ALWAYS && json_integer_value(v) == 0))
+            continue;
+        char words[80];
+        tally_text_copy(words, sizeof words, s < N_RUN_STATES ? RUN_STATES[s].key : key);
+        for (char *c = words; *c != '\0'; c++)
+            *c = *c == '_' ? ' ' : *c;
+        int n = snprintf(line + len, sizeof line - len, "%s%lld %s", len ? ", " : "",
+                         (long long)json_integer_value(v), words);
+        if (n < 0 || (size_t)n >= sizeof line - len)
+            break;
+        len += (size_t)n;
+    }
+    cli_wrap(stdout, line, 12, 12);
 }
 
 /* "CONFIRMED 8, FAILED 1" for an object of counts; "none" when empty. */
@@ -395,7 +483,7 @@ static bool print_human(const json_t *doc)
     printf("\n");
     print_counts_line("EFFECTS", json_object_get(c, "effects_by_state"));
     print_counts_line("OBLIGATIONS", json_object_get(c, "obligations_by_state"));
-    print_counts_line("RUNS", json_object_get(c, "runs_by_state"));
+    print_runs_line(json_object_get(doc, "runs"));
     printf("%-12s%lld message%s waiting for the relay\n", "OUTBOX",
            count_of(c, "message_outbox_backlog"),
            count_of(c, "message_outbox_backlog") == 1 ? "" : "s");
@@ -473,10 +561,11 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
     long long n_aging = count_of(counts, "unknown_aging");
     int verdict = n_stuck > 0 ? 2 : n_aging > 0 ? 1 : 0;
     static const char *const verdicts[] = {"clean", "aging_unknown", "stuck"};
-    doc = json_pack("{s:s, s:i, s:I, s:O, s:O, s:O, s:O, s:O}", "verdict", verdicts[verdict],
+    /* "runs" NULL (out of memory) fails the pack; cli_print_report says so. */
+    doc = json_pack("{s:s, s:i, s:I, s:O, s:o, s:O, s:O, s:O, s:O}", "verdict", verdicts[verdict],
                     "exit_code", verdict, "unknown_age_s", (json_int_t)age_s, "counts", counts,
-                    "stuck", stuck, "unknown", unknown, "awaiting_approval", approvals, "alerts",
-                    alerts);
+                    "runs", runs_counts(json_object_get(counts, "runs_by_state")), "stuck", stuck,
+                    "unknown", unknown, "awaiting_approval", approvals, "alerts", alerts);
     rc = cli_print_report(VERB, doc, as_json, print_human);
     if (rc == CLI_EXIT_OK)
         rc = verdict;

@@ -30,7 +30,8 @@ typedef struct cli_verb {
 static const cli_verb_t verbs[] = {
     {"migrate", tally_cmd_migrate, "apply the ledger's schema migrations to TALLY_PG"},
     {"tools", tally_cmd_tools, "check a tool registry against the safety rules (tools check FILE)"},
-    {"publish", tally_cmd_publish, "publish an intent (or compensate/cancel a run) from the shell"},
+    {"publish", tally_cmd_publish,
+     "publish an intent (or compensate/cancel/complete a run) and wait for its answer"},
     {"status", tally_cmd_status,
      "what needs a human: STUCK, aging UNKNOWN, approvals, alerts, counts"},
     {"doctor", tally_cmd_doctor, "one run's whole timeline, effects, obligations and alerts"},

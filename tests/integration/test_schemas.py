@@ -422,13 +422,13 @@ class PublishAgreesWithTheSchemas(unittest.TestCase):
         doc["data"]["reason"] = 5
         self.assertNotEqual(errors("complete_run", doc), [])
         r = publish(["--stdin", "--dry-run"], stdin=json.dumps(doc).encode())
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 6)  # refused before publishing
         self.assertIn(b"invalid_field", r.stderr)
         self.assertIn(b"data.reason", r.stderr)
 
     def test_refusals_name_the_field(self):
         r = publish(["--run", "r", "--step", "1", "--tool", "t", "--args", "[1]", "--dry-run"])
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 6)  # refused before publishing
         self.assertIn(b"invalid_field", r.stderr)
         self.assertIn(b"data.args must be a JSON object", r.stderr)
         self.assertEqual(r.stdout, b"")
@@ -437,11 +437,11 @@ class PublishAgreesWithTheSchemas(unittest.TestCase):
         doc["data"]["step"] = True
         self.assertNotEqual(list(validator("intent").iter_errors(doc)), [])
         r = publish(["--stdin", "--dry-run"], stdin=json.dumps(doc).encode())
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 6)
         self.assertIn(b"data.step must be a string or a non-negative integer", r.stderr)
 
         r = publish(["--stdin", "--dry-run"], stdin=b'{"a": "\xed\xa0\x80"}')
-        self.assertEqual(r.returncode, 1)
+        self.assertEqual(r.returncode, 6)
         self.assertIn(b"invalid_utf8", r.stderr)
 
 
