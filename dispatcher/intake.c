@@ -934,33 +934,6 @@ static void start_claimed(dispatcher_t *d, size_t lo, size_t hi)
     }
 }
 
-/* A text[] literal of the run ids of @p ms (quoted, escaped). @returns malloc'd text. */
-static char *run_id_array(intake_msg_t **ms, size_t n)
-{
-    size_t cap = 3;
-    for (size_t i = 0; i < n; i++)
-        cap += 3 + 2 * strlen(ms[i]->in.run_id);
-    char *s = malloc(cap);
-    if (!s)
-        return NULL;
-    size_t k = 0;
-    s[k++] = '{';
-    for (size_t i = 0; i < n; i++) {
-        if (i)
-            s[k++] = ',';
-        s[k++] = '"';
-        for (const char *p = ms[i]->in.run_id; *p; p++) {
-            if (*p == '"' || *p == '\\')
-                s[k++] = '\\';
-            s[k++] = *p;
-        }
-        s[k++] = '"';
-    }
-    s[k++] = '}';
-    s[k] = '\0';
-    return s;
-}
-
 /* complete_run requests (docs/agent-protocol.md): an ACTIVE run turns COMPLETING, and
  * COMPLETED at once when nothing of it is in flight; a COMPLETED one is answered with its
  * summary again; a COMPLETING one is answered when it completes; any other (cancelled, under
@@ -968,18 +941,20 @@ static char *run_id_array(intake_msg_t **ms, size_t n)
 static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_audit_batch_t *ab,
                           tally_outbox_batch_t *ob, intake_counts_t *c, tally_error_t *err)
 {
-    char *ids = run_id_array(ms, n);
-    if (!ids) {
-        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
-        return false;
-    }
-    const char *params[1] = {ids};
     bool ok = false;
-    PGresult *res = tally_pg_exec(d->pg, SQL_COMPLETE_LOCK, 1, params, err);
-    PGresult *moved = NULL;
+    PGresult *res = NULL, *moved = NULL;
     const char **moving = calloc(n, sizeof *moving);
     size_t n_moving = 0, done = 0;
-    if (!res || !moving)
+    char *ids = NULL;
+    for (size_t i = 0; moving && i < n; i++)
+        moving[i] = ms[i]->in.run_id;
+    if (!moving || !(ids = tally_pg_text_array(moving, n))) {
+        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+        goto out;
+    }
+    const char *params[1] = {ids};
+    res = tally_pg_exec(d->pg, SQL_COMPLETE_LOCK, 1, params, err);
+    if (!res)
         goto out;
     for (size_t i = 0; i < n; i++) {
         intake_msg_t *m = ms[i];

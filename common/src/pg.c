@@ -604,3 +604,29 @@ void tally_pg_free(tally_pg_t *pg)
     free(pg->application_name);
     free(pg);
 }
+
+char *tally_pg_text_array(const char *const *items, size_t n)
+{
+    size_t cap = 3;
+    for (size_t i = 0; i < n; i++)
+        cap += 3 + 2 * strlen(items[i]);
+    char *s = malloc(cap);
+    if (s == NULL)
+        return NULL;
+    size_t k = 0;
+    s[k++] = '{';
+    for (size_t i = 0; i < n; i++) {
+        if (i > 0)
+            s[k++] = ',';
+        s[k++] = '"';
+        for (const char *p = items[i]; *p; p++) {
+            if (*p == '"' || *p == '\\')
+                s[k++] = '\\';
+            s[k++] = *p;
+        }
+        s[k++] = '"';
+    }
+    s[k++] = '}';
+    s[k] = '\0';
+    return s;
+}

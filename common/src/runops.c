@@ -1115,34 +1115,9 @@ bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n,
 {
     *completed = 0;
     char *ids = NULL;
-    if (run_ids != NULL) {
-        /* a text[] literal: every element quoted, " and \ escaped */
-        size_t cap = 3;
-        for (size_t i = 0; i < n; i++) {
-            cap += 3 + 2 * strlen(run_ids[i]);
-        }
-        ids = malloc(cap);
-        if (ids == NULL) {
-            tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
-            return false;
-        }
-        size_t k = 0;
-        ids[k++] = '{';
-        for (size_t i = 0; i < n; i++) {
-            if (i > 0) {
-                ids[k++] = ',';
-            }
-            ids[k++] = '"';
-            for (const char *p = run_ids[i]; *p; p++) {
-                if (*p == '"' || *p == '\\') {
-                    ids[k++] = '\\';
-                }
-                ids[k++] = *p;
-            }
-            ids[k++] = '"';
-        }
-        ids[k++] = '}';
-        ids[k] = '\0';
+    if (run_ids != NULL && (ids = tally_pg_text_array(run_ids, n)) == NULL) {
+        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+        return false;
     }
     char lim[16], idle[16];
     snprintf(lim, sizeof lim, "%d", limit > 0 ? limit : 1);

@@ -61,6 +61,13 @@ bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *cons
 bool tally_pg_error_is_data(const tally_error_t *err);
 
 /**
+ * @brief A text[] literal of @p n strings for a statement parameter ("{\"a\",\"b\"}"):
+ * every element quoted, '"' and '\\' escaped. @returns malloc'd text, or NULL when out of
+ * memory.
+ */
+char *tally_pg_text_array(const char *const *items, size_t n);
+
+/**
  * @brief BEGIN / COMMIT / ROLLBACK. Rollback is safe to call on a broken connection.
  * @remark BEGIN is sent in one pipeline with the transaction's first statement (one round
  * trip less per transaction), so a failure to start the transaction surfaces there;
