@@ -361,9 +361,8 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
                                               "Outbox messages whose delivery failed", NULL);
         r->m_replies_dropped = tally_metrics_counter(
             metrics, "tally_relay_replies_dropped_total",
-            "Replies given up after " STR(REPLY_MAX_ATTEMPTS) " failed attempts (their "
-                                                              "destination does not take them; the "
-                                                              "answer is on <prefix>outcomes)",
+            "Replies given up after 8 failed attempts (their destination does not take them; "
+            "the answer is on <prefix>outcomes)",
             NULL);
         r->m_backlog = tally_metrics_gauge(metrics, "tally_outbox_backlog",
                                            "Rows waiting in message_outbox", NULL);
