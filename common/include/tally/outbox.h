@@ -76,9 +76,11 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
  * run event ("run" scope) to the replies of its run, the 8 most recent each, as rows of topic
  * 'replies' right after it; a row of topic 'replies' carries its own destination.
  */
+// clang-format off
 #define TALLY_OUTBOX_INSERT(PARAM, WHERE)                                                          \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload, reply)"                        \
-    " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply" TALLY_OUTBOX_ROWS_(PARAM, WHERE)
+    TALLY_OUTBOX_ROWS_(PARAM, WHERE, "")
+// clang-format on
 
 /**
  * @brief TALLY_OUTBOX_INSERT for rows handed to a relay (tally_relay_hand): leased to the
@@ -90,31 +92,43 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
 #define TALLY_OUTBOX_INSERT_HANDED(PARAM, WHERE, OWNER, LEASE_MS)                                  \
     "INSERT INTO message_outbox (topic, msg_key, event_id, payload, reply, lease_owner,"           \
     " lease_until)"                                                                                \
-    " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply, " OWNER "::text,"                 \
-    " CASE WHEN " OWNER "::text IS NOT NULL"                                                       \
-    " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END"                               \
-    TALLY_OUTBOX_ROWS_(PARAM, WHERE) " RETURNING " TALLY_OUTBOX_RETURNING
+    TALLY_OUTBOX_ROWS_(PARAM, WHERE, ", " OWNER "::text, CASE WHEN " OWNER "::text IS NOT NULL"    \
+    " THEN now() + " LEASE_MS "::int * interval '1 millisecond' END")                              \
+    " RETURNING " TALLY_OUTBOX_RETURNING
 
 /** The columns a relay takes a message_outbox row with (tally_relay_hand_result). */
 #define TALLY_OUTBOX_RETURNING "id, topic, msg_key, event_id, payload, reply::text"
 
-#define TALLY_OUTBOX_ROWS_(PARAM, WHERE)                                                           \
-    " FROM (SELECT r.n, q.k, coalesce(q.topic, r.topic) AS topic, r.msg_key, r.event_id,"          \
-    "  CASE WHEN q.reply IS NULL THEN r.payload ELSE tally_reply_payload(r.payload, q.reply)"      \
-    "  END AS payload, q.reply"                                                                    \
-    " FROM unnest(" TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) ","                          \
+/* The batch's rows (ob_rows), the replies they are copied to (ob_replies: one join for the
+ * whole batch, the 8 newest of each effect or run), and the rows to insert in batch order, each
+ * message followed by its copies; MORE: further columns of the select list. */
+#define TALLY_OUTBOX_ROWS_(PARAM, WHERE, MORE)                                                     \
+    " WITH ob_rows AS MATERIALIZED (SELECT r.n, r.topic, r.msg_key, r.event_id, r.payload,"        \
+    "   r.reply::jsonb AS reply,"                                                                  \
+    "   CASE WHEN r.scope = 'effect' THEN r.effect_id::uuid END AS eid,"                           \
+    "   CASE WHEN r.scope = 'run' THEN r.msg_key END AS rid"                                       \
+    "  FROM unnest(" TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) ","                         \
     TALLY_COLUMN(PARAM, 3) "," TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) ","               \
     TALLY_COLUMN(PARAM, 6) "," TALLY_COLUMN(PARAM, 7) ")"                                          \
-    " WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, n)"         \
-    " CROSS JOIN LATERAL ("                                                                        \
-    "  SELECT 0::bigint AS k, NULL::text AS topic, r.reply::jsonb AS reply"                        \
-    "  UNION ALL (SELECT p.id, 'replies', p.destination FROM replies p"                            \
-    "   WHERE r.scope = 'effect' AND p.effect_id = CASE WHEN r.scope = 'effect'"                   \
-    "    THEN r.effect_id::uuid END ORDER BY p.id DESC LIMIT 8)"                                   \
-    "  UNION ALL (SELECT p.id, 'replies', p.destination FROM replies p"                            \
-    "   WHERE r.scope = 'run' AND p.effect_id IS NULL AND p.run_id = r.msg_key"                    \
-    "   ORDER BY p.id DESC LIMIT 8)) q"                                                            \
-    " " WHERE ") x ORDER BY x.n, x.k"
+    "  WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, n)"        \
+    "  " WHERE "),"                                                                                \
+    " ob_replies AS (SELECT z.n, z.id, z.destination FROM ("                                       \
+    "   SELECT o.n, q.id, q.destination,"                                                          \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC) AS rank"                          \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id = o.eid"                                      \
+    "   UNION ALL SELECT o.n, q.id, q.destination,"                                                \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC)"                                  \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id IS NULL AND q.run_id = o.rid) z"              \
+    "  WHERE z.rank <= 8)"                                                                         \
+    " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply" MORE                              \
+    " FROM (SELECT o.n, 0::bigint AS k, o.topic, o.msg_key, o.event_id,"                           \
+    "  CASE WHEN o.reply IS NULL THEN o.payload ELSE tally_reply_payload(o.payload, o.reply)"     \
+    "  END AS payload,"                                                                            \
+    "  o.reply FROM ob_rows o"                                                                     \
+    "  UNION ALL SELECT o.n, p.id, 'replies', o.msg_key, o.event_id,"                              \
+    "   tally_reply_payload(o.payload, p.destination), p.destination"                              \
+    "  FROM ob_replies p JOIN ob_rows o ON o.n = p.n) x"                                           \
+    " ORDER BY x.n, x.k"
 // clang-format on
 
 /**
