@@ -69,6 +69,12 @@ class RepliesCase(ReconcileCase):
         self.assertFalse(errors)
         return ce
 
+    def run_message(self, kind, run, **data):
+        """A tally.<kind>.v1 run message (complete_run, cancel_run, compensate_run)."""
+        data["run_id"] = run
+        return {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
+                "type": f"tally.{kind}.v1", "data": data}
+
     def spring_headers(self, topic, corr, partition=None):
         h = [("kafka_replyTopic", topic.encode()), ("kafka_correlationId", corr)]
         if partition is not None:
@@ -246,8 +252,7 @@ class RepliesTest(RepliesCase):
         one = self.intent(run, 1, "check_balance", args)
         self.publish_with(one)
         self.outcomes_for([one["id"]])
-        done = {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                "type": "tally.complete_run.v1", "data": {"run_id": run, "reason": "all done"}}
+        done = self.run_message("complete_run", run, reason="all done")
         self.publish_with(done, self.spring_headers(topic, b"c-done"))
         got = self.read_replies(reader, lambda vs: any(
             v["type"] == "tally.run.completed.v1" for v in vs))
@@ -298,8 +303,7 @@ class RepliesTest(RepliesCase):
                                       {"tenant_id": "t1", "payment_id": f"{run}-p1",
                                        "amount": 5}))
         self.wait_status("charge_card", key, "DISPATCHING", timeout=20)
-        done = {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                "type": "tally.complete_run.v1", "data": {"run_id": run}}
+        done = self.run_message("complete_run", run)
         self.publish_with(done, self.spring_headers(topic, b"c-done"))
         wait_for(lambda: self.scalar("SELECT status FROM runs WHERE run_id = %s", (run,))
                  in ("COMPLETING", "COMPLETED"), timeout=20, what="COMPLETING")
@@ -326,8 +330,7 @@ class RepliesTest(RepliesCase):
         other = tallytest_run()
         self.publish_with(self.intent(other, 1, "send_email",
                                       {"message_id": other, "to": "a@example.com"}))
-        cancel = {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                  "type": "tally.cancel_run.v1", "data": {"run_id": other, "reason": "stop"}}
+        cancel = self.run_message("cancel_run", other, reason="stop")
         self.publish_with(cancel, self.spring_headers(topic, b"c-cancel"))
         got = self.read_replies(reader, lambda vs: any(
             v["type"] == "tally.run.cancelled.v1" for v in vs))
@@ -352,9 +355,7 @@ class RunAnswersTest(RepliesCase):
         self.outcomes_for([one["id"]])
 
         def compensate(corr):
-            ce = {"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests",
-                  "type": "tally.compensate_run.v1",
-                  "data": {"run_id": run, "reason": "undo"}}
+            ce = self.run_message("compensate_run", run, reason="undo")
             self.publish_with(ce, self.spring_headers(topic, corr))
             got = self.read_replies(reader, lambda vs: any(
                 v["type"] == "tally.run.compensated.v1" for v in vs), timeout=60, settle=0.3)
