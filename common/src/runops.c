@@ -691,7 +691,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
          * compensation summary (tally.run.compensated.v1 / stuck), later. */
         if (r->found && op->kind == TALLY_RUNOP_CANCEL && !op->compensate &&
             !queue_run_event(
-                "tally.run.cancelled.v1", op->run_id, r->status_after, NULL,
+                "tally.run.cancelled.v1", op->run_id, r->status_after, op->reason,
                 json_pack("{s:I}", "effects_cancelled", (json_int_t)r->effects_cancelled), source,
                 ob)) {
             tally_error_set(err, "oom", true, "out of memory building a run event");

@@ -14,11 +14,26 @@ from confluent_kafka import Consumer, TopicPartition
 
 import tallytest
 from test_reconcile_resolve import ReconcileCase
+from test_schemas import validator
 from tallytest import wait_for
 
 
 def headers_of(msg):
     return {k: v for k, v in (msg.headers() or [])}
+
+
+SCHEMA_OF = {"tally.intent.rejected.v1": "intent_rejected", "tally.run.": "run_event",
+             "tally.effect.": "effect_event"}
+
+
+def check_schema(case, event):
+    """Every answer tally sends to a reply topic is valid against its schema (schemas/)."""
+    for prefix, name in SCHEMA_OF.items():
+        if event["type"].startswith(prefix):
+            errors = [e.message for e in validator(name).iter_errors(event)]
+            case.assertEqual(errors, [], f"{event['type']} against {name}: {event}")
+            return
+    case.fail(f"no schema for {event['type']}")
 
 
 class RepliesCase(ReconcileCase):
@@ -51,6 +66,7 @@ class RepliesCase(ReconcileCase):
             m = reader.poll(0.1)
             if m is not None and not m.error():
                 got.append((json.loads(m.value()), headers_of(m), m.partition()))
+                check_schema(self, got[-1][0])
             if settled_at is None and predicate([g[0] for g in got]):
                 settled_at = time.monotonic()
             if settled_at is not None and time.monotonic() - settled_at >= settle:
@@ -336,6 +352,7 @@ class RepliesTest(RepliesCase):
             v["type"] == "tally.run.cancelled.v1" for v in vs))
         ev = [v for v, _, _ in got if v["type"] == "tally.run.cancelled.v1"][0]
         self.assertEqual(ev["data"]["run_id"], other)
+        self.assertEqual(ev["data"]["reason"], "stop")
         self.assertIn(ev["data"]["status"], ("CANCELLED",))
 
 
