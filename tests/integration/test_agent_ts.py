@@ -15,17 +15,9 @@ import tempfile
 
 import tallytest
 from dispatchcase import DispatchCase
+from test_client_ts import build_client, npm
 
 EXAMPLE = os.path.join(tallytest.SOURCE_DIR, "examples", "agent-ts")
-CLIENT = os.path.join(tallytest.SOURCE_DIR, "clients", "typescript")
-
-
-def npm(args, cwd):
-    out = subprocess.run(["npm", *args, "--no-audit", "--no-fund"], cwd=cwd,
-                         capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise AssertionError(f"npm {' '.join(args)} failed ({out.returncode}):\n"
-                             f"{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
 
 
 class AgentTsTest(DispatchCase):
@@ -34,15 +26,14 @@ class AgentTsTest(DispatchCase):
     def setUpClass(cls):
         cls.root = tempfile.mkdtemp(prefix="tally-agent-ts-")
         # the library first: the example links to it and compiles against its dist/*.d.ts
-        for src, rel in ((CLIENT, ("clients", "typescript")), (EXAMPLE, ("examples", "agent-ts"))):
-            dst = os.path.join(cls.root, *rel)
-            os.makedirs(dst)
-            for name in ("package.json", "package-lock.json", "tsconfig.json"):
-                shutil.copy(os.path.join(src, name), dst)
-            shutil.copytree(os.path.join(src, "src"), os.path.join(dst, "src"))
-            npm(["ci"], dst)
-            npm(["run", "build"], dst)
+        build_client(cls.root)
         cls.build = os.path.join(cls.root, "examples", "agent-ts")
+        os.makedirs(cls.build)
+        for name in ("package.json", "package-lock.json", "tsconfig.json"):
+            shutil.copy(os.path.join(EXAMPLE, name), cls.build)
+        shutil.copytree(os.path.join(EXAMPLE, "src"), os.path.join(cls.build, "src"))
+        npm(["ci"], cls.build)
+        npm(["run", "build"], cls.build)
 
     @classmethod
     def tearDownClass(cls):
