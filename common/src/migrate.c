@@ -7,6 +7,9 @@
 
 #include "tally/log.h"
 
+/* TALLY_MACHINES_SQL and TALLY_MACHINES_SHA256, generated from schemas/machines.json. */
+#include "machines_sql.inc"
+
 /* pg_advisory_xact_lock key shared by every `tally migrate`: "tallymig" as ASCII. */
 #define MIGRATE_LOCK_KEY "8386103194290055527"
 
@@ -79,6 +82,33 @@ static bool run_migration(tally_pg_t *pg, const tally_migration_t *m, tally_erro
     return false;
 }
 
+/* The state machines' triggers (ledger.h), installed when the database has none or others than
+ * this binary's: the generated SQL replaces functions and triggers, so it runs again safely. A
+ * database older than version 10 has no schema_machines table: the caller applies the numbered
+ * migrations first. */
+static bool install_machines(tally_pg_t *pg, tally_error_t *err)
+{
+    const char *params[1] = {TALLY_MACHINES_SHA256};
+    PGresult *res =
+        tally_pg_exec(pg, "SELECT 1 FROM schema_machines WHERE sha256 = $1", 1, params, err);
+    if (res == NULL)
+        return false;
+    bool current = PQntuples(res) == 1;
+    PQclear(res);
+    if (current)
+        return true;
+    TALLY_INFO("installing the state machines (schemas/machines.json, sha256 %s)",
+               TALLY_MACHINES_SHA256);
+    const tally_migration_t machines = {0, "machines", TALLY_MACHINES_SQL};
+    if (!run_migration(pg, &machines, err))
+        return false;
+    return tally_pg_run(pg,
+                        "INSERT INTO schema_machines (id, sha256) VALUES (1, $1)"
+                        " ON CONFLICT (id) DO UPDATE SET sha256 = EXCLUDED.sha256,"
+                        " installed_at = now()",
+                        1, params, err);
+}
+
 bool tally_migrate_apply(tally_pg_t *pg, int *before, int *after, tally_error_t *err)
 {
     const int latest = tally_migrate_latest();
@@ -117,6 +147,8 @@ bool tally_migrate_apply(tally_pg_t *pg, int *before, int *after, tally_error_t 
             goto fail;
         applied = m->version;
     }
+    if (!install_machines(pg, err))
+        goto fail;
     if (!tally_pg_commit(pg, err))
         return false;
     if (before != NULL)

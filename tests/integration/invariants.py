@@ -55,6 +55,39 @@ SQL_CHECKS = [
      "SELECT effect_id, attempts FROM effects WHERE attempts > 100"),
 ]
 
+# Every status change the audit trail records is a move of its machine (schemas/machines.json,
+# installed as tally_machine_moves()): the database refuses the others, so one here means an
+# event that lies about the move it records. The machine is the event's subject: its
+# obligation, else its effect, else (kind 'alert') its alert, else its run. An alert event
+# names only the state it reached, and an event from a state to itself (a summary re-published,
+# a lease taken over) is no move.
+SQL_TRANSITIONS = (
+    "every audit transition is a move of its machine",
+    "WITH v AS (SELECT seq, kind, from_status, to_status,"
+    "   CASE WHEN obligation_id IS NOT NULL THEN 'obligation'"
+    "     WHEN effect_id IS NOT NULL THEN 'effect'"
+    "     WHEN kind = 'alert' THEN 'alert' ELSE 'run' END AS machine"
+    " FROM events WHERE to_status IS NOT NULL AND from_status IS DISTINCT FROM to_status"
+    "   AND NOT (kind = 'alert' AND from_status IS NULL))"
+    " SELECT v.seq, v.kind, v.machine, v.from_status, v.to_status FROM v"
+    " WHERE NOT EXISTS (SELECT 1 FROM tally_machine_moves() m WHERE m.machine = v.machine"
+    "   AND m.from_status IS NOT DISTINCT FROM v.from_status AND m.to_status = v.to_status)"
+    " ORDER BY v.seq")
+
+
+def check_transitions(case):
+    """SQL_TRANSITIONS on @case's database; an AssertionError listing every offending event.
+    tallytest.TallyCase runs it after every test, so every scenario checks it."""
+    if case.scalar("SELECT to_regprocedure('tally_machine_moves()') IS NOT NULL") is not True:
+        return  # a test of an empty or older schema
+    what, sql = SQL_TRANSITIONS
+    rows = case.query(sql)
+    if rows:
+        raise AssertionError(f"{what}: {len(rows)} event(s) record moves outside the machines:\n"
+                             + "\n".join(f"  seq {r[0]} kind {r[1]}: {r[2]} {r[3]} -> {r[4]}"
+                                          for r in rows[:20]))
+
+
 SQL_OBLIGATIONS_SETTLED = (
     "every obligation is terminal or leased",
     "SELECT obligation_id, status FROM obligations WHERE NOT ("

@@ -24,6 +24,8 @@ import psycopg2
 import psycopg2.extensions
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+import invariants
+
 SOURCE_DIR = os.environ.get(
     "TALLY_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 BUILD_DIR = os.environ.get("TALLY_BUILD_DIR", os.path.join(SOURCE_DIR, "build"))
@@ -210,6 +212,38 @@ class TallyCase(unittest.TestCase):
 
     def tearDown(self):
         failed = self._outcome_failed()
+        try:
+            self._check_transitions(failed)
+        finally:
+            self._stop_all(failed)
+
+    def _check_transitions(self, failed):
+        """Every test checks the audit trail's moves against the machines (invariants.py);
+        after its processes stop, so that nothing is written behind the check."""
+        if failed:
+            return
+        for p in self.procs:
+            if p.alive():
+                try:
+                    p.terminate(timeout=30)
+                except AssertionError:
+                    pass
+        try:
+            if self.db.closed:
+                self.db = psycopg2.connect(self.pg)
+                self.db.autocommit = True
+            invariants.check_transitions(self)
+        except psycopg2.Error:
+            # a test that stopped PostgreSQL or dropped its database: reconnect once
+            try:
+                self.db.close()
+                self.db = psycopg2.connect(self.pg)
+                self.db.autocommit = True
+            except psycopg2.Error:
+                return  # the database is gone on purpose: nothing to check
+            invariants.check_transitions(self)
+
+    def _stop_all(self, failed):
         for p in self.procs:
             if p.alive():
                 try:

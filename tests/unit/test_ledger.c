@@ -1,4 +1,4 @@
-/* test_ledger.c — the effect and obligation state machines against DESIGN §3. */
+/* test_ledger.c — the generated state machines (schemas/machines.json) against DESIGN §3. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -54,12 +54,19 @@ static void test_obligation_names_round_trip(void **state)
     assert_false(tally_obligation_state_parse("resolved", &out));
 }
 
-/* Every row of a table names real states, a real actor, a reason, and is allowed. */
+/* Every row of a table names real states (from -1: a creation), a real actor, a reason, and
+ * is allowed. */
 static void check_table(const tally_transition_t *t, int count, const char *(*name)(int),
                         bool (*allowed)(int, int))
 {
     size_t rows = 0;
     for (; t->by != NULL; t++, rows++) {
+        if (t->from == -1) {
+            assert_in_range(t->to, 0, count - 1);
+            assert_true(known_actor(t->by));
+            assert_true(allowed(-1, t->to));
+            continue;
+        }
         assert_in_range(t->from, 0, count - 1);
         assert_in_range(t->to, 0, count - 1);
         assert_true(known_actor(t->by));
@@ -80,6 +87,8 @@ static const char *effect_name(int s)
 }
 static bool effect_allowed(int a, int b)
 {
+    if (a == -1)
+        return tally_effect_creation_allowed((tally_effect_state_t)b);
     return tally_effect_transition_allowed((tally_effect_state_t)a, (tally_effect_state_t)b);
 }
 static const char *obligation_name(int s)
@@ -88,6 +97,8 @@ static const char *obligation_name(int s)
 }
 static bool obligation_allowed(int a, int b)
 {
+    if (a == -1)
+        return tally_obligation_creation_allowed((tally_obligation_state_t)b);
     return tally_obligation_transition_allowed((tally_obligation_state_t)a,
                                                (tally_obligation_state_t)b);
 }
@@ -115,6 +126,7 @@ static void test_effect_matrix_is_exactly_the_design(void **state)
         {E(DISPATCHING), E(FAILED)},
         {E(DISPATCHING), E(PLANNED)},
         {E(DISPATCHING), E(UNKNOWN)},
+        {E(DISPATCHING), E(CANCELLED)}, /* the run stopped meanwhile; not applied */
         {E(UNKNOWN), E(CONFIRMED)},
         {E(UNKNOWN), E(PLANNED)},
         {E(UNKNOWN), E(STUCK)},
@@ -199,6 +211,11 @@ static void test_effect_actors(void **state)
 {
     (void)state;
     static const move_t want[] = {
+        {-1, E(PLANNED), "dispatcher"},
+        {-1, E(AWAITING_APPROVAL), "dispatcher"},
+        {-1, E(DISPATCHING), "dispatcher"}, /* created and claimed in one statement */
+        {-1, E(CANCELLED), "dispatcher"},   /* its run is compensating or cancelled */
+        {E(DISPATCHING), E(CANCELLED), "dispatcher"},
         {E(AWAITING_APPROVAL), E(PLANNED), "operator"},
         {E(AWAITING_APPROVAL), E(REJECTED), "operator"},
         {E(PLANNED), E(DISPATCHING), "dispatcher"},
@@ -226,6 +243,9 @@ static void test_obligation_actors(void **state)
 {
     (void)state;
     static const move_t want[] = {
+        {-1, O(PENDING), "reconciler"}, /* a duplicate */
+        {-1, O(PENDING), "dispatcher"}, /* compensate_run, cancel_run */
+        {-1, O(PENDING), "operator"},
         {O(PENDING), O(RUNNING), "compensator"},
         {O(RUNNING), O(RUNNING), "compensator"},
         {O(RUNNING), O(PENDING), "compensator"},
@@ -258,7 +278,10 @@ static void test_forbidden_effect_moves(void **state)
     assert_false(tally_effect_transition_allowed(E(CANCELLED), E(PLANNED)));
     assert_false(tally_effect_transition_allowed(E(STUCK), E(PLANNED)));
     assert_false(tally_effect_transition_allowed(E(DISPATCHING), E(DISPATCHING)));
-    assert_false(tally_effect_transition_allowed(E(DISPATCHING), E(CANCELLED))); /* in flight */
+    /* a row is never created past the point a call would have made */
+    assert_false(tally_effect_creation_allowed(E(CONFIRMED)));
+    assert_false(tally_effect_creation_allowed(E(UNKNOWN)));
+    assert_false(tally_effect_creation_allowed(E(FAILED)));
     assert_false(tally_effect_transition_allowed(E(CONFIRMED), E(FAILED)));
 }
 
@@ -272,6 +295,8 @@ static void test_forbidden_obligation_moves(void **state)
     assert_false(tally_obligation_transition_allowed(O(AWAITING_APPROVAL), O(RUNNING)));
     assert_false(tally_obligation_transition_allowed(O(UNCOMPENSATABLE), O(RESOLVED)));
     assert_false(tally_obligation_transition_allowed(O(CANCELLED), O(PENDING)));
+    assert_false(tally_obligation_creation_allowed(O(RUNNING)));
+    assert_false(tally_obligation_creation_allowed(O(RESOLVED)));
 }
 
 static void test_terminal_sets(void **state)
@@ -294,6 +319,8 @@ static void test_who_may_move_what(void **state)
 {
     (void)state;
     for (const tally_transition_t *t = tally_effect_transitions; t->by; t++) {
+        if (t->from == -1)
+            continue;
         assert_false(tally_effect_state_terminal((tally_effect_state_t)t->from));
         if (t->from == E(STUCK))
             assert_string_equal(t->by, "operator");
@@ -303,6 +330,8 @@ static void test_who_may_move_what(void **state)
             assert_string_equal(t->by, "operator");
     }
     for (const tally_transition_t *t = tally_obligation_transitions; t->by; t++) {
+        if (t->from == -1)
+            continue;
         assert_false(tally_obligation_state_terminal((tally_obligation_state_t)t->from));
         if (t->from == O(STUCK) || t->from == O(AWAITING_APPROVAL))
             assert_string_equal(t->by, "operator");
@@ -346,14 +375,97 @@ static bool obligation_terminal(int s)
     return tally_obligation_state_terminal((tally_obligation_state_t)s);
 }
 
+static const char *run_name(int s)
+{
+    return tally_run_state_name((tally_run_state_t)s);
+}
+static bool run_allowed(int a, int b)
+{
+    if (a == -1)
+        return tally_run_creation_allowed((tally_run_state_t)b);
+    return tally_run_transition_allowed((tally_run_state_t)a, (tally_run_state_t)b);
+}
+static bool run_terminal(int s)
+{
+    return tally_run_state_terminal((tally_run_state_t)s);
+}
+static const char *alert_name(int s)
+{
+    return tally_alert_state_name((tally_alert_state_t)s);
+}
+static bool alert_allowed(int a, int b)
+{
+    if (a == -1)
+        return tally_alert_creation_allowed((tally_alert_state_t)b);
+    return tally_alert_transition_allowed((tally_alert_state_t)a, (tally_alert_state_t)b);
+}
+static bool alert_terminal(int s)
+{
+    return tally_alert_state_terminal((tally_alert_state_t)s);
+}
+
+/* Where rows start: the targets of the table's creation rows. */
+static size_t starts_of(const tally_transition_t *t, int *starts, size_t cap)
+{
+    size_t n = 0;
+    for (; t->by != NULL; t++) {
+        if (t->from == -1 && n < cap)
+            starts[n++] = t->to;
+    }
+    assert_true(n > 0);
+    return n;
+}
+
 static void test_reachability(void **state)
 {
     (void)state;
-    const int estarts[] = {E(PLANNED), E(AWAITING_APPROVAL)};
-    reachability(TALLY_EFFECT__COUNT, estarts, 2, effect_allowed, effect_terminal, effect_name);
-    const int ostarts[] = {O(PENDING)};
-    reachability(TALLY_OBLIGATION__COUNT, ostarts, 1, obligation_allowed, obligation_terminal,
+    int starts[32];
+    size_t n = starts_of(tally_effect_transitions, starts, 32);
+    reachability(TALLY_EFFECT__COUNT, starts, n, effect_allowed, effect_terminal, effect_name);
+    n = starts_of(tally_obligation_transitions, starts, 32);
+    reachability(TALLY_OBLIGATION__COUNT, starts, n, obligation_allowed, obligation_terminal,
                  obligation_name);
+    n = starts_of(tally_run_transitions, starts, 32);
+    reachability(TALLY_RUN__COUNT, starts, n, run_allowed, run_terminal, run_name);
+    n = starts_of(tally_alert_transitions, starts, 32);
+    reachability(TALLY_ALERT__COUNT, starts, n, alert_allowed, alert_terminal, alert_name);
+}
+
+/* Runs (DESIGN §3 and §12): ACTIVE -> COMPLETING -> COMPLETED, the compensation states, and
+ * CANCELLED; a run is created ACTIVE only, and nothing but compensation reopens a settled one. */
+static void test_run_and_alert_machines(void **state)
+{
+    (void)state;
+    check_table(tally_run_transitions, TALLY_RUN__COUNT, run_name, run_allowed);
+    check_table(tally_alert_transitions, TALLY_ALERT__COUNT, alert_name, alert_allowed);
+    assert_true(tally_run_creation_allowed(TALLY_RUN_ACTIVE));
+    for (int s = 1; s < TALLY_RUN__COUNT; s++)
+        assert_false(tally_run_creation_allowed((tally_run_state_t)s));
+    assert_true(tally_run_transition_allowed(TALLY_RUN_ACTIVE, TALLY_RUN_COMPLETING));
+    assert_true(tally_run_transition_allowed(TALLY_RUN_COMPLETING, TALLY_RUN_COMPLETED));
+    assert_true(tally_run_transition_allowed(TALLY_RUN_ACTIVE, TALLY_RUN_COMPENSATING));
+    assert_true(tally_run_transition_allowed(TALLY_RUN_COMPENSATING, TALLY_RUN_COMPENSATED));
+    assert_false(tally_run_transition_allowed(TALLY_RUN_COMPLETED, TALLY_RUN_ACTIVE));
+    assert_false(tally_run_transition_allowed(TALLY_RUN_CANCELLED, TALLY_RUN_ACTIVE));
+    assert_false(tally_run_transition_allowed(TALLY_RUN_COMPENSATED, TALLY_RUN_ACTIVE));
+    assert_false(tally_run_transition_allowed(TALLY_RUN_COMPLETED, TALLY_RUN_CANCELLED));
+    for (int a = 0; a < TALLY_RUN__COUNT; a++) {
+        if (a != TALLY_RUN_COMPENSATING && a != TALLY_RUN_STUCK) {
+            assert_false(tally_run_transition_allowed((tally_run_state_t)a, TALLY_RUN_COMPENSATED));
+            assert_false(tally_run_transition_allowed((tally_run_state_t)a,
+                                                      TALLY_RUN_PARTIALLY_COMPENSATED));
+        }
+        /* no run goes back to taking intents */
+        assert_false(tally_run_transition_allowed((tally_run_state_t)a, TALLY_RUN_ACTIVE));
+    }
+    assert_true(tally_alert_creation_allowed(TALLY_ALERT_TRIGGERED));
+    assert_false(tally_alert_creation_allowed(TALLY_ALERT_RESOLVED));
+    assert_true(tally_alert_transition_allowed(TALLY_ALERT_TRIGGERED, TALLY_ALERT_RESOLVED));
+    assert_true(tally_alert_transition_allowed(TALLY_ALERT_RESOLVED, TALLY_ALERT_TRIGGERED));
+    tally_run_state_t r;
+    assert_true(tally_run_state_parse("PARTIALLY_COMPENSATED", &r));
+    assert_int_equal(r, TALLY_RUN_PARTIALLY_COMPENSATED);
+    assert_false(tally_run_state_parse("PLANNED", &r));
 }
 
 int main(void)
@@ -371,6 +483,7 @@ int main(void)
         cmocka_unit_test(test_terminal_sets),
         cmocka_unit_test(test_who_may_move_what),
         cmocka_unit_test(test_reachability),
+        cmocka_unit_test(test_run_and_alert_machines),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
