@@ -89,7 +89,7 @@ class CliCase(ReconcileCase):
             " VALUES (%s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s,"
             "  CASE WHEN %s IN ('PENDING', 'AWAITING_APPROVAL', 'RUNNING') THEN NULL"
             "  ELSE now() END) RETURNING 1",
-            (oid, run, effect_id, reason, ref, receipt, status, status_reason,
+            (oid, run, effect_id, reason, ref, receipt, "PENDING", status_reason,
              0 if status in ("PENDING", "AWAITING_APPROVAL") else 1,
              json.dumps(reverse_receipt) if reverse_receipt is not None else None,
              json.dumps(blast_radius) if blast_radius is not None else None, code, message,
@@ -100,6 +100,8 @@ class CliCase(ReconcileCase):
         path = {"PENDING": [], "AWAITING_APPROVAL": [("PENDING", "AWAITING_APPROVAL")]}.get(
             status, [("PENDING", "RUNNING"), ("RUNNING", status)])
         for frm, to in path:
+            # through the moves the compensator makes: the ledger refuses any other
+            self.query("UPDATE obligations SET status = %s WHERE obligation_id = %s", (to, oid))
             self.audit(run, effect_id, oid, "obligation", frm, to, "compensator-test",
                        status_reason or code)
         if alert:

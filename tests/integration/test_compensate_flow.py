@@ -128,14 +128,20 @@ class CompensateCase(DispatchCase):
             "  CASE WHEN %s = 'DISPATCHING' THEN 'test' END,"
             "  CASE WHEN %s = 'DISPATCHING' THEN now() + interval '1 hour' END)",
             (effect_id, run_id, str(step), step if isinstance(step, int) else None, tool, cls,
-             key, hashlib.sha256(body.encode()).hexdigest(), body, str(uuid.uuid4()), status,
+             key, hashlib.sha256(body.encode()).hexdigest(), body, str(uuid.uuid4()),
+             "DISPATCHING" if status != "PLANNED" else "PLANNED",
              json.dumps(receipt) if status == "CONFIRMED" else None, ref,
-             1 if execute else 0, status, status, status))
+             1 if execute else 0, status, "DISPATCHING", "DISPATCHING"))
         path = ["PLANNED"]
         if status != "PLANNED":
             path.append("DISPATCHING")
             if status != "DISPATCHING":
                 path.append(status)
+        if status not in ("PLANNED", "DISPATCHING"):
+            # created as the dispatcher creates it, then moved as it moves it: the ledger
+            # refuses a row made in a state it cannot be created in
+            self.query("UPDATE effects SET status = %s, lease_owner = NULL, lease_until = NULL"
+                       " WHERE effect_id = %s", (status, effect_id))
         prev = None
         for to in path:
             self.query("INSERT INTO events (event_id, run_id, effect_id, kind, from_status,"

@@ -18,7 +18,8 @@ import uuid
 import psycopg2
 
 import tallytest
-from tallytest import TallyCase, binary, free_port, wait_for
+from tallytest import TallyCase, wait_for
+from test_cli_status import CliCase, run_id
 
 sys.path.insert(0, os.path.join(tallytest.SOURCE_DIR, "scripts"))
 import gen_machines  # noqa: E402
@@ -196,6 +197,101 @@ class MachineSQLTest(TallyCase):
         self.query("UPDATE effects SET status = 'DISPATCHING', lease_owner = 'x',"
                    " lease_until = now() WHERE effect_id = %s", (eid,))
         self.assertNotEqual(self.scalar("SELECT sha256 FROM schema_machines"), "old")
+
+
+class MachineWorkerTest(CliCase):
+    """Each writer's own code path, driven into a move the installed machine lacks."""
+
+    def without(self, *moves):
+        """Install the machine minus @moves ("machine:FROM:TO"), as `tally migrate` would."""
+        sql = subprocess.run([sys.executable, GEN, "--sql", "--without", *moves],
+                             capture_output=True, text=True, check=True).stdout
+        self.query(sql)
+
+    def refused_in_log(self, proc, machine, frm, to, timeout=40):
+        needle = f"the {machine} move {frm} -> {to} is not in the {machine} machine"
+        wait_for(lambda: needle in proc.log(), timeout=timeout,
+                 what=f"{proc.name} to log the refused move {frm} -> {to}")
+        self.assertTrue(proc.alive(), f"{proc.name} died on a refused move:\n{proc.log()}")
+        self.assertTrue(self._healthy(proc), f"{proc.name} is not healthy after a refused move")
+
+    def test_dispatcher_recording_a_move_the_ledger_lacks_is_refused_and_it_goes_on(self):
+        self.without("effect:DISPATCHING:CONFIRMED")
+        d = self.dispatcher()
+        run = run_id()
+        key, _, _ = self.charge(run, 1)
+        self.refused_in_log(d, "effect", "DISPATCHING", "CONFIRMED")
+        self.assertEqual(self.effect("charge_card", key)["status"], "DISPATCHING",
+                         "the refused move must leave the effect where it was")
+        # the dispatcher still records the moves that exist: a 4xx is FAILED
+        key2 = f"charge_card:t1:{run}-p2"
+        self.fault("error_4xx", key=key2, status=422)
+        self.charge(run, 2)
+        self.wait_status("charge_card", key2, "FAILED", timeout=30)
+
+    def test_dispatcher_creating_a_row_the_ledger_refuses_dead_letters_only_that_intent(self):
+        # an intent for a destructive tool creates its effect AWAITING_APPROVAL
+        self.without("effect:NEW:AWAITING_APPROVAL")
+        d = self.dispatcher()
+        run = run_id()
+        gated = self.publish(self.intent(run, 1, "delete_account", {"account_id": f"{run}-a"}))
+        wait_for(lambda: "an effect cannot be created as AWAITING_APPROVAL" in d.log(),
+                 timeout=40, what="the refused creation in the dispatcher's log")
+        key, _, _ = self.charge(run, 2)
+        self.wait_status("charge_card", key, "CONFIRMED", timeout=30)
+        self.assertEqual(self.scalar("SELECT count(*) FROM effects WHERE intent_id = %s",
+                                     (gated["id"],)), 0)
+        self.assertTrue(d.alive())
+
+    def test_reconciler_moving_unknown_to_confirmed_without_the_move_is_refused(self):
+        self.dispatcher()
+        run = run_id()
+        eid = self.unknown_charge(run)
+        self.without("effect:UNKNOWN:CONFIRMED")
+        r = self.reconciler()
+        self.refused_in_log(r, "effect", "UNKNOWN", "CONFIRMED", timeout=60)
+        self.assertEqual(self.scalar("SELECT status FROM effects WHERE effect_id = %s", (eid,)),
+                         "UNKNOWN")
+
+    def test_compensator_resolving_without_the_move_is_refused(self):
+        self.dispatcher()
+        run = run_id()
+        eid = self.confirmed_charge(run)
+        self.without("obligation:RUNNING:RESOLVED")
+        out = self.tally("compensate", "--run", run, "--reason", "machine test")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        c = self.start("tally-compensator", TALLY_FAKE_TOOL_URL=self.fake_url,
+                       BILLING_HMAC_SECRET="whsec_dispatch_tests", TALLY_POLL_MS=200,
+                       TALLY_SWEEP_MS=300)
+        self.refused_in_log(c, "obligation", "RUNNING", "RESOLVED", timeout=60)
+        self.assertNotEqual(self.scalar("SELECT status FROM obligations WHERE effect_id = %s",
+                                        (eid,)), "RESOLVED")
+
+    def test_cancel_run_without_the_run_move_is_refused(self):
+        self.without("run:ACTIVE:CANCELLED")
+        d = self.dispatcher()
+        run = run_id()
+        key, _, _ = self.charge(run, 1)
+        self.wait_status("charge_card", key, "CONFIRMED", timeout=30)
+        self.publish({"specversion": "1.0", "id": str(uuid.uuid4()), "source": "tests/machines",
+                      "type": "tally.cancel_run.v1", "datacontenttype": "application/json",
+                      "data": {"run_id": run, "reason": "machine test"}})
+        self.refused_in_log(d, "run", "ACTIVE", "CANCELLED")
+        self.assertEqual(self.scalar("SELECT status FROM runs WHERE run_id = %s", (run,)),
+                         "ACTIVE")
+
+    def test_operator_resolution_the_ledger_lacks_is_refused_by_name(self):
+        self.dispatcher()
+        self.reconciler()
+        run = run_id()
+        eid, _ = self.stuck_note(run)
+        self.without("effect:STUCK:FAILED")
+        out = self.tally("resolve", "--effect", eid, "--as", "failed", "--reason", "checked")
+        self.assertNotEqual(out.returncode, 0, out.stdout)
+        self.assertIn("the effect move STUCK -> FAILED is not in the effect machine",
+                      out.stdout + out.stderr)
+        self.assertEqual(self.scalar("SELECT status FROM effects WHERE effect_id = %s", (eid,)),
+                         "STUCK")
 
 
 if __name__ == "__main__":
