@@ -1,4 +1,7 @@
-/* connector.c — the HTTP connector engine (libcurl multi) and DESIGN §6 classification. */
+/* connector.c — the connector engine: many concurrent calls in one thread with libcurl multi
+ * (the caller's, through tally_connector_poll, or a thread of the engine's own), each call's
+ * easy handle, pooled, and the room per tool. What a call sends is built in
+ * connector_request.c; what its answer means, in connector_classify.c and connector_receipt.c. */
 #include "tally/connector.h"
 
 #if LIBCURL_VERSION_NUM < 0x075000
@@ -9,7 +12,6 @@
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,12 +19,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include <openssl/evp.h>
-#include <openssl/params.h>
-
-#include "tally/json.h"
 #include "tally/log.h"
-#include "tally/text.h"
 
 #ifndef TALLY_VERSION
 #define TALLY_VERSION "0"
@@ -32,612 +29,6 @@
 #define CONN_POOL_BUF_MAX (64 * 1024)
 /* A Retry-After longer than a day is a tool bug; cap it. */
 #define CONN_RETRY_AFTER_MAX_MS (24L * 3600L * 1000L)
-
-const char *tally_conn_op_name(tally_conn_op_t op)
-{
-    switch (op) {
-    case TALLY_CONN_EXECUTE:
-        return "execute";
-    case TALLY_CONN_STATUS:
-        return "status";
-    case TALLY_CONN_COMPENSATE:
-        return "compensate";
-    case TALLY_CONN_CONTAIN:
-        return "contain";
-    }
-    return "?";
-}
-
-const char *tally_verdict_name(tally_verdict_t v)
-{
-    switch (v) {
-    case TALLY_VERDICT_CONFIRMED:
-        return "confirmed";
-    case TALLY_VERDICT_FAILED:
-        return "failed";
-    case TALLY_VERDICT_RETRY:
-        return "retry";
-    case TALLY_VERDICT_UNKNOWN:
-        return "unknown";
-    case TALLY_VERDICT_NOT_FOUND:
-        return "not_found";
-    case TALLY_VERDICT_FOUND:
-        return "found";
-    case TALLY_VERDICT_DUPLICATE:
-        return "duplicate";
-    case TALLY_VERDICT_INCONCLUSIVE:
-        return "inconclusive";
-    case TALLY_VERDICT_RESOLVED:
-        return "resolved";
-    case TALLY_VERDICT_STUCK:
-        return "stuck";
-    }
-    return "?";
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Classification (pure)                                                                    */
-
-static void verdict_set(tally_conn_verdict_t *out, tally_verdict_t v, const char *code,
-                        const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-
-static void verdict_set(tally_conn_verdict_t *out, tally_verdict_t v, const char *code,
-                        const char *fmt, ...)
-{
-    out->verdict = v;
-    snprintf(out->code, sizeof out->code, "%s", code);
-    va_list ap;
-    va_start(ap, fmt);
-    tally_vfmt(out->message, sizeof out->message, fmt, ap); /* valid UTF-8, cut whole */
-    va_end(ap);
-}
-
-static void verdict_init(const tally_conn_result_t *res, tally_conn_verdict_t *out)
-{
-    memset(out, 0, sizeof *out);
-    out->retry_after_ms = res->retry_after_ms;
-}
-
-static const char *curl_msg(const tally_conn_result_t *res)
-{
-    if (res->curl_error && res->curl_error[0])
-        return res->curl_error;
-    return curl_easy_strerror((CURLcode)res->curl_code);
-}
-
-/* The request left but no status line came back: name what the transport saw. */
-static void verdict_no_answer(const tally_conn_result_t *res, tally_conn_verdict_t *out,
-                              tally_verdict_t v)
-{
-    const char *code = "no_response";
-    switch ((CURLcode)res->curl_code) {
-    case CURLE_OPERATION_TIMEDOUT:
-        code = "timeout";
-        break;
-    case CURLE_RECV_ERROR:
-    case CURLE_SEND_ERROR:
-        code = "connection_reset";
-        break;
-    case CURLE_GOT_NOTHING:
-        code = "empty_reply";
-        break;
-    default:
-        break;
-    }
-    verdict_set(out, v, code, "%s %s: the request was sent but no answer came back: %s",
-                res->method ? res->method : "?", res->url ? res->url : "?", curl_msg(res));
-}
-
-static bool status_refused_unprocessed(long s)
-{
-    return s == 408 || s == 425 || s == 429 || s == 503;
-}
-
-void tally_conn_classify_execute(const tally_conn_result_t *res, tally_conn_verdict_t *out)
-{
-    verdict_init(res, out);
-    long s = res->http_status;
-    if (!res->sent) {
-        verdict_set(out, TALLY_VERDICT_RETRY, "not_sent",
-                    "the request was not sent (nothing reached the tool): %s", curl_msg(res));
-        return;
-    }
-    if (s == 0) {
-        verdict_no_answer(res, out, TALLY_VERDICT_UNKNOWN);
-        return;
-    }
-    char code[32];
-    snprintf(code, sizeof code, "http_%ld", s);
-    if (s >= 200 && s < 300) {
-        if (res->curl_code != CURLE_OK) {
-            verdict_set(out, TALLY_VERDICT_UNKNOWN, "incomplete_body",
-                        "HTTP %ld but the response body did not arrive whole (%s): the effect "
-                        "happened and its receipt must be fetched with a status check",
-                        s, curl_msg(res));
-            return;
-        }
-        verdict_set(out, TALLY_VERDICT_CONFIRMED, code, "HTTP %ld", s);
-        return;
-    }
-    if (status_refused_unprocessed(s)) {
-        verdict_set(out, TALLY_VERDICT_RETRY, code,
-                    "HTTP %ld: the tool refused the request without applying it", s);
-        return;
-    }
-    if (s == 409) {
-        out->in_progress = true;
-        verdict_set(out, TALLY_VERDICT_RETRY, code,
-                    "HTTP 409: a request with the same idempotency key is still in progress");
-        return;
-    }
-    if (s == 401 || s == 403) {
-        out->alert_owner = true;
-        verdict_set(out, TALLY_VERDICT_FAILED, code,
-                    "HTTP %ld: the tool refused tally's credentials", s);
-        return;
-    }
-    if (s >= 400 && s < 500) {
-        verdict_set(out, TALLY_VERDICT_FAILED, code, "HTTP %ld: the tool rejected the request", s);
-        return;
-    }
-    verdict_set(out, TALLY_VERDICT_UNKNOWN, code,
-                "HTTP %ld after the request was sent: the effect may or may not have happened", s);
-}
-
-void tally_conn_classify_status(const tally_conn_result_t *res, tally_conn_verdict_t *out)
-{
-    verdict_init(res, out);
-    long s = res->http_status;
-    if (!res->sent) {
-        verdict_set(out, TALLY_VERDICT_INCONCLUSIVE, "not_sent",
-                    "the status check was not sent: %s", curl_msg(res));
-        return;
-    }
-    if (s == 0) {
-        verdict_no_answer(res, out, TALLY_VERDICT_INCONCLUSIVE);
-        return;
-    }
-    if (s != 200) {
-        char code[32];
-        snprintf(code, sizeof code, "http_%ld", s);
-        verdict_set(out, TALLY_VERDICT_INCONCLUSIVE, code, "status check answered HTTP %ld", s);
-        return;
-    }
-    if (res->curl_code != CURLE_OK || res->body_truncated) {
-        verdict_set(out, TALLY_VERDICT_INCONCLUSIVE, "incomplete_body",
-                    "status check answered 200 but its body was incomplete or over %zu bytes",
-                    res->body_len);
-        return;
-    }
-    json_error_t jerr;
-    json_t *doc = json_loadb(res->body ? res->body : "", res->body_len,
-                             TALLY_JSON_LOAD_FLAGS | JSON_DECODE_ANY, &jerr);
-    if (!doc || !json_is_array(doc)) {
-        verdict_set(out, TALLY_VERDICT_INCONCLUSIVE, "not_an_array",
-                    "status check answered 200 without a JSON array%s%s", doc ? "" : ": ",
-                    doc ? "" : jerr.text);
-        json_decref(doc);
-        return;
-    }
-    out->n_records = json_array_size(doc);
-    json_decref(doc);
-    if (out->n_records == 0)
-        verdict_set(out, TALLY_VERDICT_NOT_FOUND, "not_found",
-                    "no upstream record carries the key");
-    else if (out->n_records == 1)
-        verdict_set(out, TALLY_VERDICT_FOUND, "found", "one upstream record carries the key");
-    else
-        verdict_set(out, TALLY_VERDICT_DUPLICATE, "duplicate", "%zu upstream records carry the key",
-                    out->n_records);
-}
-
-void tally_conn_classify_compensate(const tally_conn_result_t *res, tally_conn_verdict_t *out)
-{
-    verdict_init(res, out);
-    long s = res->http_status;
-    if (!res->sent) {
-        verdict_set(out, TALLY_VERDICT_RETRY, "not_sent", "the reverse call was not sent: %s",
-                    curl_msg(res));
-        return;
-    }
-    if (s == 0) {
-        verdict_no_answer(res, out, TALLY_VERDICT_RETRY);
-        return;
-    }
-    char code[32];
-    snprintf(code, sizeof code, "http_%ld", s);
-    if (s >= 200 && s < 300) {
-        verdict_set(out, TALLY_VERDICT_RESOLVED, code, "HTTP %ld", s);
-        return;
-    }
-    if (s == 404) {
-        verdict_set(out, TALLY_VERDICT_RESOLVED, "already_reversed",
-                    "HTTP 404: the external ref is already reversed or gone");
-        return;
-    }
-    if (s == 412) {
-        verdict_set(out, TALLY_VERDICT_STUCK, "stale_state",
-                    "HTTP 412: the resource changed since tally touched it (If-Match failed); "
-                    "not overwriting");
-        return;
-    }
-    if (s == 409) {
-        out->in_progress = true;
-        verdict_set(out, TALLY_VERDICT_RETRY, code,
-                    "HTTP 409: the same reverse key is still in progress");
-        return;
-    }
-    if (status_refused_unprocessed(s)) {
-        verdict_set(out, TALLY_VERDICT_RETRY, code,
-                    "HTTP %ld: the tool refused the reverse call without applying it", s);
-        return;
-    }
-    if (s >= 400 && s < 500) {
-        verdict_set(out, TALLY_VERDICT_STUCK, code, "HTTP %ld: the tool rejected the reverse call",
-                    s);
-        return;
-    }
-    verdict_set(out, TALLY_VERDICT_RETRY, code, "HTTP %ld from the reverse call", s);
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Receipts, refs, excerpts                                                                 */
-
-static json_t *base64_string(const char *data, size_t len)
-{
-    if (len > (size_t)INT_MAX / 2)
-        return NULL;
-    size_t outlen = 4 * ((len + 2) / 3) + 1;
-    unsigned char *out = malloc(outlen);
-    if (!out)
-        return NULL;
-    int n = EVP_EncodeBlock(out, (const unsigned char *)data, (int)len);
-    json_t *s = n >= 0 ? json_stringn((const char *)out, (size_t)n) : NULL;
-    free(out);
-    return s;
-}
-
-/* How much of the body an excerpt keeps (cut back to a character boundary so a multi-byte
- * character is not split), and whether that part can be kept as text. */
-static size_t excerpt_cut(const char *body, size_t len, size_t max, bool *text)
-{
-    size_t n = len < max ? len : max;
-    if (n < len)
-        while (n > 0 && ((unsigned char)body[n] & 0xC0) == 0x80)
-            n--;
-    *text = n == 0 || (memchr(body, '\0', n) == NULL && tally_utf8_valid(body, n));
-    return n;
-}
-
-json_t *tally_conn_excerpt(const char *body, size_t len, size_t max)
-{
-    if (!body)
-        len = 0;
-    bool text;
-    size_t n = excerpt_cut(body, len, max, &text);
-    json_t *o = json_object();
-    if (!o)
-        return NULL;
-    json_t *v = text ? json_stringn(n ? body : "", n) : base64_string(body, n);
-    if (!v || json_object_set_new(o, text ? "text" : "base64", v) != 0) {
-        json_decref(o);
-        return NULL;
-    }
-    if (n < len) {
-        if (json_object_set_new(o, "truncated", json_true()) != 0 ||
-            json_object_set_new(o, "bytes", json_integer((json_int_t)len)) != 0) {
-            json_decref(o);
-            return NULL;
-        }
-    }
-    return o;
-}
-
-void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body, size_t len,
-                             size_t max)
-{
-    if (!body)
-        len = 0;
-    bool text;
-    size_t n = excerpt_cut(body, len, max, &text);
-    if (!text) { /* binary: the jansson form, base64 and all (rare) */
-        json_t *o = tally_conn_excerpt(body, len, max);
-        if (!o)
-            j->failed = true;
-        tally_jtext_value(j, key, o);
-        json_decref(o);
-        return;
-    }
-    tally_jtext_begin(j, key);
-    tally_jtext_strn(j, "text", body, n);
-    if (n < len) {
-        tally_jtext_bool(j, "truncated", true);
-        tally_jtext_int(j, "bytes", (long long)len);
-    }
-    tally_jtext_end(j);
-}
-
-static bool has_nul_escape(const char *s, size_t len)
-{
-    static const char pat[] = "\\u0000";
-    if (len < sizeof pat - 1)
-        return false;
-    for (size_t i = 0; i + sizeof pat - 1 <= len; i++)
-        if (s[i] == '\\' && memcmp(s + i, pat, sizeof pat - 1) == 0)
-            return true;
-    return false;
-}
-
-json_t *tally_conn_receipt(const tally_conn_result_t *res)
-{
-    const char *body = res->body ? res->body : "";
-    json_t *doc = NULL;
-    /* jsonb refuses U+0000: such a body is kept as an excerpt, never parsed into the receipt. */
-    bool parseable =
-        res->curl_code == CURLE_OK && !res->body_truncated && !has_nul_escape(body, res->body_len);
-    if (parseable)
-        doc = json_loadb(body, res->body_len, TALLY_JSON_LOAD_FLAGS | JSON_DECODE_ANY, NULL);
-    if (doc && json_is_object(doc))
-        return doc;
-
-    json_t *note = json_object();
-    if (!note) {
-        json_decref(doc);
-        return NULL;
-    }
-    bool ok = json_object_set_new(note, "http_status", json_integer(res->http_status)) == 0 &&
-              json_object_set_new(note, "bytes", json_integer((json_int_t)res->body_total)) == 0 &&
-              json_object_set_new(note, "truncated", json_boolean(res->body_truncated)) == 0;
-    if (ok && doc) {
-        ok = json_object_set(note, "body", doc) == 0;
-    } else if (ok) {
-        json_t *ex = tally_conn_excerpt(body, res->body_len, 64 * 1024);
-        ok = ex && json_object_set_new(note, "excerpt", ex) == 0;
-    }
-    json_decref(doc);
-    if (!ok) {
-        json_decref(note);
-        return NULL;
-    }
-    return note;
-}
-
-char *tally_conn_external_ref(const tally_tool_t *tool, const json_t *receipt)
-{
-    if (!receipt)
-        return NULL;
-    const char *ptr = tool && tool->receipt_ref ? tool->receipt_ref : "/id";
-    const json_t *v = tally_json_pointer(receipt, ptr);
-    return v ? tally_json_scalar_text(v) : NULL;
-}
-
-char *tally_conn_ref_within_limit(char *ref, size_t *over)
-{
-    *over = 0;
-    if (ref != NULL && strlen(ref) > TALLY_LIMIT_EXTERNAL_REF) {
-        *over = strlen(ref);
-        free(ref);
-        ref = NULL;
-    }
-    return ref;
-}
-
-bool tally_conn_receipt_text(const tally_conn_result_t *res, const tally_tool_t *tool,
-                             char **receipt, char **external_ref)
-{
-    *receipt = *external_ref = NULL;
-    const char *body = res->body ? res->body : "";
-    if (res->curl_code == CURLE_OK && !res->body_truncated) {
-        /* The common case, a plain JSON object: no tree to build, print and free. The check
-         * for U+0000 is the scanner's own (it is unsure of \u0000). */
-        const char *ref = NULL;
-        size_t ref_len = 0;
-        const char *ptr = tool && tool->receipt_ref ? tool->receipt_ref : "/id";
-        *receipt = tally_json_object_compact(body, res->body_len, ptr, &ref, &ref_len);
-        if (*receipt) {
-            *external_ref = ref ? tally_json_scalar_text_of(ref, ref_len) : NULL;
-            return true;
-        }
-    }
-    json_t *doc = tally_conn_receipt(res);
-    *receipt = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
-    if (*receipt)
-        *external_ref = tally_conn_external_ref(tool, doc);
-    json_decref(doc);
-    return *receipt != NULL;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* Request building                                                                         */
-
-bool tally_conn_signature(const char *secret, long long t, const char *body, size_t body_len,
-                          char *out, size_t outsz)
-{
-    char ts[32];
-    int tn = snprintf(ts, sizeof ts, "%lld.", t);
-    if (tn < 0 || (size_t)tn >= sizeof ts)
-        return false;
-    unsigned char mac[EVP_MAX_MD_SIZE];
-    unsigned int maclen = 0;
-    bool ok = false;
-    /* HMAC over "<t>." followed by the body, fed in two pieces so the body is not copied. */
-    EVP_MAC *m = EVP_MAC_fetch(NULL, "HMAC", NULL);
-    EVP_MAC_CTX *ctx = m ? EVP_MAC_CTX_new(m) : NULL;
-    if (ctx) {
-        OSSL_PARAM params[] = {
-            OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0),
-            OSSL_PARAM_construct_end(),
-        };
-        size_t outl = 0;
-        ok = EVP_MAC_init(ctx, (const unsigned char *)secret, strlen(secret), params) == 1 &&
-             EVP_MAC_update(ctx, (const unsigned char *)ts, (size_t)tn) == 1 &&
-             (body_len == 0 || EVP_MAC_update(ctx, (const unsigned char *)body, body_len) == 1) &&
-             EVP_MAC_final(ctx, mac, &outl, sizeof mac) == 1;
-        maclen = (unsigned int)outl;
-    }
-    EVP_MAC_CTX_free(ctx);
-    EVP_MAC_free(m);
-    if (!ok || maclen != 32)
-        return false;
-    char hex[65];
-    for (unsigned i = 0; i < maclen; i++)
-        snprintf(hex + 2 * i, 3, "%02x", mac[i]);
-    int n = snprintf(out, outsz, "t=%lld,v1=%s", t, hex);
-    return n > 0 && (size_t)n < outsz;
-}
-
-const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op)
-{
-    const tally_endpoint_t *ep = NULL;
-    switch (op) {
-    case TALLY_CONN_EXECUTE:
-        ep = &tool->execute;
-        break;
-    case TALLY_CONN_STATUS:
-        ep = &tool->status;
-        break;
-    case TALLY_CONN_COMPENSATE:
-        ep = &tool->compensate;
-        break;
-    case TALLY_CONN_CONTAIN:
-        ep = &tool->contain;
-        break;
-    }
-    if (ep && ep->method && ep->method[0])
-        return ep->method;
-    return op == TALLY_CONN_STATUS ? "GET" : "POST";
-}
-
-static const tally_endpoint_t *conn_endpoint(const tally_tool_t *tool, tally_conn_op_t op)
-{
-    switch (op) {
-    case TALLY_CONN_EXECUTE:
-        return &tool->execute;
-    case TALLY_CONN_STATUS:
-        return &tool->status;
-    case TALLY_CONN_COMPENSATE:
-        return &tool->compensate;
-    case TALLY_CONN_CONTAIN:
-        return &tool->contain;
-    }
-    return NULL;
-}
-
-char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *idempotency_key,
-                     tally_error_t *err)
-{
-    const tally_endpoint_t *ep = conn_endpoint(tool, op);
-    if (!ep || !ep->path || !tool->base_url) {
-        tally_error_set(err, "no_endpoint", false, "tool '%s' declares no %s endpoint",
-                        tool->name ? tool->name : "?", tally_conn_op_name(op));
-        return NULL;
-    }
-    char *esc = NULL;
-    if (op == TALLY_CONN_STATUS) {
-        const char *k = idempotency_key ? idempotency_key : "";
-        esc = curl_easy_escape(NULL, k, (int)strlen(k));
-        if (!esc) {
-            tally_error_set(err, "oom", true, "out of memory escaping the idempotency key");
-            return NULL;
-        }
-    }
-    char *url = NULL;
-    int n;
-    if (esc)
-        n = asprintf(&url, "%s%s%cidempotency_key=%s", tool->base_url, ep->path,
-                     strchr(ep->path, '?') ? '&' : '?', esc);
-    else
-        n = asprintf(&url, "%s%s", tool->base_url, ep->path);
-    curl_free(esc);
-    if (n < 0) {
-        tally_error_set(err, "oom", true, "out of memory building the URL");
-        return NULL;
-    }
-    return url;
-}
-
-static bool header_value_ok(const char *v)
-{
-    if (!v[0])
-        return false;
-    for (const unsigned char *p = (const unsigned char *)v; *p; p++)
-        if (*p < 0x20 || *p == 0x7f)
-            return false;
-    return true;
-}
-
-static bool add_header(struct curl_slist **list, const char *name, const char *value,
-                       tally_error_t *err)
-{
-    if (!value)
-        return true;
-    if (!header_value_ok(value)) {
-        tally_error_set(err, "invalid_header", false,
-                        "%s is empty or holds a control character; refusing to send it", name);
-        return false;
-    }
-    char *line = NULL;
-    if (asprintf(&line, "%s: %s", name, value) < 0) {
-        tally_error_set(err, "oom", true, "out of memory building headers");
-        return false;
-    }
-    struct curl_slist *n = curl_slist_append(*list, line);
-    free(line);
-    if (!n) {
-        tally_error_set(err, "oom", true, "out of memory building headers");
-        return false;
-    }
-    *list = n;
-    return true;
-}
-
-bool tally_conn_no_replay(const tally_tool_t *tool, tally_conn_op_t op)
-{
-    if (op != TALLY_CONN_EXECUTE && op != TALLY_CONN_CONTAIN)
-        return false;
-    return tool->effect_class != TALLY_CLASS_READ && tool->effect_class != TALLY_CLASS_IDEMPOTENT;
-}
-
-struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const char *secret,
-                                      long long now, tally_error_t *err)
-{
-    struct curl_slist *list = NULL;
-    bool ok = add_header(&list, "Idempotency-Key", req->idempotency_key, err) &&
-              add_header(&list, "Tally-Run-Id", req->run_id, err) &&
-              add_header(&list, "Tally-Effect-Id", req->effect_id, err) &&
-              add_header(&list, "traceparent", req->traceparent, err) &&
-              add_header(&list, "If-Match", req->if_match, err) &&
-              add_header(&list, "Accept", "application/json", err);
-    if (ok && req->body) {
-        ok = add_header(&list, "Content-Type", "application/json", err);
-        /* No "Expect: 100-continue" round trip for bodies over 1 KiB. */
-        struct curl_slist *n = ok ? curl_slist_append(list, "Expect:") : NULL;
-        if (ok && !n) {
-            tally_error_set(err, "oom", true, "out of memory building headers");
-            ok = false;
-        }
-        if (n)
-            list = n;
-    }
-    if (ok && secret) {
-        char sig[128];
-        if (!tally_conn_signature(secret, now, req->body ? req->body : "",
-                                  req->body ? req->body_len : 0, sig, sizeof sig)) {
-            tally_error_set(err, "signature", false, "computing the HMAC-SHA256 signature failed");
-            ok = false;
-        } else {
-            ok = add_header(&list, "Tally-Signature", sig, err);
-        }
-    }
-    if (!ok) {
-        curl_slist_free_all(list);
-        return NULL;
-    }
-    return list;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* The engine                                                                               */
 
 typedef struct conn_slot {
     const tally_tool_t *tool;
@@ -1015,9 +406,9 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     if (tool->secret_env && tool->secret_env[0]) {
         secret = getenv(tool->secret_env);
         if (!secret || !secret[0]) {
-            tally_error_set(err, "secret_missing", true,
-                            "tool '%s' signs its requests but %s is not set", tool->name,
-                            tool->secret_env);
+            tally_error_setc(err, TALLY_ERR_SECRET_MISSING,
+                             "tool '%s' signs its requests but %s is not set", tool->name,
+                             tool->secret_env);
             return false;
         }
     }
@@ -1027,11 +418,11 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     size_t slot_idx = 0;
     conn_xfer_t *x = NULL;
     if (capacity_locked(c, tool) <= 0) {
-        tally_error_set(err, "capacity", true,
-                        "no room for another call to '%s' (%d in flight, %d for the tool)",
-                        tool->name, c->inflight, tool_inflight_locked(c, tool));
+        tally_error_setc(err, TALLY_ERR_CAPACITY,
+                         "no room for another call to '%s' (%d in flight, %d for the tool)",
+                         tool->name, c->inflight, tool_inflight_locked(c, tool));
     } else if (!slot_for(c, tool, &slot_idx) || !(x = xfer_take(c))) {
-        tally_error_set(err, "oom", true, "out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
     } else {
         c->inflight++;
         c->slots[slot_idx].inflight++;
@@ -1049,7 +440,7 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     if (req->body) {
         x->body = malloc(req->body_len + 1);
         if (!x->body) {
-            tally_error_set(err, "oom", true, "out of memory");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
             goto fail;
         }
         memcpy(x->body, req->body, req->body_len);
@@ -1061,7 +452,8 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     x->opaque = req->opaque;
     x->slot = slot_idx;
     if (!xfer_setup(x, req)) {
-        tally_error_set(err, "curl", false, "setting curl options for '%s' failed", tool->name);
+        tally_error_setc_retriable(err, TALLY_ERR_CURL, false,
+                                   "setting curl options for '%s' failed", tool->name);
         goto fail;
     }
     clock_gettime(CLOCK_MONOTONIC, &x->started);
@@ -1078,7 +470,7 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     }
     CURLMcode mc = curl_multi_add_handle(c->multi, x->easy);
     if (mc != CURLM_OK) {
-        tally_error_set(err, "curl", true, "curl_multi_add_handle: %s", curl_multi_strerror(mc));
+        tally_error_setc(err, TALLY_ERR_CURL, "curl_multi_add_handle: %s", curl_multi_strerror(mc));
         goto fail;
     }
     active_push(c, x);
@@ -1241,7 +633,7 @@ int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsign
     int running = 0;
     CURLMcode mc = curl_multi_perform(c->multi, &running);
     if (mc != CURLM_OK) {
-        tally_error_set(err, "curl", true, "curl_multi_perform: %s", curl_multi_strerror(mc));
+        tally_error_setc(err, TALLY_ERR_CURL, "curl_multi_perform: %s", curl_multi_strerror(mc));
         return -1;
     }
     n += drain_done(c, done, opaque);
@@ -1249,14 +641,14 @@ int tally_connector_poll(tally_connector_t *c, struct curl_waitfd *extra, unsign
     mc = curl_multi_poll(c->multi, extra, n_extra, n > 0 ? 0 : (timeout_ms > 0 ? timeout_ms : 0),
                          &numfds);
     if (mc != CURLM_OK) {
-        tally_error_set(err, "curl", true, "curl_multi_poll: %s", curl_multi_strerror(mc));
+        tally_error_setc(err, TALLY_ERR_CURL, "curl_multi_poll: %s", curl_multi_strerror(mc));
         return -1;
     }
     if (c->threaded)
         n += take_incoming(c, done, opaque);
     mc = curl_multi_perform(c->multi, &running);
     if (mc != CURLM_OK) {
-        tally_error_set(err, "curl", true, "curl_multi_perform: %s", curl_multi_strerror(mc));
+        tally_error_setc(err, TALLY_ERR_CURL, "curl_multi_perform: %s", curl_multi_strerror(mc));
         return -1;
     }
     return n + drain_done(c, done, opaque);

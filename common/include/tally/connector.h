@@ -1,7 +1,9 @@
 /* connector.h — the HTTP connector of DESIGN §6: many concurrent calls in one thread (libcurl
  * multi; the caller's, or a thread of the engine's own), request building (idempotency key,
  * run/effect ids, traceparent, HMAC signature) and the classification of every answer into
- * what the ledger does next. */
+ * what the ledger does next. Three files behind one header: connector_classify.c and
+ * connector_receipt.c (answers: pure), connector_request.c (what is sent), connector.c (the
+ * curl engine). */
 #ifndef TALLY_CONNECTOR_H
 #define TALLY_CONNECTOR_H
 
@@ -80,6 +82,9 @@ typedef struct tally_conn_result {
     size_t body_total;      /**< bytes the tool sent (larger than body_len when truncated) */
     bool body_truncated;
 } tally_conn_result_t;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Answers: verdicts (connector_classify.c), receipts and excerpts (connector_receipt.c)    */
 
 /** @brief What the ledger does next with a call's answer. */
 typedef enum {
@@ -173,6 +178,9 @@ json_t *tally_conn_excerpt(const char *body, size_t len, size_t max) TALLY_WUR;
 void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body, size_t len,
                              size_t max);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Requests (connector_request.c)                                                           */
+
 /**
  * @brief Tally-Signature value "t=<t>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>" in @p out.
  * @returns false when @p outsz is too small or OpenSSL fails.
@@ -192,8 +200,8 @@ char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *i
  * @brief The request headers: Idempotency-Key, Tally-Run-Id, Tally-Effect-Id, traceparent,
  * If-Match (each when given), Content-Type: application/json and an empty Expect (when there
  * is a body), Accept: application/json, and Tally-Signature at time @p now when @p secret is
- * not NULL. Header values are refused (NULL, code "invalid_header") when they hold a control
- * character, so an argument can never inject a header.
+ * not NULL. Header values are refused (NULL, TALLY_ERR_INVALID_HEADER) when they hold a
+ * control character, so an argument can never inject a header.
  * @returns a list the caller frees with curl_slist_free_all, or NULL with @p err set.
  */
 struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const char *secret,
@@ -208,6 +216,9 @@ bool tally_conn_no_replay(const tally_tool_t *tool, tally_conn_op_t op);
 
 /** @brief The HTTP method of @p op for @p tool ("GET" for status when undeclared). */
 const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op);
+
+/* ---------------------------------------------------------------------------------------- */
+/* The engine (connector.c)                                                                 */
 
 typedef struct tally_connector tally_connector_t;
 
@@ -227,9 +238,10 @@ tally_connector_t *tally_connector_new(int max_inflight, size_t max_body, char *
  * @brief Start one call (timeout = tool->timeout_ms). The signing secret is read from the
  * environment variable tool->secret_env at submit time.
  * @returns false with @p err when the call could not be started, and nothing was sent:
- * code "capacity" (global or per-tool cap reached; retriable), "secret_missing" (the tool's
- * secret_env is unset or empty; retriable once an operator sets it), "invalid_header",
- * "no_endpoint", "curl" or "oom".
+ * TALLY_ERR_CAPACITY (global or per-tool cap reached; retriable), TALLY_ERR_SECRET_MISSING (the
+ * tool's secret_env is unset or empty; retriable once an operator sets it),
+ * TALLY_ERR_INVALID_HEADER, TALLY_ERR_NO_ENDPOINT, TALLY_ERR_SIGNATURE, TALLY_ERR_CURL or
+ * TALLY_ERR_OOM.
  */
 bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *req,
                             tally_error_t *err) TALLY_WUR;
