@@ -284,7 +284,8 @@ static void test_headers(void **state)
     req.idempotency_key = "k\r\nX-Evil: 1";
     h = tally_conn_headers(&req, NULL, 1, &err);
     assert_null(h);
-    assert_string_equal(err.code, "invalid_header");
+    assert_int_equal(err.errc, TALLY_ERR_INVALID_HEADER);
+    assert_false(err.retriable);
 }
 
 static void test_url(void **state)
@@ -301,7 +302,8 @@ static void test_url(void **state)
     tool.contain = (tally_endpoint_t){NULL, NULL};
     u = tally_conn_url(&tool, TALLY_CONN_CONTAIN, "k", &err);
     assert_null(u);
-    assert_string_equal(err.code, "no_endpoint");
+    assert_int_equal(err.errc, TALLY_ERR_NO_ENDPOINT);
+    assert_false(err.retriable);
     assert_string_equal(tally_conn_method(&tool, TALLY_CONN_STATUS), "GET");
 }
 
@@ -671,7 +673,8 @@ static void test_engine(void **state)
     unsetenv("TALLY_TEST_CONNECTOR_SECRET");
     tally_conn_request_t req = {.tool = &tool, .op = TALLY_CONN_EXECUTE, .idempotency_key = "k"};
     assert_false(tally_connector_submit(c, &req, &err));
-    assert_string_equal(err.code, "secret_missing");
+    assert_int_equal(err.errc, TALLY_ERR_SECRET_MISSING);
+    assert_true(err.retriable); /* once an operator sets it */
     setenv("TALLY_TEST_CONNECTOR_SECRET", "whsec_test", 1);
 
     got_t g = run_one(c, &tool, "/ok");
@@ -832,7 +835,8 @@ static void test_capacity(void **state)
     assert_true(tally_connector_submit(c, &req, &err));
     assert_true(tally_connector_submit(c, &req, &err));
     assert_false(tally_connector_submit(c, &req, &err)); /* per-tool cap */
-    assert_string_equal(err.code, "capacity");
+    assert_int_equal(err.errc, TALLY_ERR_CAPACITY);
+    assert_true(err.retriable);
     assert_int_equal(tally_connector_capacity(c, &a), 0);
     assert_int_equal(tally_connector_capacity(c, &b), 1);
     req.tool = &b;
