@@ -17,7 +17,7 @@ typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);
 int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg); /* cmd_migrate.c */
 int tally_cmd_tools(int argc, char **argv, tally_config_t *cfg); /* cmd_tools.c: tools check FILE */
 int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg);    /* cmd_publish.c */
-int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);        /* cmd_dev.c */
+int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);        /* cmd_dev.c, dev.h */
 int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);     /* main.c */
 int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);     /* cmd_status.c */
 int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);     /* cmd_doctor.c */

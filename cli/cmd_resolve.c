@@ -12,8 +12,10 @@
  * reason and the evidence; the outcome event on the message outbox; and, when the item
  * was what kept a page open, the page's resolve (alert.h). Nothing is half
  * done. */
+#include <ctype.h>
 #include <getopt.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,79 +30,9 @@
 #include "tally/outbox.h"
 #include "tally/runops.h"
 
-typedef enum { VERB_RESOLVE, VERB_APPROVE, VERB_DENY } verb_t;
+typedef enum { VERB_RESOLVE, VERB_APPROVE, VERB_DENY, VERB__COUNT } verb_t;
 
-static const char *const VERB_NAMES[] = {"resolve", "approve", "deny"};
-
-static const char USAGE_RESOLVE[] =
-    "usage: tally resolve --effect ID --as confirmed --ref REF [--receipt JSON] --reason TEXT\n"
-    "       tally resolve --effect ID --as failed --reason TEXT\n"
-    "       tally resolve --obligation ID --as resolved|skipped [--ref REF] [--receipt JSON]\n"
-    "                     --reason TEXT\n"
-    "       tally resolve --alert DEDUP_KEY --reason TEXT\n"
-    "\n"
-    "Settle what tally could not decide on its own, from what you verified upstream.\n"
-    "An UNKNOWN or STUCK effect becomes CONFIRMED (it happened: --ref is the upstream record's\n"
-    "id) or FAILED (it did not happen). A STUCK obligation becomes RESOLVED (you reversed it by\n"
-    "hand) or SKIPPED (nothing is to be undone). Any worker still holding a lease on the row\n"
-    "loses it. The audit trail records who, why and the evidence; the outcome is published\n"
-    "on <prefix>outcomes; the item's open alert is resolved (its resolve event goes to\n"
-    "<prefix>alerts). Every write happens in one transaction, or none does.\n"
-    "--alert closes a page whose item needs no further state change (a destructive effect that\n"
-    "was escalated as UNCOMPENSATABLE, once you have dealt with it); it is refused while the\n"
-    "item is still STUCK, which must be resolved itself.\n"
-    "\n"
-    "  --effect ID        the effect (UUID, as `tally status` and the alert print it)\n"
-    "  --obligation ID    the obligation\n"
-    "  --alert KEY        an open page, by its dedup key (as `tally status` prints it)\n"
-    "  --as OUTCOME       confirmed | failed (effects); resolved | skipped (obligations)\n"
-    "  --ref REF          the upstream record's id (required for --as confirmed); for an\n"
-    "                     obligation, the reverse record's id, kept as evidence\n"
-    "  --receipt JSON     the upstream record itself, a JSON object; default\n"
-    "                     {\"resolved_by\":ACTOR,\"external_ref\":REF,\"reason\":REASON}\n"
-    "  --reason TEXT      what you verified (required; goes into the audit trail)\n"
-    "  --actor NAME       who decided (default: the OS user)\n"
-    "  --json             print what was done as JSON\n"
-    "  -h, --help         this text\n"
-    "\n"
-    "Exit status: 0 done; 1 refused (the item is in a state this does not apply to, or does\n"
-    "not exist) and nothing was changed; 2 usage error; 3 PostgreSQL could not be reached.\n";
-
-static const char USAGE_APPROVE[] =
-    "usage: tally approve --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
-    "\n"
-    "Release what waits for a human's approval. An effect AWAITING_APPROVAL (a destructive\n"
-    "tool, or one that requires approval) becomes PLANNED and is due for dispatch at once:\n"
-    "the dispatcher is woken and calls the tool. An obligation AWAITING_APPROVAL (its tool's\n"
-    "compensation.mode is approval_required) becomes PENDING and the compensator runs it.\n"
-    "\n"
-    "  --effect ID        the effect (UUID)\n"
-    "  --obligation ID    the obligation (UUID)\n"
-    "  --reason TEXT      why it may go ahead (required; goes into the audit trail)\n"
-    "  --actor NAME       who approved (default: the OS user)\n"
-    "  --json             print what was done as JSON\n"
-    "  -h, --help         this text\n"
-    "\n"
-    "Exit status: 0 done; 1 refused (not AWAITING_APPROVAL, or no such item), nothing changed;\n"
-    "2 usage error; 3 PostgreSQL could not be reached.\n";
-
-static const char USAGE_DENY[] =
-    "usage: tally deny --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
-    "\n"
-    "Refuse what waits for a human's approval. An effect AWAITING_APPROVAL becomes REJECTED:\n"
-    "the tool is never called, and tally.effect.rejected.v1 goes to <prefix>outcomes. An\n"
-    "obligation AWAITING_APPROVAL becomes SKIPPED (\"denied by ACTOR: REASON\"): its\n"
-    "compensation is not run.\n"
-    "\n"
-    "  --effect ID        the effect (UUID)\n"
-    "  --obligation ID    the obligation (UUID)\n"
-    "  --reason TEXT      why (required; goes into the audit trail)\n"
-    "  --actor NAME       who denied (default: the OS user)\n"
-    "  --json             print what was done as JSON\n"
-    "  -h, --help         this text\n"
-    "\n"
-    "Exit status: 0 done; 1 refused (not AWAITING_APPROVAL, or no such item), nothing changed;\n"
-    "2 usage error; 3 PostgreSQL could not be reached.\n";
+static const char *const VERB_NAMES[VERB__COUNT] = {"resolve", "approve", "deny"};
 
 /* ---------------------------------------------------------------------------------------- */
 /* SQL                                                                                      */
@@ -177,7 +109,7 @@ static const char SQL_ITEM_ALERTS[] =
     "       ELSE effect_id = $1::uuid AND obligation_id IS NULL END)";
 
 /* ---------------------------------------------------------------------------------------- */
-/* Options                                                                                  */
+/* What was asked, and what was done                                                        */
 
 typedef struct op {
     verb_t verb;
@@ -186,6 +118,7 @@ typedef struct op {
     const char *obligation_id;
     const char *alert_key; /* resolve --alert */
     const char *as;
+    int as_state; /* --as parsed: a tally_effect_state_t or tally_obligation_state_t */
     const char *ref;
     const char *receipt_text;
     json_t *receipt; /* parsed --receipt (owned) */
@@ -289,10 +222,7 @@ static int target_state(const op_t *o, bool effect)
         return effect ? (int)TALLY_EFFECT_REJECTED : (int)TALLY_OBLIGATION_SKIPPED;
     case VERB_RESOLVE:
     default:
-        if (effect)
-            return strcmp(o->as, "confirmed") == 0 ? TALLY_EFFECT_CONFIRMED : TALLY_EFFECT_FAILED;
-        return strcmp(o->as, "resolved") == 0 ? TALLY_OBLIGATION_RESOLVED
-                                              : TALLY_OBLIGATION_SKIPPED;
+        return o->as_state; /* parse_as */
     }
 }
 
@@ -491,7 +421,7 @@ static bool resolve_alerts(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
     char *key =
         strcmp(kind, "effect") == 0 ? tally_alert_effect_key(id) : tally_alert_obligation_key(id);
     if (key == NULL) {
-        tally_error_set(err, "oom", false, "out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
         return false;
     }
     const char *params[3] = {id, kind, key};
@@ -503,7 +433,7 @@ static bool resolve_alerts(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *
     const char **list = calloc(n ? n : 1, sizeof *list);
     if (list == NULL) {
         json_decref(keys);
-        tally_error_set(err, "oom", false, "out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
         return false;
     }
     for (size_t i = 0; i < n; i++)
@@ -926,15 +856,24 @@ static int alert_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
     }
     snprintf(d->from, sizeof d->from, "%s", PQgetvalue(res, 0, 0));
     snprintf(d->run_id, sizeof d->run_id, "%s", PQgetvalue(res, 0, 1));
-    bool stuck_effect = !PQgetisnull(res, 0, 4) && strcmp(PQgetvalue(res, 0, 4), "STUCK") == 0;
-    bool stuck_obligation = !PQgetisnull(res, 0, 5) && strcmp(PQgetvalue(res, 0, 5), "STUCK") == 0;
+    /* The states, read once: the page's, and its effect's and obligation's when it has them. */
+    tally_alert_state_t alert = TALLY_ALERT_RESOLVED;
+    bool triggered = tally_alert_state_parse(d->from, &alert) && alert == TALLY_ALERT_TRIGGERED;
+    tally_effect_state_t effect = TALLY_EFFECT_PLANNED;
+    bool stuck_effect = !PQgetisnull(res, 0, 4) &&
+                        tally_effect_state_parse(PQgetvalue(res, 0, 4), &effect) &&
+                        effect == TALLY_EFFECT_STUCK;
+    tally_obligation_state_t obligation = TALLY_OBLIGATION_PENDING;
+    bool stuck_obligation = !PQgetisnull(res, 0, 5) &&
+                            tally_obligation_state_parse(PQgetvalue(res, 0, 5), &obligation) &&
+                            obligation == TALLY_OBLIGATION_STUCK;
     char item[128] = "";
     if (stuck_obligation)
         snprintf(item, sizeof item, "--obligation %s", PQgetvalue(res, 0, 3));
     else if (stuck_effect)
         snprintf(item, sizeof item, "--effect %s", PQgetvalue(res, 0, 2));
     PQclear(res);
-    if (strcmp(d->from, "TRIGGERED") != 0) {
+    if (!triggered) {
         fprintf(stderr, "tally %s: alert '%s' is already %s; nothing to do\n", o->name, key,
                 d->from);
         return CLI_EXIT_REFUSED;
@@ -952,7 +891,7 @@ static int alert_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
     size_t n_resolved = 0;
     if (!tally_alert_resolve(pg, &key, 1, o->actor, o->source, why, ob, ab, &n_resolved, &err))
         return cli_pg_fail(o->name, "nothing was changed", &err);
-    snprintf(d->to, sizeof d->to, "RESOLVED");
+    snprintf(d->to, sizeof d->to, "%s", tally_alert_state_name(TALLY_ALERT_RESOLVED));
     json_t *data = json_pack("{s:s}", "dedup_key", key);
     add_decision(ab, o, d, d->run_id[0] != '\0' ? d->run_id : NULL, NULL, NULL, data);
     json_decref(data);
@@ -1011,76 +950,252 @@ out:
     return rc;
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Options                                                                                  */
+
+#define VERB_BIT(v) (1u << (v))
+#define ALL_VERBS   (VERB_BIT(VERB_RESOLVE) | VERB_BIT(VERB_APPROVE) | VERB_BIT(VERB_DENY))
+#define NO_FIELD    ((size_t)-1)
+
+/* Each verb's --help: its head, the options (OPTIONS below), then its exit statuses. */
+static const char USAGE_RESOLVE_HEAD[] =
+    "usage: tally resolve --effect ID --as confirmed --ref REF [--receipt JSON] --reason TEXT\n"
+    "       tally resolve --effect ID --as failed --reason TEXT\n"
+    "       tally resolve --obligation ID --as resolved|skipped [--ref REF] [--receipt JSON]\n"
+    "                     --reason TEXT\n"
+    "       tally resolve --alert DEDUP_KEY --reason TEXT\n"
+    "\n"
+    "Settle what tally could not decide on its own, from what you verified upstream.\n"
+    "An UNKNOWN or STUCK effect becomes CONFIRMED (it happened: --ref is the upstream record's\n"
+    "id) or FAILED (it did not happen). A STUCK obligation becomes RESOLVED (you reversed it by\n"
+    "hand) or SKIPPED (nothing is to be undone). Any worker still holding a lease on the row\n"
+    "loses it. The audit trail records who, why and the evidence; the outcome is published\n"
+    "on <prefix>outcomes; the item's open alert is resolved (its resolve event goes to\n"
+    "<prefix>alerts). Every write happens in one transaction, or none does.\n"
+    "--alert closes a page whose item needs no further state change (a destructive effect that\n"
+    "was escalated as UNCOMPENSATABLE, once you have dealt with it); it is refused while the\n"
+    "item is still STUCK, which must be resolved itself.\n";
+
+static const char USAGE_RESOLVE_TAIL[] =
+    "Exit status: 0 done; 1 refused (the item is in a state this does not apply to, or does\n"
+    "not exist) and nothing was changed; 2 usage error; 3 PostgreSQL could not be reached.\n";
+
+static const char USAGE_APPROVE_HEAD[] =
+    "usage: tally approve --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
+    "\n"
+    "Release what waits for a human's approval. An effect AWAITING_APPROVAL (a destructive\n"
+    "tool, or one that requires approval) becomes PLANNED and is due for dispatch at once:\n"
+    "the dispatcher is woken and calls the tool. An obligation AWAITING_APPROVAL (its tool's\n"
+    "compensation.mode is approval_required) becomes PENDING and the compensator runs it.\n";
+
+/* approve and deny */
+static const char USAGE_DECIDE_TAIL[] =
+    "Exit status: 0 done; 1 refused (not AWAITING_APPROVAL, or no such item), nothing changed;\n"
+    "2 usage error; 3 PostgreSQL could not be reached.\n";
+
+static const char USAGE_DENY_HEAD[] =
+    "usage: tally deny --effect ID | --obligation ID --reason TEXT [--actor NAME]\n"
+    "\n"
+    "Refuse what waits for a human's approval. An effect AWAITING_APPROVAL becomes REJECTED:\n"
+    "the tool is never called, and tally.effect.rejected.v1 goes to <prefix>outcomes. An\n"
+    "obligation AWAITING_APPROVAL becomes SKIPPED (\"denied by ACTOR: REASON\"): its\n"
+    "compensation is not run.\n";
+
+static const char *const USAGE_HEAD[VERB__COUNT] = {USAGE_RESOLVE_HEAD, USAGE_APPROVE_HEAD,
+                                                    USAGE_DENY_HEAD};
+static const char *const USAGE_TAIL[VERB__COUNT] = {USAGE_RESOLVE_TAIL, USAGE_DECIDE_TAIL,
+                                                    USAGE_DECIDE_TAIL};
+
+/* One row per option: getopt_long's table, the checks of which verb takes what, and --help are
+ * all made from it. */
+typedef struct opt_row {
+    const char *name; /* the long option, without "--" */
+    char short_name;  /* its one-letter form, or 0 */
+    const char *arg;  /* its argument as --help names it; NULL for a flag */
+    unsigned verbs;   /* VERB_BIT() of each verb that takes it */
+    size_t field;     /* offsetof(op_t, ...): a const char * (with an argument) or a bool */
+    const char *help[VERB__COUNT]; /* per verb; NULL: the resolve text. Lines after the first
+                                    * are indented under it */
+} opt_row_t;
+
+static const opt_row_t OPTIONS[] = {
+    {"effect",
+     0,
+     "ID",
+     ALL_VERBS,
+     offsetof(op_t, effect_id),
+     {"the effect (UUID, as `tally status` and the alert print it)", "the effect (UUID)",
+      "the effect (UUID)"}},
+    {"obligation",
+     0,
+     "ID",
+     ALL_VERBS,
+     offsetof(op_t, obligation_id),
+     {"the obligation", "the obligation (UUID)", "the obligation (UUID)"}},
+    {"alert",
+     0,
+     "KEY",
+     VERB_BIT(VERB_RESOLVE),
+     offsetof(op_t, alert_key),
+     {"an open page, by its dedup key (as `tally status` prints it)"}},
+    {"as",
+     0,
+     "OUTCOME",
+     VERB_BIT(VERB_RESOLVE),
+     offsetof(op_t, as),
+     {"confirmed | failed (effects); resolved | skipped (obligations)"}},
+    {"ref",
+     0,
+     "REF",
+     VERB_BIT(VERB_RESOLVE),
+     offsetof(op_t, ref),
+     {"the upstream record's id (required for --as confirmed); for an\n"
+      "obligation, the reverse record's id, kept as evidence"}},
+    {"receipt",
+     0,
+     "JSON",
+     VERB_BIT(VERB_RESOLVE),
+     offsetof(op_t, receipt_text),
+     {"the upstream record itself, a JSON object; default\n"
+      "{\"resolved_by\":ACTOR,\"external_ref\":REF,\"reason\":REASON}"}},
+    {"reason",
+     0,
+     "TEXT",
+     ALL_VERBS,
+     offsetof(op_t, reason),
+     {"what you verified (required; goes into the audit trail)",
+      "why it may go ahead (required; goes into the audit trail)",
+      "why (required; goes into the audit trail)"}},
+    {"actor",
+     0,
+     "NAME",
+     ALL_VERBS,
+     offsetof(op_t, actor),
+     {"who decided (default: the OS user)", "who approved (default: the OS user)",
+      "who denied (default: the OS user)"}},
+    {"json", 0, NULL, ALL_VERBS, offsetof(op_t, as_json), {"print what was done as JSON"}},
+    {"help", 'h', NULL, ALL_VERBS, NO_FIELD, {"this text"}},
+};
+
+enum { N_OPTIONS = sizeof OPTIONS / sizeof OPTIONS[0], OPT_VAL_BASE = 256 };
+
+/* The verb's --help: its text, its options, its exit statuses. */
+static void usage_text(verb_t verb, char *out, size_t outsz)
+{
+    out[0] = '\0';
+    appendf(out, outsz, "%s\n", USAGE_HEAD[verb]);
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        const opt_row_t *r = &OPTIONS[i];
+        if (!(r->verbs & VERB_BIT(verb)))
+            continue;
+        char shown[64];
+        if (r->short_name)
+            snprintf(shown, sizeof shown, "-%c, --%s", r->short_name, r->name);
+        else
+            snprintf(shown, sizeof shown, "--%s%s%s", r->name, r->arg ? " " : "",
+                     r->arg ? r->arg : "");
+        const char *help = r->help[verb] != NULL ? r->help[verb] : r->help[VERB_RESOLVE];
+        /* the help's first line beside the option, the others under it */
+        const char *line = help;
+        for (bool first = true; *line != '\0'; first = false) {
+            size_t n = strcspn(line, "\n");
+            /* lint: slice: one line of our own help text */
+            appendf(out, outsz, "  %-18s %.*s\n", first ? shown : "", (int)n, line);
+            line += n + (line[n] == '\n');
+        }
+    }
+    appendf(out, outsz, "\n%s", USAGE_TAIL[verb]);
+}
+
+/* "--as, --ref and --receipt" in @p out: the options of @p given (flags by row) that @p verb
+ * does not take, and in @p owners the verbs that do. @returns how many. */
+static size_t foreign_options(verb_t verb, const bool *given, char *out, size_t outsz,
+                              unsigned *owners)
+{
+    size_t n = 0, total = 0;
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        total += given[i] && !(OPTIONS[i].verbs & VERB_BIT(verb));
+    out[0] = '\0';
+    *owners = 0;
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        if (!given[i] || (OPTIONS[i].verbs & VERB_BIT(verb)))
+            continue;
+        n++;
+        appendf(out, outsz, "%s--%s", n == 1 ? "" : n == total ? " and " : ", ", OPTIONS[i].name);
+        *owners |= OPTIONS[i].verbs;
+    }
+    return n;
+}
+
+/* --as names the state to move to, in lower case: an effect goes to CONFIRMED or FAILED, an
+ * obligation to RESOLVED or SKIPPED. */
+static bool parse_as(const char *as, bool effect, int *state)
+{
+    char upper[32];
+    size_t n = strlen(as);
+    if (n == 0 || n >= sizeof upper)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (!islower((unsigned char)as[i]) && as[i] != '_')
+            return false;
+        upper[i] = (char)toupper((unsigned char)as[i]);
+    }
+    upper[n] = '\0';
+    if (effect) {
+        tally_effect_state_t s;
+        if (!tally_effect_state_parse(upper, &s) ||
+            (s != TALLY_EFFECT_CONFIRMED && s != TALLY_EFFECT_FAILED))
+            return false;
+        *state = (int)s;
+        return true;
+    }
+    tally_obligation_state_t s;
+    if (!tally_obligation_state_parse(upper, &s) ||
+        (s != TALLY_OBLIGATION_RESOLVED && s != TALLY_OBLIGATION_SKIPPED))
+        return false;
+    *state = (int)s;
+    return true;
+}
+
 /* Parse and check the options; @returns -1 to go on, or the exit code. */
 static int parse(op_t *o, int argc, char **argv)
 {
-    enum {
-        O_EFFECT = 256,
-        O_OBLIGATION,
-        O_AS,
-        O_REF,
-        O_RECEIPT,
-        O_REASON,
-        O_ACTOR,
-        O_JSON,
-        O_ALERT
-    };
-    static const struct option all[] = {
-        {"effect", required_argument, NULL, O_EFFECT},
-        {"obligation", required_argument, NULL, O_OBLIGATION},
-        {"reason", required_argument, NULL, O_REASON},
-        {"actor", required_argument, NULL, O_ACTOR},
-        {"json", no_argument, NULL, O_JSON},
-        {"help", no_argument, NULL, 'h'},
-        {"as", required_argument, NULL, O_AS},
-        {"ref", required_argument, NULL, O_REF},
-        {"receipt", required_argument, NULL, O_RECEIPT},
-        {"alert", required_argument, NULL, O_ALERT},
-        {NULL, 0, NULL, 0},
-    };
-    const char *usage = o->verb == VERB_RESOLVE   ? USAGE_RESOLVE
-                        : o->verb == VERB_APPROVE ? USAGE_APPROVE
-                                                  : USAGE_DENY;
+    struct option longopts[N_OPTIONS + 1];
+    for (size_t i = 0; i < N_OPTIONS; i++)
+        longopts[i] =
+            (struct option){OPTIONS[i].name, OPTIONS[i].arg ? required_argument : no_argument, NULL,
+                            OPTIONS[i].short_name ? OPTIONS[i].short_name : OPT_VAL_BASE + (int)i};
+    longopts[N_OPTIONS] = (struct option){NULL, 0, NULL, 0};
+    static char usage[8192];
+    usage_text(o->verb, usage, sizeof usage);
+
+    bool given[N_OPTIONS] = {false};
     int c, rc;
     cli_options_begin();
-    while ((c = cli_next_option(o->name, usage, argc, argv, all, &rc)) != -1) {
-        switch (c) {
-        case O_EFFECT:
-            o->effect_id = optarg;
-            break;
-        case O_OBLIGATION:
-            o->obligation_id = optarg;
-            break;
-        case O_AS:
-            o->as = optarg;
-            break;
-        case O_REF:
-            o->ref = optarg;
-            break;
-        case O_ALERT:
-            o->alert_key = optarg;
-            break;
-        case O_RECEIPT:
-            o->receipt_text = optarg;
-            break;
-        case O_REASON:
-            o->reason = optarg;
-            break;
-        case O_ACTOR:
-            o->actor = optarg;
-            break;
-        case O_JSON:
-            o->as_json = true;
-            break;
-        }
+    while ((c = cli_next_option(o->name, usage, argc, argv, longopts, &rc)) != -1) {
+        if (c < OPT_VAL_BASE || c >= OPT_VAL_BASE + (int)N_OPTIONS)
+            continue;
+        const opt_row_t *r = &OPTIONS[c - OPT_VAL_BASE];
+        given[c - OPT_VAL_BASE] = true;
+        if (r->arg != NULL)
+            *(const char **)((char *)o + r->field) = optarg;
+        else
+            *(bool *)((char *)o + r->field) = true;
     }
     if (rc >= 0)
         return rc;
-    if (o->verb != VERB_RESOLVE && (o->as != NULL || o->ref != NULL || o->receipt_text != NULL))
-        return cli_usage_error(o->name, "--as, --ref and --receipt belong to tally resolve");
+    char foreign[256];
+    unsigned owners = 0;
+    size_t n_foreign = foreign_options(o->verb, given, foreign, sizeof foreign, &owners);
+    if (n_foreign > 0) {
+        char verbs[64] = "";
+        for (int v = 0; v < VERB__COUNT; v++)
+            if (owners & VERB_BIT(v))
+                appendf(verbs, sizeof verbs, "%stally %s", verbs[0] ? " or " : "", VERB_NAMES[v]);
+        return cli_usage_error(o->name, "%s belong%s to %s", foreign, n_foreign == 1 ? "s" : "",
+                               verbs);
+    }
     if (o->alert_key != NULL) {
-        if (o->verb != VERB_RESOLVE)
-            return cli_usage_error(o->name, "--alert belongs to tally resolve");
         if (o->effect_id != NULL || o->obligation_id != NULL)
             return cli_usage_error(o->name, "name exactly one item: --effect, --obligation or "
                                             "--alert");
@@ -1100,28 +1215,24 @@ static int parse(op_t *o, int argc, char **argv)
         return cli_usage_error(o->name, "'%s' is not an id (a UUID such as %s)", id,
                                "0b6d5f4e-8f3c-4a8e-9d0c-6a1f3e2b7c44");
     if (o->verb == VERB_RESOLVE) {
+        bool effect = o->effect_id != NULL;
         if (o->as == NULL)
             return cli_usage_error(o->name, "--as is required (%s)",
-                                   o->effect_id != NULL ? "confirmed or failed"
-                                                        : "resolved or skipped");
-        if (o->effect_id != NULL) {
-            if (strcmp(o->as, "confirmed") != 0 && strcmp(o->as, "failed") != 0)
-                return cli_usage_error(
-                    o->name, "--as %s: an effect is resolved as confirmed or failed", o->as);
-            if (strcmp(o->as, "confirmed") == 0 && o->ref == NULL)
-                return cli_usage_error(o->name, "--as confirmed needs --ref REF: the id of the "
-                                                "upstream record you found (the evidence)");
-            if (strcmp(o->as, "failed") == 0 && (o->ref != NULL || o->receipt_text != NULL))
-                return cli_usage_error(
-                    o->name, "--as failed takes no --ref or --receipt: nothing happened upstream");
-        } else {
-            if (strcmp(o->as, "resolved") != 0 && strcmp(o->as, "skipped") != 0)
-                return cli_usage_error(
-                    o->name, "--as %s: an obligation is resolved as resolved or skipped", o->as);
-            if (strcmp(o->as, "skipped") == 0 && (o->ref != NULL || o->receipt_text != NULL))
-                return cli_usage_error(
-                    o->name, "--as skipped takes no --ref or --receipt: nothing was reversed");
-        }
+                                   effect ? "confirmed or failed" : "resolved or skipped");
+        if (!parse_as(o->as, effect, &o->as_state))
+            return cli_usage_error(o->name, "--as %s: %s", o->as,
+                                   effect ? "an effect is resolved as confirmed or failed"
+                                          : "an obligation is resolved as resolved or skipped");
+        bool evidence = o->ref != NULL || o->receipt_text != NULL;
+        if (effect && o->as_state == TALLY_EFFECT_CONFIRMED && o->ref == NULL)
+            return cli_usage_error(o->name, "--as confirmed needs --ref REF: the id of the "
+                                            "upstream record you found (the evidence)");
+        if (effect && o->as_state == TALLY_EFFECT_FAILED && evidence)
+            return cli_usage_error(
+                o->name, "--as failed takes no --ref or --receipt: nothing happened upstream");
+        if (!effect && o->as_state == TALLY_OBLIGATION_SKIPPED && evidence)
+            return cli_usage_error(
+                o->name, "--as skipped takes no --ref or --receipt: nothing was reversed");
         if (o->ref != NULL && !cli_check_text(o->name, "--ref", o->ref))
             return CLI_EXIT_USAGE;
         if (o->receipt_text != NULL) {
