@@ -325,6 +325,20 @@ class TallyCase(unittest.TestCase):
         rows = self.query(sql, params)
         return rows[0][0] if rows else None
 
+    def force(self, sql, params=None):
+        """Run @sql with the ledger's triggers off (session_replication_role = replica; the
+        test's role is a superuser): a move the state machines refuse, made on purpose to see
+        how the workers take a ledger someone broke by hand. The NOTIFY triggers are off too.
+        Record such a move in the audit trail, if at all, with kind 'test_reset' and the
+        states in data: it is no move of any machine."""
+        with self.db.cursor() as cur:
+            cur.execute("SET session_replication_role = replica")
+            try:
+                cur.execute(sql, params)
+                return cur.fetchall() if cur.description else []
+            finally:
+                cur.execute("SET session_replication_role = origin")
+
     def admin(self, sql, params=None):
         """Run SQL on the server's maintenance database, outside the test's own (which
         PostgreSQL will not, for one, close to connections while connected to it)."""

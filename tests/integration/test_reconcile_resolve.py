@@ -305,12 +305,14 @@ class ReconcileResolveTest(ReconcileCase):
 
         # A second detection of the same extra record creates nothing: put the effect back to
         # UNKNOWN (as an operator's mistaken reset would) and let the reconciler look again.
-        self.query("UPDATE effects SET status = 'UNKNOWN', unknown_since = now(),"
+        # (CONFIRMED -> UNKNOWN is no move of the effect machine: forced past the ledger's
+        # triggers, and kept out of the audit trail's transitions)
+        self.force("UPDATE effects SET status = 'UNKNOWN', unknown_since = now(),"
                    " next_attempt_at = now() WHERE effect_id = %s RETURNING 1",
                    (row["effect_id"],))
-        self.query("INSERT INTO events (event_id, run_id, effect_id, kind, from_status, to_status,"
-                   " actor, reason) VALUES (gen_random_uuid(), %s, %s, 'transition', 'CONFIRMED',"
-                   " 'UNKNOWN', 'test', 'reset by the test') RETURNING 1",
+        self.query("INSERT INTO events (event_id, run_id, effect_id, kind, actor, reason, data)"
+                   " VALUES (gen_random_uuid(), %s, %s, 'test_reset', 'test', 'reset by the test',"
+                   " '{\"from\": \"CONFIRMED\", \"to\": \"UNKNOWN\"}') RETURNING 1",
                    (run, row["effect_id"]))
         self.wait_status("charge_card", key, "CONFIRMED", timeout=30)
         wait_for(lambda: self.metric(rec, "tally_reconciler_resolutions_total",

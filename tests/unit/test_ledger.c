@@ -129,6 +129,7 @@ static void test_effect_matrix_is_exactly_the_design(void **state)
         {E(DISPATCHING), E(CANCELLED)}, /* the run stopped meanwhile; not applied */
         {E(UNKNOWN), E(CONFIRMED)},
         {E(UNKNOWN), E(PLANNED)},
+        {E(UNKNOWN), E(CANCELLED)}, /* found nothing, and its run stopped meanwhile */
         {E(UNKNOWN), E(STUCK)},
         {E(UNKNOWN), E(FAILED)},
         {E(STUCK), E(CONFIRMED)},
@@ -226,6 +227,7 @@ static void test_effect_actors(void **state)
         {E(DISPATCHING), E(UNKNOWN), "reconciler"}, /* lease expired */
         {E(UNKNOWN), E(CONFIRMED), "reconciler"},
         {E(UNKNOWN), E(PLANNED), "reconciler"},
+        {E(UNKNOWN), E(CANCELLED), "reconciler"},
         {E(UNKNOWN), E(STUCK), "reconciler"},
         {E(PLANNED), E(CANCELLED), "dispatcher"},
         {E(PLANNED), E(CANCELLED), "operator"},
