@@ -54,6 +54,7 @@ struct tally_worker {
     tally_httpd_t *httpd;
     tally_relay_t *relay;
     rd_kafka_t *consumer;
+    tally_consume_t *consume;
     rd_kafka_t *producer;
     char id[256];
     char group[256];
@@ -255,6 +256,18 @@ tally_relay_t *tally_worker_relay(tally_worker_t *w)
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w)
 {
     return w->consumer;
+}
+
+tally_consume_t *tally_worker_consume(tally_worker_t *w)
+{
+    if (w->consume == NULL && w->consumer != NULL) {
+        char errstr[256];
+        w->consume = tally_consume_new(w->consumer, errstr, sizeof errstr);
+        if (w->consume == NULL) {
+            TALLY_ERROR("cannot wait on the Kafka consumer: %s", errstr);
+        }
+    }
+    return w->consume;
 }
 
 rd_kafka_t *tally_worker_producer(tally_worker_t *w)
@@ -656,6 +669,9 @@ static bool run_drain(tally_worker_t *w, void *state)
  * never started. */
 static void close_all(tally_worker_t *w)
 {
+    /* offsets noted and not stored stay so: the partition's next owner reads them again */
+    tally_consume_free(w->consume);
+    w->consume = NULL;
     if (w->consumer != NULL) {
         tally_kafka_consumer_close(w->consumer);
         w->consumer = NULL;

@@ -8,6 +8,7 @@
 #include <librdkafka/rdkafka.h>
 
 #include "tally/config.h"
+#include "tally/consume.h"
 #include "tally/metrics.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
@@ -52,6 +53,10 @@ tally_metrics_t *tally_worker_metrics(tally_worker_t *w);
 tally_relay_t *tally_worker_relay(tally_worker_t *w);
 /** The consumer, or NULL when ops->topics is NULL. */
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w);
+/** The consumer's wake-up pipe and offsets (consume.h), created on first use and owned by the
+ * worker, which frees it before the consumer leaves its group. NULL when ops->topics is NULL
+ * or it cannot be set up (logged). */
+tally_consume_t *tally_worker_consume(tally_worker_t *w);
 /** A producer (not idempotent-critical) for direct sends, created on first use; NULL (logged)
  * when it cannot be created. Owned by the worker, flushed and closed at exit. */
 rd_kafka_t *tally_worker_producer(tally_worker_t *w);
