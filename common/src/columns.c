@@ -153,3 +153,66 @@ void tally_columns_release(tally_columns_t *c)
     memset(c, 0, sizeof *c);
     c->at = SIZE_MAX;
 }
+
+/* ---- result rows back to the batch ---------------------------------------------------- */
+
+typedef struct keyed {
+    const char *key;
+    size_t pos;
+} keyed_t;
+
+static int cmp_keyed(const void *a, const void *b)
+{
+    return strcmp(((const keyed_t *)a)->key, ((const keyed_t *)b)->key);
+}
+
+/* A place written by the statement: digits only, below @p n. */
+static size_t parse_place(const char *s, size_t n)
+{
+    if (*s == '\0')
+        return SIZE_MAX;
+    size_t v = 0;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9' || v > (SIZE_MAX - 9) / 10)
+            return SIZE_MAX;
+        v = v * 10 + (size_t)(*s - '0');
+    }
+    return v < n ? v : SIZE_MAX;
+}
+
+size_t *tally_columns_positions(const PGresult *res, int col, const char *const *keys, size_t n)
+{
+    int rows = res != NULL ? PQntuples(res) : 0;
+    size_t *pos = malloc(((size_t)rows + 1) * sizeof *pos);
+    if (pos == NULL)
+        return NULL;
+    keyed_t *index = NULL;
+    size_t n_index = 0;
+    if (keys != NULL) {
+        index = malloc((n + 1) * sizeof *index);
+        if (index == NULL) {
+            free(pos);
+            return NULL;
+        }
+        for (size_t i = 0; i < n; i++)
+            if (keys[i] != NULL)
+                index[n_index++] = (keyed_t){keys[i], i};
+        qsort(index, n_index, sizeof *index, cmp_keyed);
+    }
+    for (int r = 0; r < rows; r++) {
+        pos[r] = SIZE_MAX;
+        if (col < 0 || col >= PQnfields(res) || PQgetisnull(res, r, col))
+            continue;
+        const char *v = PQgetvalue(res, r, col);
+        if (keys == NULL) {
+            pos[r] = parse_place(v, n);
+            continue;
+        }
+        keyed_t want = {v, 0};
+        const keyed_t *hit = bsearch(&want, index, n_index, sizeof *index, cmp_keyed);
+        if (hit != NULL)
+            pos[r] = hit->pos;
+    }
+    free(index);
+    return pos;
+}

@@ -10,6 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/backoff.h"
 #include "tally/log.h"
 #include "tally/text.h"
 
@@ -66,15 +67,6 @@ static void copy_message(char *dst, size_t dstsz, const char *src)
     /* Cut on a character boundary: the message may quote a value from outside. */
     tally_text_copy(dst, dstsz, line != NULL ? line : "out of memory copying an error message");
     free(line);
-}
-
-static bool sqlstate_retriable(const char *state)
-{
-    if (state == NULL)
-        return false;
-    return strncmp(state, "08", 2) == 0 || strcmp(state, "40001") == 0 ||
-           strcmp(state, "40P01") == 0 || strcmp(state, "57P01") == 0 ||
-           strcmp(state, "57P02") == 0 || strcmp(state, "57P03") == 0;
 }
 
 /* Server notices (e.g. "relation already exists, skipping") go to the log, not to stderr. */
@@ -138,14 +130,14 @@ static bool listen_one(PGconn *conn, const char *channel, tally_error_t *err)
 {
     char *ident = PQescapeIdentifier(conn, channel, strlen(channel));
     if (ident == NULL) {
-        tally_error_set(err, "08006", true, "LISTEN %s: %s", channel, PQerrorMessage(conn));
+        tally_error_set_pg(err, "08006", true, "LISTEN %s: %s", channel, PQerrorMessage(conn));
         return false;
     }
     size_t len = strlen(ident) + sizeof("LISTEN ");
     char *sql = malloc(len);
     if (sql == NULL) {
         PQfreemem(ident);
-        tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+        tally_error_setc(err, TALLY_ERR_OOM, "LISTEN %s: out of memory", channel);
         return false;
     }
     snprintf(sql, len, "LISTEN %s", ident);
@@ -157,8 +149,8 @@ static bool listen_one(PGconn *conn, const char *channel, tally_error_t *err)
         const char *state = PQresultErrorField(res, PG_DIAG_SQLSTATE);
         char msg[400];
         copy_message(msg, sizeof(msg), PQerrorMessage(conn));
-        tally_error_set(err, state ? state : "08006", state ? sqlstate_retriable(state) : true,
-                        "LISTEN %s: %s", channel, msg);
+        tally_error_set_pg(err, state, state ? tally_sqlstate_retriable(state) : true,
+                           "LISTEN %s: %s", channel, msg);
     }
     PQclear(res);
     return ok;
@@ -185,13 +177,13 @@ static bool connect_once(tally_pg_t *pg, tally_error_t *err)
 
     PGconn *conn = PQconnectdbParams(keys, vals, 1);
     if (conn == NULL) {
-        tally_error_set(err, "08001", true, "cannot connect to PostgreSQL: out of memory");
+        tally_error_set_pg(err, "08001", true, "cannot connect to PostgreSQL: out of memory");
         return false;
     }
     if (PQstatus(conn) != CONNECTION_OK) {
         char msg[480];
         copy_message(msg, sizeof(msg), PQerrorMessage(conn));
-        tally_error_set(err, "08001", true, "cannot connect to PostgreSQL: %s", msg);
+        tally_error_set_pg(err, "08001", true, "cannot connect to PostgreSQL: %s", msg);
         PQfinish(conn);
         return false;
     }
@@ -222,7 +214,6 @@ bool tally_pg_connect(tally_pg_t *pg, int deadline_ms, volatile const int *stop,
     if (tally_pg_ok(pg))
         return true;
     int64_t deadline = now_ms() + (deadline_ms > 0 ? deadline_ms : 0);
-    int backoff = PG_BACKOFF_MIN_MS;
     int attempt = 0;
     for (;;) {
         attempt++;
@@ -242,8 +233,9 @@ bool tally_pg_connect(tally_pg_t *pg, int deadline_ms, volatile const int *stop,
             TALLY_WARN("%s; retrying", e->message);
         else
             TALLY_DEBUG("%s (attempt %d)", e->message, attempt);
-        /* full backoff halved plus a random half: spreads reconnect storms */
-        int delay = backoff / 2 + (int)(rand_r(&pg->seed) % (unsigned)(backoff / 2 + 1));
+        /* equal jitter: spreads reconnect storms */
+        int delay = (int)tally_backoff_ms(attempt, PG_BACKOFF_MIN_MS, PG_BACKOFF_MAX_MS, -1,
+                                          (uint32_t)rand_r(&pg->seed));
         if (deadline_ms > 0) {
             int64_t left = deadline - now_ms();
             if (left <= 0)
@@ -256,7 +248,6 @@ bool tally_pg_connect(tally_pg_t *pg, int deadline_ms, volatile const int *stop,
             return false;
         if (deadline_ms > 0 && now_ms() >= deadline)
             return false;
-        backoff = backoff * 2 > PG_BACKOFF_MAX_MS ? PG_BACKOFF_MAX_MS : backoff * 2;
     }
 }
 
@@ -271,11 +262,11 @@ static void result_error(tally_pg_t *pg, PGresult *res, tally_error_t *err)
     if (lost)
         pg->broken = true;
     if (state != NULL && *state != '\0')
-        tally_error_set(err, state, lost || sqlstate_retriable(state), "%s", msg);
+        tally_error_set_pg(err, state, lost || tally_sqlstate_retriable(state), "%s", msg);
     else if (lost)
-        tally_error_set(err, "08006", true, "PostgreSQL connection lost: %s", msg);
+        tally_error_set_pg(err, "08006", true, "PostgreSQL connection lost: %s", msg);
     else /* refused by libpq itself, before reaching the server */
-        tally_error_set(err, "pg_client", false, "%s", msg);
+        tally_error_setc(err, TALLY_ERR_PG_CLIENT, "%s", msg);
 }
 
 static bool ensure_connected(tally_pg_t *pg, tally_error_t *err)
@@ -283,8 +274,8 @@ static bool ensure_connected(tally_pg_t *pg, tally_error_t *err)
     if (tally_pg_ok(pg))
         return true;
     if (pg->in_tx && !pg->begin_pending) {
-        tally_error_set(err, "08006", true,
-                        "PostgreSQL connection lost inside a transaction; roll back and retry");
+        tally_error_set_pg(err, "08006", true,
+                           "PostgreSQL connection lost inside a transaction; roll back and retry");
         return false;
     }
     /* nothing of a pending transaction has run yet: a new connection is as good */
@@ -427,6 +418,20 @@ PGresult *tally_pg_exec_bin(tally_pg_t *pg, const char *sql, int nparams, const 
     return NULL;
 }
 
+PGresult *tally_pg_exec_json(tally_pg_t *pg, const char *sql, const json_t *param,
+                             tally_error_t *err)
+{
+    char *text = json_dumps(param, JSON_COMPACT);
+    if (text == NULL) {
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory serialising a statement parameter");
+        return NULL;
+    }
+    const char *params[1] = {text};
+    PGresult *res = tally_pg_exec(pg, sql, 1, params, err);
+    free(text);
+    return res;
+}
+
 bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                   tally_error_t *err)
 {
@@ -441,8 +446,8 @@ bool tally_pg_error_is_data(const tally_error_t *err)
 {
     if (err == NULL || err->retriable)
         return false;
-    return strncmp(err->code, "22", 2) == 0 || strncmp(err->code, "23", 2) == 0 ||
-           strncmp(err->code, "54", 2) == 0 || strcmp(err->code, "invalid_text") == 0;
+    return strncmp(err->sqlstate, "22", 2) == 0 || strncmp(err->sqlstate, "23", 2) == 0 ||
+           strncmp(err->sqlstate, "54", 2) == 0 || err->errc == TALLY_ERR_INVALID_TEXT;
 }
 
 bool tally_pg_begin(tally_pg_t *pg, tally_error_t *err)
@@ -466,7 +471,7 @@ bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err)
     }
     if (!tally_pg_ok(pg)) {
         pg->in_tx = false;
-        tally_error_set(err, "08006", true, "PostgreSQL connection lost before COMMIT");
+        tally_error_set_pg(err, "08006", true, "PostgreSQL connection lost before COMMIT");
         return false;
     }
     PGresult *res = tally_pg_exec(pg, "COMMIT", 0, NULL, err);
@@ -477,8 +482,8 @@ bool tally_pg_commit(tally_pg_t *pg, tally_error_t *err)
     bool rolled_back = strcmp(PQcmdStatus(res), "ROLLBACK") == 0;
     PQclear(res);
     if (rolled_back) {
-        tally_error_set(err, "25P02", false,
-                        "transaction was aborted by an earlier error; COMMIT rolled it back");
+        tally_error_set_pg(err, "25P02", false,
+                           "transaction was aborted by an earlier error; COMMIT rolled it back");
         return false;
     }
     return true;
@@ -509,13 +514,13 @@ bool tally_pg_listen(tally_pg_t *pg, const char *channel, tally_error_t *err)
     if (!known) {
         char **grown = realloc(pg->channels, (pg->n_channels + 1) * sizeof(*grown));
         if (grown == NULL) {
-            tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+            tally_error_setc(err, TALLY_ERR_OOM, "LISTEN %s: out of memory", channel);
             return false;
         }
         pg->channels = grown;
         pg->channels[pg->n_channels] = strdup(channel);
         if (pg->channels[pg->n_channels] == NULL) {
-            tally_error_set(err, "oom", false, "LISTEN %s: out of memory", channel);
+            tally_error_setc(err, TALLY_ERR_OOM, "LISTEN %s: out of memory", channel);
             return false;
         }
         pg->n_channels++;

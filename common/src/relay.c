@@ -28,6 +28,7 @@
 #include <jansson.h>
 #include <openssl/evp.h>
 
+#include "tally/backoff.h"
 #include "tally/crashpoint.h"
 #include "tally/kafka.h"
 #include "tally/log.h"
@@ -982,7 +983,7 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
     /* Registered even when PostgreSQL is down: every reconnect LISTENs again. */
     if (!tally_pg_listen(r->pg, NOTIFY_CHANNEL, &err))
         TALLY_WARN("relay: LISTEN %s: %s (will retry)", NOTIFY_CHANNEL, err.message);
-    int idle_backoff = 100;
+    int failed_rounds = 0;
     bool want_round = true; /* a notification came, the last round was full, or at start */
     int64_t next_round = 0;
     while (!stopping(r)) {
@@ -994,12 +995,12 @@ void tally_relay_run(tally_relay_t *r, volatile const int *stop)
             int n = tally_relay_round(r);
             if (n < 0) {
                 /* PostgreSQL or Kafka trouble: back off, up to the poll interval */
-                struct timespec ts = {idle_backoff / 1000, (long)(idle_backoff % 1000) * 1000000L};
+                long long ms = tally_backoff_step_ms(++failed_rounds, 100, r->poll_ms);
+                struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
                 nanosleep(&ts, NULL);
-                idle_backoff = idle_backoff * 2 > r->poll_ms ? r->poll_ms : idle_backoff * 2;
                 continue;
             }
-            idle_backoff = 100;
+            failed_rounds = 0;
             if (n >= r->batch)
                 continue; /* a full batch: more may be waiting */
             /* Fewer rows than a batch: everything committed before the round was taken, or

@@ -1,5 +1,6 @@
 /* test_backoff.c — the retry delay every worker uses: doubling steps up to the cap, equal
- * jitter inside [step/2, step], the tool's Retry-After as a floor. */
+ * jitter inside [step/2, step], the tool's Retry-After as a floor; and the step alone, for a
+ * loop's own retries (the PostgreSQL reconnect, the relay, a worker's record). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -41,12 +42,35 @@ static void test_retry_after_is_a_floor_and_odd_inputs_are_safe(void **st)
     assert_int_equal(tally_backoff_ms(5, 500, 100, -1, 0), 250);   /* cap below base: base */
 }
 
+static void test_the_step_alone_doubles_to_the_cap_without_jitter(void **st)
+{
+    (void)st;
+    assert_int_equal(tally_backoff_step_ms(1, 100, 5000), 100);
+    assert_int_equal(tally_backoff_step_ms(2, 100, 5000), 200);
+    assert_int_equal(tally_backoff_step_ms(6, 100, 5000), 3200);
+    assert_int_equal(tally_backoff_step_ms(7, 100, 5000), 5000); /* 6400 capped */
+    assert_int_equal(tally_backoff_step_ms(INT32_MAX, 100, 5000), 5000);
+    assert_int_equal(tally_backoff_step_ms(-3, 100, 5000), 100);
+    assert_int_equal(tally_backoff_step_ms(3, 100, 50), 100); /* cap below base: base */
+    assert_int_equal(tally_backoff_step_ms(3, 0, 0), 1);
+    /* the reconciler's record backoff: 200 ms doubling per try, 3.2 s after the fifth */
+    for (int tries = 1; tries <= 5; tries++)
+        assert_int_equal(tally_backoff_step_ms(tries, 200, 200 << 4), 200LL << (tries - 1));
+    /* the jittered delay is drawn inside the same step */
+    for (int a = 1; a < 12; a++) {
+        long long d = tally_backoff_step_ms(a, 100, 5000);
+        assert_int_equal(tally_backoff_ms(a, 100, 5000, -1, 0), d - d / 2);
+        assert_int_equal(tally_backoff_ms(a, 100, 5000, -1, (uint32_t)(d / 2)), d);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_steps_double_up_to_the_cap),
         cmocka_unit_test(test_jitter_stays_inside_half_to_full_step),
         cmocka_unit_test(test_retry_after_is_a_floor_and_odd_inputs_are_safe),
+        cmocka_unit_test(test_the_step_alone_doubles_to_the_cap_without_jitter),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,7 +1,7 @@
 /* test_columns.c — the columns parameter (columns.h) is the two-dimensional text[] PostgreSQL's
  * array_recv reads: [column][row], NULLs flagged, an empty array for no rows; a row that is
  * not whole, or holds text that is not UTF-8, is taken back out; the memory is kept across
- * batches. */
+ * batches. And the rows a statement returns find their batch items, by id or by place. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -156,6 +156,76 @@ static void test_a_row_must_be_whole_and_utf8(void **st)
     tally_columns_release(&c);
 }
 
+/* A result as libpq would hand it back: @p n_cols text columns (at most 2), @p rows rows,
+ * values[row][col] (NULL for SQL NULL). */
+static PGresult *fake_result(int n_cols, int rows, const char *const values[][2])
+{
+    PGresult *res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    assert_non_null(res);
+    PGresAttDesc attrs[2];
+    memset(attrs, 0, sizeof attrs);
+    attrs[0].name = (char *)"id";
+    attrs[1].name = (char *)"other";
+    for (int k = 0; k < n_cols; k++)
+        attrs[k].typid = 25;
+    assert_true(PQsetResultAttrs(res, n_cols, attrs));
+    for (int r = 0; r < rows; r++)
+        for (int k = 0; k < n_cols; k++)
+            assert_true(PQsetvalue(res, r, k, (char *)values[r][k],
+                                   values[r][k] ? (int)strlen(values[r][k]) : -1));
+    return res;
+}
+
+static void test_returned_rows_find_their_items_by_id(void **st)
+{
+    (void)st;
+    /* the batch in its own order; the statement answers in another, skips one (a lost
+     * compare-and-set), and names what is not in the batch */
+    const char *keys[] = {"c-3", "a-1", NULL, "b-2", "d-4"};
+    const char *const values[][2] = {{"b-2", "x"}, {"d-4", "x"}, {"zz", "x"},
+                                     {NULL, "x"},  {"c-3", "x"}, {"", "x"}};
+    PGresult *res = fake_result(2, 6, values);
+    size_t *pos = tally_columns_positions(res, 0, keys, 5);
+    assert_non_null(pos);
+    assert_int_equal(pos[0], 3);
+    assert_int_equal(pos[1], 4);
+    assert_int_equal(pos[2], SIZE_MAX); /* not in the batch */
+    assert_int_equal(pos[3], SIZE_MAX); /* SQL NULL */
+    assert_int_equal(pos[4], 0);
+    assert_int_equal(pos[5], SIZE_MAX); /* "" is not the NULL key of item 2 */
+    free(pos);
+    /* a column the result does not have names nothing */
+    pos = tally_columns_positions(res, 7, keys, 5);
+    assert_non_null(pos);
+    for (int r = 0; r < 6; r++)
+        assert_int_equal(pos[r], SIZE_MAX);
+    free(pos);
+    PQclear(res);
+}
+
+static void test_returned_rows_find_their_items_by_place(void **st)
+{
+    (void)st;
+    const char *const values[][2] = {{"2", "x"},  {"0", "x"},  {"3", "x"},
+                                     {"-1", "x"}, {"1a", "x"}, {"18446744073709551617", "x"},
+                                     {NULL, "x"}};
+    PGresult *res = fake_result(2, 7, values);
+    size_t *pos = tally_columns_positions(res, 0, NULL, 3);
+    assert_non_null(pos);
+    assert_int_equal(pos[0], 2);
+    assert_int_equal(pos[1], 0);
+    for (int r = 2; r < 7; r++)
+        assert_int_equal(pos[r], SIZE_MAX); /* outside the batch, not a place, or NULL */
+    free(pos);
+    PQclear(res);
+    /* no rows: an empty answer, still something to free */
+    res = PQmakeEmptyPGresult(NULL, PGRES_TUPLES_OK);
+    pos = tally_columns_positions(res, 0, NULL, 3);
+    assert_non_null(pos);
+    free(pos);
+    PQclear(res);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -163,6 +233,8 @@ int main(void)
         cmocka_unit_test(test_no_rows_is_an_empty_array),
         cmocka_unit_test(test_a_row_must_be_whole_and_utf8),
         cmocka_unit_test(test_text_that_is_not_utf8_fails_the_batch_saying_so),
+        cmocka_unit_test(test_returned_rows_find_their_items_by_id),
+        cmocka_unit_test(test_returned_rows_find_their_items_by_place),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

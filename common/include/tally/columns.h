@@ -1,22 +1,16 @@
 /* columns.h — the rows of a batch as ONE binary parameter: a two-dimensional text[] holding a
  * row of the array per column, built row by row, and the SQL that takes it apart.
  *
- * json_to_recordset costs PostgreSQL 15 about 3 µs for a row of ten fields: the parameter is
- * lexed once to check it is JSON and again to read it, every string is copied one character
- * at a time, and each row's fields go through a hash table. A binary array is read with no
- * lexing: each element is a length and its bytes. Sliced by its first dimension
- * ((p)[k:k] is column k, every row) and zipped by unnest, the same batch costs under 1 µs a
- * row. Values are text; the SQL casts the columns that are not.
- *
- * The planner cannot count the rows of a prepared statement's parameter: its generic plan,
- * used after five executions, guesses 10 for an unnest of one (json_to_recordset: 100). Where
- * a plan hinges on the batch size, zip the columns with generate_series(1, n) in a ROWS FROM,
- * which it guesses at 1,000 (dispatcher/deliver.c, RECORDED_ROWS). */
+ * Values are text; the SQL casts the columns that are not. Read without lexing, it costs
+ * PostgreSQL under a third of json_to_recordset's time a row (bench/README.md, "columns.h").
+ * Where a plan hinges on the batch size, zip the columns with generate_series(1, n) in a ROWS
+ * FROM, which the planner guesses at 1,000 (dispatcher/record.c, RECORDED_ROWS). */
 #ifndef TALLY_COLUMNS_H
 #define TALLY_COLUMNS_H
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <libpq-fe.h>
 
 #include "tally/error.h"
 
@@ -85,5 +79,20 @@ void tally_columns_release(tally_columns_t *c);
  * gives the rows, their values as text, and their place in the batch (bigint, from 1).
  */
 #define TALLY_COLUMN(PARAM, K) " (" PARAM "::text[])[" #K ":" #K "]"
+
+/**
+ * @brief Where each row of a statement's result belongs in the batch it was sent with: the one
+ * way RETURNING rows (and the rows a query answers about a batch) find their batch items.
+ * Column @p col of each row of @p res names an item of the @p n in the batch by
+ * - its key, when @p keys is given: keys[i] is item i's id (ids are unique in a batch; a NULL
+ *   key is never matched), found in an index sorted once (O((n + rows) log n));
+ * - its place, when @p keys is NULL: the statement returns the place the batch gave it, from 0
+ *   (an "ord" column the rows carry, or WITH ORDINALITY's n - 1).
+ * @returns a malloc'd array of PQntuples(@p res) places, which the caller frees: SIZE_MAX for a
+ * row that names no item (SQL NULL, an unknown key, a place outside [0, n)). NULL when out of
+ * memory.
+ */
+size_t *tally_columns_positions(const PGresult *res, int col, const char *const *keys,
+                                size_t n) TALLY_WUR;
 
 #endif

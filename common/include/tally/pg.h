@@ -3,6 +3,7 @@
 #define TALLY_PG_H
 
 #include <stdbool.h>
+#include <jansson.h>
 #include <libpq-fe.h>
 
 #include "tally/error.h"
@@ -45,6 +46,15 @@ PGresult *tally_pg_exec(tally_pg_t *pg, const char *sql, int nparams, const char
  */
 PGresult *tally_pg_exec_bin(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                             const int *lengths, const int *formats, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief tally_pg_exec with one parameter, @p param serialised as compact JSON (for statements
+ * that take a batch as json_to_recordset($1::json) or json_array_elements_text($1::json)).
+ * Running out of memory serialising it is code "oom", retriable: it is this process's own
+ * allocation failing, not anything about the data or the database, and may succeed later.
+ */
+PGresult *tally_pg_exec_json(tally_pg_t *pg, const char *sql, const json_t *param,
+                             tally_error_t *err) TALLY_WUR;
 
 /** @brief Run a statement and discard its result. */
 bool tally_pg_run(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
