@@ -25,6 +25,7 @@
 
 #include "cli.h"
 #include "format.h"
+#include "tally/ledger.h"
 #include "tally/cloudevent.h"
 #include "tally/config.h"
 #include "tally/json.h"
@@ -668,20 +669,26 @@ static int produce_all(const tally_config_t *cfg, const char *topic, pub_event_t
  * this command does not know yet. */
 static int effect_answer(const char *type, const char *status, bool *final)
 {
-    static const struct {
-        const char *status;
-        int code;
-    } FINAL[] = {
-        {"CONFIRMED", PUB_EXIT_OK},       {"FAILED", PUB_EXIT_FAILED},
-        {"CONFLICT", PUB_EXIT_CONFLICT},  {"REJECTED", PUB_EXIT_REJECTED},
-        {"CANCELLED", PUB_EXIT_REJECTED},
-    };
+    *final = true;
     if (type != NULL && strcmp(type, "tally.effect.conflict.v1") == 0)
-        status = "CONFLICT";
-    for (size_t i = 0; status != NULL && i < sizeof FINAL / sizeof FINAL[0]; i++) {
-        if (strcmp(status, FINAL[i].status) == 0) {
-            *final = true;
-            return FINAL[i].code;
+        return PUB_EXIT_CONFLICT;
+    tally_effect_state_t state;
+    if (status != NULL && tally_effect_state_parse(status, &state)) {
+        switch (state) {
+        case TALLY_EFFECT_CONFIRMED:
+            return PUB_EXIT_OK;
+        case TALLY_EFFECT_FAILED:
+            return PUB_EXIT_FAILED;
+        case TALLY_EFFECT_REJECTED:
+        case TALLY_EFFECT_CANCELLED:
+            return PUB_EXIT_REJECTED;
+        case TALLY_EFFECT_PLANNED:
+        case TALLY_EFFECT_AWAITING_APPROVAL:
+        case TALLY_EFFECT_DISPATCHING:
+        case TALLY_EFFECT_UNKNOWN:
+        case TALLY_EFFECT_STUCK:
+        case TALLY_EFFECT__COUNT:
+            break;
         }
     }
     *final = false;
@@ -708,11 +715,25 @@ static bool run_answer_expected(pub_msg_t kind, const char *type)
 /* The exit code of a run's answer (it always ends the wait): data.status, else the type. */
 static int run_answer(const char *type, const char *status)
 {
+    tally_run_state_t state = TALLY_RUN_COMPLETED;
     if (status == NULL)
-        status = strcmp(type, "tally.run.stuck.v1") == 0 ? "STUCK" : "COMPLETED";
-    if (strcmp(status, "PARTIALLY_COMPENSATED") == 0 || strcmp(status, "STUCK") == 0)
-        return PUB_EXIT_OPEN;
-    return PUB_EXIT_OK; /* COMPLETED, COMPENSATED, CANCELLED */
+        state = strcmp(type, "tally.run.stuck.v1") == 0 ? TALLY_RUN_STUCK : TALLY_RUN_COMPLETED;
+    else if (!tally_run_state_parse(status, &state))
+        return PUB_EXIT_OK; /* a state this command does not know ends the wait, as before */
+    switch (state) {
+    case TALLY_RUN_PARTIALLY_COMPENSATED:
+    case TALLY_RUN_STUCK:
+        return PUB_EXIT_OPEN; /* a human still has something to do */
+    case TALLY_RUN_ACTIVE:
+    case TALLY_RUN_COMPLETING:
+    case TALLY_RUN_COMPLETED:
+    case TALLY_RUN_COMPENSATING:
+    case TALLY_RUN_COMPENSATED:
+    case TALLY_RUN_CANCELLED:
+    case TALLY_RUN__COUNT:
+        break;
+    }
+    return PUB_EXIT_OK;
 }
 
 static pub_msg_t msg_kind(const tally_intent_t *in)

@@ -224,7 +224,7 @@ static bool report(const run_op_t *o, const tally_runop_result_t *r, const char 
                  what, o->run, status_before);
         cli_wrap(stdout, line, 0, 0);
     } else {
-        if (strcmp(status_before, r->status_after) == 0)
+        if (r->before == r->after)
             snprintf(line, sizeof line, "%s %s run %s: %s (unchanged), by %s", CLI_SYM_OK, what,
                      o->run, status_before, o->actor);
         else

@@ -131,35 +131,37 @@ static const char SQL_ALERTS[] =
 
 /* Short column headings for the by-tool table, in the state machine's order. */
 static const struct {
-    const char *state;
+    tally_effect_state_t state;
     const char *heading;
 } STATE_COLUMNS[] = {
-    {"PLANNED", "PLANNED"},      {"AWAITING_APPROVAL", "APPROVAL"},
-    {"DISPATCHING", "DISPATCH"}, {"CONFIRMED", "CONFIRM"},
-    {"FAILED", "FAILED"},        {"UNKNOWN", "UNKNOWN"},
-    {"STUCK", "STUCK"},          {"REJECTED", "REJECT"},
-    {"CANCELLED", "CANCEL"},
+    {TALLY_EFFECT_PLANNED, "PLANNED"},      {TALLY_EFFECT_AWAITING_APPROVAL, "APPROVAL"},
+    {TALLY_EFFECT_DISPATCHING, "DISPATCH"}, {TALLY_EFFECT_CONFIRMED, "CONFIRM"},
+    {TALLY_EFFECT_FAILED, "FAILED"},        {TALLY_EFFECT_UNKNOWN, "UNKNOWN"},
+    {TALLY_EFFECT_STUCK, "STUCK"},          {TALLY_EFFECT_REJECTED, "REJECT"},
+    {TALLY_EFFECT_CANCELLED, "CANCEL"},
 };
 #define N_STATE_COLUMNS (sizeof STATE_COLUMNS / sizeof STATE_COLUMNS[0])
+_Static_assert(N_STATE_COLUMNS == TALLY_EFFECT__COUNT, "a column for every effect state");
 
 /* Run states in the order of their lives (DESIGN §3, agent-protocol.md "Runs that finish"):
  * the key in "runs" of --json, and the words of the RUNS line. The first three are always
  * shown; the others when some run is in them. */
 static const struct {
-    const char *state;
+    tally_run_state_t state;
     const char *key;
 } RUN_STATES[] = {
-    {"ACTIVE", "active"},
-    {"COMPLETING", "completing"},
-    {"COMPLETED", "completed"},
-    {"COMPENSATING", "compensating"},
-    {"COMPENSATED", "compensated"},
-    {"PARTIALLY_COMPENSATED", "partially_compensated"},
-    {"STUCK", "stuck"},
-    {"CANCELLED", "cancelled"},
+    {TALLY_RUN_ACTIVE, "active"},
+    {TALLY_RUN_COMPLETING, "completing"},
+    {TALLY_RUN_COMPLETED, "completed"},
+    {TALLY_RUN_COMPENSATING, "compensating"},
+    {TALLY_RUN_COMPENSATED, "compensated"},
+    {TALLY_RUN_PARTIALLY_COMPENSATED, "partially_compensated"},
+    {TALLY_RUN_STUCK, "stuck"},
+    {TALLY_RUN_CANCELLED, "cancelled"},
 };
 #define N_RUN_STATES      (sizeof RUN_STATES / sizeof RUN_STATES[0])
 #define RUN_STATES_ALWAYS 3
+_Static_assert(N_RUN_STATES == TALLY_RUN__COUNT, "a key for every run state");
 
 static long long count_of(const json_t *obj, const char *key)
 {
@@ -194,18 +196,16 @@ static json_t *runs_counts(const json_t *by_state)
     json_int_t total = 0;
     bool ok = runs != NULL;
     for (size_t s = 0; ok && s < N_RUN_STATES; s++)
-        ok = json_object_set_new(
-                 runs, RUN_STATES[s].key,
-                 json_integer((json_int_t)count_of(by_state, RUN_STATES[s].state))) == 0;
+        ok = json_object_set_new(runs, RUN_STATES[s].key,
+                                 json_integer((json_int_t)count_of(
+                                     by_state, tally_run_state_name(RUN_STATES[s].state)))) == 0;
     const char *state;
     const json_t *v;
     json_object_foreach((json_t *)by_state, state, v)
     {
         total += json_integer_value(v);
-        bool known = false;
-        for (size_t s = 0; s < N_RUN_STATES; s++)
-            known = known || strcmp(state, RUN_STATES[s].state) == 0;
-        if (known || !ok)
+        tally_run_state_t known;
+        if (tally_run_state_parse(state, &known) || !ok)
             continue;
         char key[64];
         size_t i = 0;
@@ -406,7 +406,9 @@ static bool print_by_tool(const json_t *by_tool)
     json_object_foreach((json_t *)by_tool, tool, states)
     {
         for (size_t s = 0; s < N_STATE_COLUMNS; s++)
-            used[s] = used[s] || json_object_get(states, STATE_COLUMNS[s].state) != NULL;
+            used[s] =
+                used[s] ||
+                json_object_get(states, tally_effect_state_name(STATE_COLUMNS[s].state)) != NULL;
     }
     const char *heads[N_STATE_COLUMNS + 2];
     size_t cols[N_STATE_COLUMNS];
@@ -431,7 +433,7 @@ static bool print_by_tool(const json_t *by_tool)
     {
         long long total = 0;
         for (size_t k = 0; k < nstates; k++) {
-            long long v = count_of(states, STATE_COLUMNS[cols[k]].state);
+            long long v = count_of(states, tally_effect_state_name(STATE_COLUMNS[cols[k]].state));
             total += v;
             snprintf(buf[k + 1], sizeof buf[k + 1], "%lld", v);
             cells[k + 2] = buf[k + 1];

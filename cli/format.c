@@ -49,7 +49,7 @@ bool cli_begin_snapshot(tally_pg_t *pg, tally_error_t *err)
 
 int cli_pg_rc(const tally_error_t *err)
 {
-    if (strncmp(err->code, "08", 2) == 0 || strncmp(err->code, "57P0", 4) == 0)
+    if (err->errc == TALLY_ERR_PG_CONNECTION)
         return CLI_EXIT_INFRA;
     return CLI_EXIT_REFUSED;
 }
@@ -60,7 +60,7 @@ int cli_pg_fail(const char *verb, const char *what, const tally_error_t *err)
     size_t len = strlen(err->message);
     if (len == 0 || err->message[len - 1] != '\n')
         fputc('\n', stderr);
-    if (strcmp(err->code, "42P01") == 0 || strcmp(err->code, "42703") == 0)
+    if (strcmp(err->sqlstate, "42P01") == 0 || strcmp(err->sqlstate, "42703") == 0)
         fprintf(stderr,
                 "The ledger's schema is missing or older than this tally: run 'tally migrate'.\n");
     return cli_pg_rc(err);

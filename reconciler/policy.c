@@ -29,11 +29,6 @@ const char *tally_recon_action_name(tally_recon_action_t a)
     return "unknown";
 }
 
-long long tally_recon_backoff_ms(int n, int base_ms, int max_ms, uint32_t random)
-{
-    return tally_backoff_ms(n, base_ms, max_ms, -1, random);
-}
-
 /* Not found, or no way to look: re-dispatching is allowed while attempts remain. */
 static tally_recon_decision_t redispatch_or_stuck(const tally_recon_input_t *in)
 {
@@ -79,7 +74,7 @@ tally_recon_decision_t tally_recon_decide(const tally_recon_input_t *in)
         return d;
     }
     d.action = TALLY_RECON_RETRY_CHECK;
-    d.delay_ms = tally_recon_backoff_ms(n, in->backoff_ms, in->max_backoff_ms, in->random);
+    d.delay_ms = tally_backoff_ms(n, in->backoff_ms, in->max_backoff_ms, -1, in->random);
     return d;
 }
 

@@ -4,21 +4,19 @@
  * record every verdict with a compare-and-set (store.c), deciding with policy.c.
  *
  * One thread waits on everything at once: curl's sockets, the PostgreSQL socket (LISTEN
- * tally_unknown) and a pipe librdkafka writes to when the consumer queue fills
- * (rd_kafka_queue_io_event_enable). Kafka messages are only wake-ups: the offsets are stored
- * after the claim round they triggered, and PostgreSQL decides what is due. */
+ * tally_unknown) and the consumer's wake-up pipe (consume.h). Kafka messages are only
+ * wake-ups: the offsets are stored after the claim round they triggered, and PostgreSQL
+ * decides what is due. */
 #include "reconciler.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#include <librdkafka/rdkafka.h>
-
+#include "tally/backoff.h"
+#include "tally/consume.h"
 #include "tally/crashpoint.h"
 #include "tally/json.h"
 #include "tally/log.h"
@@ -29,8 +27,10 @@
 #define LEASE_MARGIN_MS   1000
 #define MAX_RECORD_TRIES  5
 #define RECORD_BACKOFF_MS 200
-#define DRAIN_POLL_MS     50
-#define MAX_MESSAGES_TICK 1000
+/* the record backoff stops growing here: 3.2 s */
+#define RECORD_BACKOFF_MAX_MS (RECORD_BACKOFF_MS << (MAX_RECORD_TRIES - 1))
+#define DRAIN_POLL_MS         50
+#define MAX_MESSAGES_TICK     1000
 
 typedef struct reconciler {
     tally_worker_t *w;
@@ -39,12 +39,9 @@ typedef struct reconciler {
     tally_recon_db_t db;
     char source[320];
     tally_connector_t *conn;
-    /* the consumer's queue signals this pipe when it becomes non-empty */
-    rd_kafka_t *rk;
-    rd_kafka_queue_t *rkq;
-    int pipefd[2];
-    /* offsets of messages read, stored once the claim round after them is done */
-    rd_kafka_topic_partition_list_t *offsets;
+    /* wake-ups from the consumer; their offsets are stored once the claim round after them
+     * is done (owned by the worker) */
+    tally_consume_t *cs;
     /* checks finished (or decided without a call), waiting to be recorded */
     tally_recon_item_t **done;
     size_t n_done;
@@ -166,8 +163,8 @@ static void log_outcome(const tally_recon_item_t *it)
  * tick (the leases still hold); a batch that fails for a reason other than a lost connection
  * is recorded one item at a time so one bad item cannot hold the others back. Verdicts are kept
  * through a database outage however long (retriable errors; the backoff stops growing at
- * RECORD_BACKOFF_MS << (MAX_RECORD_TRIES - 1), 3.2 s): dropping one would only ask the tool again
- * once its lease expired. Other errors give up after MAX_RECORD_TRIES. */
+ * RECORD_BACKOFF_MAX_MS): dropping one would only ask the tool again once its lease expired.
+ * Other errors give up after MAX_RECORD_TRIES. */
 static int record_round(reconciler_t *rc)
 {
     if (rc->n_done == 0 || now_ms() < rc->record_retry_ms) {
@@ -213,7 +210,7 @@ static int record_round(reconciler_t *rc)
         ok = true;
     } else if (!ok) {
         int tries = rc->done[0]->record_tries + 1;
-        long long wait = (long long)RECORD_BACKOFF_MS << (tries - 1);
+        long long wait = tally_backoff_step_ms(tries, RECORD_BACKOFF_MS, RECORD_BACKOFF_MAX_MS);
         rc->record_retry_ms = now_ms() + wait;
         if (err.retriable)
             TALLY_LOG_REPEATING(
@@ -388,7 +385,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
             rc->inflight++;
             continue;
         }
-        if (strcmp(serr.code, "capacity") == 0 && release != NULL) {
+        if (serr.errc == TALLY_ERR_CAPACITY && release != NULL) {
             release[n_release++] = it;
             continue;
         }
@@ -479,60 +476,29 @@ static void drain_notifies(reconciler_t *rc)
     }
 }
 
-/* Take what the consumer has: tally.effect.unknown.v1 asks for a claim round; every offset is
- * stored after that round. */
-static void consume(reconciler_t *rc)
+/* A tally.effect.unknown.v1 outcome asks for a claim round. */
+static void on_wakeup(void *opaque, const rd_kafka_message_t *msg)
 {
-    char buf[64];
-    while (read(rc->pipefd[0], buf, sizeof buf) > 0) {
+    reconciler_t *rc = opaque;
+    json_t *ev = json_loadb(msg->payload, msg->len, 0, NULL);
+    const char *type = json_string_value(json_object_get(ev, "type"));
+    if (type != NULL && strcmp(type, "tally.effect.unknown.v1") == 0) {
+        rc->want_claim = true;
     }
-    for (int i = 0; i < MAX_MESSAGES_TICK; i++) {
-        rd_kafka_message_t *msg = rd_kafka_consumer_poll(rc->rk, 0);
-        if (msg == NULL) {
-            return;
-        }
-        if (msg->err != RD_KAFKA_RESP_ERR_NO_ERROR) {
-            if (msg->err != RD_KAFKA_RESP_ERR__PARTITION_EOF) {
-                TALLY_WARN("consumer: %s", rd_kafka_message_errstr(msg));
-            }
-            rd_kafka_message_destroy(msg);
-            continue;
-        }
-        json_t *ev = json_loadb(msg->payload, msg->len, 0, NULL);
-        const char *type = json_string_value(json_object_get(ev, "type"));
-        if (type != NULL && strcmp(type, "tally.effect.unknown.v1") == 0) {
-            rc->want_claim = true;
-        }
-        json_decref(ev);
-        const char *topic = rd_kafka_topic_name(msg->rkt);
-        rd_kafka_topic_partition_t *tp =
-            rd_kafka_topic_partition_list_find(rc->offsets, topic, msg->partition);
-        if (tp == NULL) {
-            tp = rd_kafka_topic_partition_list_add(rc->offsets, topic, msg->partition);
-        }
-        tp->offset = msg->offset + 1; /* the next offset to read, as Kafka commits it */
-        rd_kafka_message_destroy(msg);
-    }
-    rc->want_claim = true; /* more are queued: come back at once */
+    json_decref(ev);
 }
 
-static void store_offsets(reconciler_t *rc)
+/* Take what the consumer has; every offset is stored after the next claim round. */
+static void consume(reconciler_t *rc)
 {
-    if (rc->offsets->cnt == 0) {
-        return;
+    if (tally_consume_wakeups(rc->cs, MAX_MESSAGES_TICK, on_wakeup, rc) == MAX_MESSAGES_TICK) {
+        rc->want_claim = true; /* more are queued: come back at once */
     }
-    rd_kafka_resp_err_t err = rd_kafka_offsets_store(rc->rk, rc->offsets);
-    if (err != RD_KAFKA_RESP_ERR_NO_ERROR) {
-        /* a partition revoked since: its new owner reads those messages again, harmlessly */
-        TALLY_DEBUG("storing consumer offsets: %s", rd_kafka_err2str(err));
-    }
-    rd_kafka_topic_partition_list_destroy(rc->offsets);
-    rc->offsets = rd_kafka_topic_partition_list_new(8);
 }
 
 /* Wait up to @p timeout_ms for a status answer, a NOTIFY or a Kafka message, and collect
- * every finished check. With @p intake false (draining) messages stay in the queue, unread
- * and unacknowledged, for whoever owns the partition next. */
+ * every finished check. With @p intake false (draining) messages are dropped unread and
+ * unacknowledged, for whoever owns the partition next. */
 static int wait_for_events(reconciler_t *rc, int timeout_ms, bool intake)
 {
     struct curl_waitfd extra[2];
@@ -541,7 +507,7 @@ static int wait_for_events(reconciler_t *rc, int timeout_ms, bool intake)
     if (conn != NULL && PQsocket(conn) >= 0) {
         extra[n_extra++] = (struct curl_waitfd){PQsocket(conn), CURL_WAIT_POLLIN, 0};
     }
-    extra[n_extra++] = (struct curl_waitfd){rc->pipefd[0], CURL_WAIT_POLLIN, 0};
+    extra[n_extra++] = (struct curl_waitfd){tally_consume_fd(rc->cs), CURL_WAIT_POLLIN, 0};
     tally_error_t err;
     tally_error_clear(&err);
     int n = tally_connector_poll(rc->conn, extra, n_extra, timeout_ms, on_check_done, rc, &err);
@@ -555,9 +521,7 @@ static int wait_for_events(reconciler_t *rc, int timeout_ms, bool intake)
     if (intake) {
         consume(rc);
     } else {
-        char buf[64];
-        while (read(rc->pipefd[0], buf, sizeof buf) > 0) {
-        }
+        tally_consume_serve(rc->cs);
     }
     tally_metric_set(rc->m_inflight, (double)rc->inflight);
     return n;
@@ -569,18 +533,6 @@ static void reconciler_free(reconciler_t *rc)
 {
     if (rc == NULL) {
         return;
-    }
-    if (rc->rkq != NULL) {
-        rd_kafka_queue_io_event_enable(rc->rkq, -1, NULL, 0);
-        rd_kafka_queue_destroy(rc->rkq);
-    }
-    for (int i = 0; i < 2; i++) {
-        if (rc->pipefd[i] >= 0) {
-            close(rc->pipefd[i]);
-        }
-    }
-    if (rc->offsets != NULL) {
-        rd_kafka_topic_partition_list_destroy(rc->offsets);
     }
     for (size_t i = 0; i < rc->n_done; i++) {
         tally_recon_item_free(rc->done[i]);
@@ -596,11 +548,9 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         TALLY_ERROR("out of memory");
         return false;
     }
-    rc->pipefd[0] = rc->pipefd[1] = -1;
     rc->w = w;
     rc->cfg = tally_worker_config(w);
     rc->reg = tally_worker_registry(w);
-    rc->rk = tally_worker_consumer(w);
     snprintf(rc->source, sizeof rc->source, "/tally/reconciler/%s", tally_worker_id(w));
     rc->db = (tally_recon_db_t){
         .pg = tally_worker_pg(w),
@@ -645,23 +595,12 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         reconciler_free(rc);
         return false;
     }
-    rc->offsets = rd_kafka_topic_partition_list_new(8);
-    if (rc->offsets == NULL || pipe(rc->pipefd) != 0 ||
-        fcntl(rc->pipefd[0], F_SETFL, O_NONBLOCK) != 0 ||
-        fcntl(rc->pipefd[1], F_SETFL, O_NONBLOCK) != 0) {
-        TALLY_ERROR("cannot set up the consumer wake-up pipe: %s", strerror(errno));
+    rc->cs = tally_worker_consume(w); /* logged when NULL */
+    if (rc->cs == NULL) {
         tally_connector_free(rc->conn, NULL);
         reconciler_free(rc);
         return false;
     }
-    rc->rkq = rd_kafka_queue_get_consumer(rc->rk);
-    if (rc->rkq == NULL) {
-        TALLY_ERROR("the Kafka consumer has no queue to wait on");
-        tally_connector_free(rc->conn, NULL);
-        reconciler_free(rc);
-        return false;
-    }
-    rd_kafka_queue_io_event_enable(rc->rkq, rc->pipefd[1], "1", 1);
     tally_error_t err;
     tally_error_clear(&err);
     if (!tally_pg_listen(rc->db.pg, NOTIFY_CHANNEL, &err)) {
@@ -703,7 +642,7 @@ static int reconciler_tick(tally_worker_t *w, void *state)
             tally_worker_set_ready(w, tally_pg_ok(rc->db.pg), err.message);
         } else {
             work += n;
-            store_offsets(rc);
+            tally_consume_store(rc->cs);
             tally_worker_set_ready(w, true, NULL);
         }
     }

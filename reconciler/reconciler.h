@@ -74,18 +74,12 @@ typedef struct tally_recon_decision {
  * - FOUND: CONFIRM; DUPLICATE: DUPLICATE;
  * - NOT_FOUND: WAIT_SETTLE until the settle window has passed, then REDISPATCH while
  *   attempts < max_attempts, else STUCK attempts_exhausted;
- * - INCONCLUSIVE: RETRY_CHECK after tally_recon_backoff_ms, or STUCK status_inconclusive once
- *   this is the max_attempts-th inconclusive check or the effect has been UNKNOWN for
- *   TALLY_RECON_DEADLINE_FACTOR × max_backoff_ms.
+ * - INCONCLUSIVE: RETRY_CHECK after the tool's backoff (tally_backoff_ms: n-th inconclusive
+ *   check of the episode, backoff_ms doubled to max_backoff_ms, equal jitter), or STUCK
+ *   status_inconclusive once this is the max_attempts-th inconclusive check or the effect has
+ *   been UNKNOWN for TALLY_RECON_DEADLINE_FACTOR × max_backoff_ms.
  */
 tally_recon_decision_t tally_recon_decide(const tally_recon_input_t *in);
-
-/**
- * @brief The delay before the @p n-th retry (n ≥ 1): @p base_ms doubled n-1 times, capped at
- * @p max_ms, with "equal jitter": half of it fixed, the other half random. The result lies in
- * [d/2, d] where d is the capped delay, and is at least 1 ms.
- */
-long long tally_recon_backoff_ms(int n, int base_ms, int max_ms, uint32_t random);
 
 /**
  * @brief Parse an RFC 3339 date-time ("2024-05-01T12:34:56.789Z", "...+02:00", lowercase t/z

@@ -1,6 +1,6 @@
 /* store.c — every statement the reconciler runs, beside the transitions they make (DESIGN §3):
  * DISPATCHING → UNKNOWN when a dispatch lease expired, and UNKNOWN → CONFIRMED | PLANNED |
- * STUCK (or UNKNOWN again, rescheduled) from a status check.
+ * STUCK | CANCELLED (or UNKNOWN again, rescheduled) from a status check.
  *
  * Each statement handles a whole batch (json_to_recordset), never one row at a time, and each
  * state change is a compare-and-set on status and lease_epoch whose audit events, outcome
@@ -8,11 +8,13 @@
  * compare-and-set matched, and only for those. */
 #include "reconciler.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tally/cloudevent.h"
+#include "tally/columns.h"
 #include "tally/id.h"
 #include "tally/json.h"
 #include "tally/ledger.h"
@@ -399,23 +401,24 @@ int tally_recon_claim(tally_recon_db_t *db, const char *tools_json, int limit,
 
 /* ---- recording verdicts ---------------------------------------------------------------- */
 
-static const char *to_status(const tally_recon_item_t *it)
+/* The state a decision moves the effect to (UNKNOWN: it stays, rescheduled). */
+static tally_effect_state_t to_state(const tally_recon_item_t *it)
 {
     switch (it->decision.action) {
     case TALLY_RECON_CONFIRM:
     case TALLY_RECON_DUPLICATE:
-        return "CONFIRMED";
+        return TALLY_EFFECT_CONFIRMED;
     case TALLY_RECON_REDISPATCH:
-        return "PLANNED";
+        return TALLY_EFFECT_PLANNED;
     case TALLY_RECON_STUCK:
-        return "STUCK";
+        return TALLY_EFFECT_STUCK;
     case TALLY_RECON_CANCEL:
-        return "CANCELLED";
+        return TALLY_EFFECT_CANCELLED;
     case TALLY_RECON_WAIT_SETTLE:
     case TALLY_RECON_RETRY_CHECK:
         break;
     }
-    return "UNKNOWN";
+    return TALLY_EFFECT_UNKNOWN;
 }
 
 /* One sentence on why the effect is STUCK, for error_message, the event and the page. */
@@ -480,10 +483,11 @@ static json_t *kept_record(const tally_recon_item_t *it, size_t *idx)
 static json_t *record_row(const tally_recon_item_t *it)
 {
     const tally_recon_decision_t *d = &it->decision;
-    json_t *row = json_pack("{s:s, s:I, s:s, s:b, s:b, s:I}", "effect_id", it->effect_id, "epoch",
-                            (json_int_t)it->epoch, "to_status", to_status(it), "checked",
-                            it->checked, "inconclusive", d->action == TALLY_RECON_RETRY_CHECK,
-                            "delay_ms", (json_int_t)d->delay_ms);
+    json_t *row =
+        json_pack("{s:s, s:I, s:s, s:b, s:b, s:I}", "effect_id", it->effect_id, "epoch",
+                  (json_int_t)it->epoch, "to_status", tally_effect_state_name(to_state(it)),
+                  "checked", it->checked, "inconclusive", d->action == TALLY_RECON_RETRY_CHECK,
+                  "delay_ms", (json_int_t)d->delay_ms);
     if (row == NULL) {
         return NULL;
     }
@@ -593,23 +597,10 @@ static bool duplicate_rows(const tally_recon_item_t *it, json_t *rows, json_t *r
     return ok;
 }
 
-/* Run @p sql with one JSON parameter. */
-static PGresult *exec_json(tally_pg_t *pg, const char *sql, const json_t *param, tally_error_t *err)
-{
-    char *text = json_dumps(param, JSON_COMPACT);
-    if (text == NULL) {
-        tally_error_set(err, "oom", false, "out of memory serialising a batch");
-        return NULL;
-    }
-    const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(pg, sql, 1, params, err);
-    free(text);
-    return res;
-}
-
-/* The events of one DUPLICATE whose obligations were just written. */
+/* The events of one DUPLICATE (item @p i) whose obligations were just written. */
 static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
-                            const tally_recon_item_t *it, const PGresult *obl, tally_error_t *err)
+                            const tally_recon_item_t *it, size_t i, const PGresult *obl,
+                            const size_t *obl_pos, tally_error_t *err)
 {
     json_t *refs = json_array();
     json_t *unused = json_array();
@@ -617,7 +608,7 @@ static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
     bool ok = refs && unused && new_obligations && duplicate_rows(it, unused, refs);
     json_decref(unused);
     for (int j = 0; ok && obl != NULL && j < PQntuples(obl); j++) {
-        if (strcmp(PQgetvalue(obl, j, 2), it->effect_id) != 0) {
+        if (obl_pos[j] != i) {
             continue;
         }
         const char *obligation_id = PQgetvalue(obl, j, 0);
@@ -700,36 +691,35 @@ static void queue_alert(tally_recon_db_t *db, const PGresult *res, int row,
     free(command);
 }
 
-/* Audit events, messages and alerts for the item of RETURNING row @p row. */
+/* Audit events, messages and alerts for the item of RETURNING row @p row, item @p i of the
+ * batch; @p obl_pos says which item each row of @p obl (the new obligations) belongs to. */
 static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row,
-                              const tally_recon_item_t *it, const PGresult *obl, tally_error_t *err)
+                              const tally_recon_item_t *it, size_t i, const PGresult *obl,
+                              const size_t *obl_pos, tally_error_t *err)
 {
     const char *next_at = col(res, row, C__EFFECT + 1);
-    const char *to = to_status(it);
+    tally_effect_state_t to = to_state(it);
     if (it->checked) {
         audit(db, res, row, "connector_call", NULL, NULL, it->verdict.message,
-              check_data(it, strcmp(to, "UNKNOWN") == 0 ? next_at : NULL));
+              check_data(it, to == TALLY_EFFECT_UNKNOWN ? next_at : NULL));
     }
     char buf[600];
     const char *why = transition_reason(it, buf, sizeof buf);
-    if (it->decision.action == TALLY_RECON_CANCEL) {
-        /* DESIGN §3 has no UNKNOWN -> CANCELLED: the two moves it does have, in order. */
-        audit(db, res, row, "transition", "UNKNOWN", "PLANNED",
-              "status check: no upstream record after the settle window", NULL);
-        audit(db, res, row, "transition", "PLANNED", "CANCELLED", why, NULL);
-    } else if (why != NULL) {
+    /* One event per move, the move the row made: a CANCEL goes UNKNOWN -> CANCELLED in one
+     * UPDATE (schemas/machines.json), never through a PLANNED it did not stop at. */
+    if (why != NULL) {
         json_t *data = NULL;
-        if (strcmp(to, "CONFIRMED") == 0) {
+        if (to == TALLY_EFFECT_CONFIRMED) {
             data = json_pack("{s:o}", "external_ref", text_or_null(col(res, row, C_EXTERNAL_REF)));
         }
-        audit(db, res, row, "transition", "UNKNOWN", to, why, data);
+        audit(db, res, row, "transition", "UNKNOWN", tally_effect_state_name(to), why, data);
     }
     switch (it->decision.action) {
     case TALLY_RECON_CONFIRM:
         return queue_outcome(db, res, row, "tally.effect.confirmed.v1", NULL, err);
     case TALLY_RECON_DUPLICATE:
         return queue_outcome(db, res, row, "tally.effect.confirmed.v1", NULL, err) &&
-               queue_duplicate(db, res, row, it, obl, err);
+               queue_duplicate(db, res, row, it, i, obl, obl_pos, err);
     case TALLY_RECON_STUCK:
         queue_alert(db, res, row, it);
         return queue_outcome(db, res, row, "tally.effect.stuck.v1",
@@ -744,26 +734,15 @@ static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row
     return true;
 }
 
-/* The item of @p effect_id among @p items (a batch holds each effect once). */
-static tally_recon_item_t *find_item(tally_recon_item_t **items, size_t n, const json_t *index,
-                                     const char *effect_id)
-{
-    json_t *pos = json_object_get(index, effect_id);
-    if (!json_is_integer(pos)) {
-        return NULL;
-    }
-    size_t i = (size_t)json_integer_value(pos);
-    return i < n ? items[i] : NULL;
-}
-
 /* A re-dispatch is a retry, and a run that stopped (cancel_run, compensate_run) has its retries
- * CANCELLED, as the dispatcher does with its own (DESIGN §3: PLANNED -> CANCELLED): the status
- * check found nothing after the settle window, so the effect never happened and is not sent
- * again. Only after a status check: a tool without one (read, idempotent) is sent the same key
- * again, since nothing else can tell what an earlier attempt did. The runs are share-locked,
- * as the dispatcher's record does, so a run operation and this transaction serialise. */
+ * CANCELLED, as the dispatcher does with its own (DESIGN §3: DISPATCHING -> CANCELLED when no
+ * attempt was applied): the status check found nothing after the settle window, so the effect
+ * never happened and is not sent again; it goes UNKNOWN -> CANCELLED. Only after a status check: a
+ * tool without one (read, idempotent) is sent the same key again, since nothing else can tell what
+ * an earlier attempt did. The runs are share-locked, as the dispatcher's record does, so a run
+ * operation and this transaction serialise. */
 static bool cancel_if_stopped(tally_recon_db_t *tx, tally_recon_item_t **items, size_t n,
-                              tally_error_t *err)
+                              const char *const *ids_of_items, tally_error_t *err)
 {
     json_t *ids = json_array();
     if (ids == NULL) {
@@ -778,16 +757,18 @@ static bool cancel_if_stopped(tally_recon_db_t *tx, tally_recon_item_t **items, 
     }
     bool ok = true;
     if (json_array_size(ids) > 0) {
-        PGresult *res = exec_json(tx->pg, SQL_STOPPED_RUNS, ids, err);
-        ok = res != NULL;
+        PGresult *res = tally_pg_exec_json(tx->pg, SQL_STOPPED_RUNS, ids, err);
+        size_t *pos = res != NULL ? tally_columns_positions(res, 0, ids_of_items, n) : NULL;
+        if (res != NULL && pos == NULL) {
+            tally_error_set(err, "oom", true, "out of memory reading the run check");
+        }
+        ok = pos != NULL;
         for (int r = 0; ok && r < PQntuples(res); r++) {
-            for (size_t i = 0; i < n; i++) {
-                if (items[i]->decision.action == TALLY_RECON_REDISPATCH &&
-                    strcmp(items[i]->effect_id, PQgetvalue(res, r, 0)) == 0) {
-                    items[i]->decision.action = TALLY_RECON_CANCEL;
-                }
+            if (pos[r] != SIZE_MAX && items[pos[r]]->decision.action == TALLY_RECON_REDISPATCH) {
+                items[pos[r]]->decision.action = TALLY_RECON_CANCEL;
             }
         }
+        free(pos);
         PQclear(res);
     }
     json_decref(ids);
@@ -798,34 +779,42 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
                         tally_error_t *err)
 {
     json_t *rows = json_array();
-    json_t *index = json_object();
+    const char **ids = calloc(n + 1, sizeof *ids); /* item i's effect id: how rows find items */
     json_t *redispatch = json_array();
     json_t *obligations = json_array();
-    bool ok = rows != NULL && index != NULL && redispatch != NULL && obligations != NULL;
+    bool ok = rows != NULL && ids != NULL && redispatch != NULL && obligations != NULL;
     if (!ok) {
         tally_error_set(err, "oom", false, "out of memory building the verdict batch");
+    }
+    for (size_t i = 0; ok && i < n; i++) {
+        ids[i] = items[i]->effect_id;
     }
     tally_recon_db_t tx = *db;
     PGresult *res = NULL;
     PGresult *obl = NULL;
-    ok = ok && tx_begin(&tx, err) && cancel_if_stopped(&tx, items, n, err);
+    size_t *pos = NULL;     /* the item of each RETURNING row */
+    size_t *obl_pos = NULL; /* the item of each new obligation */
+    ok = ok && tx_begin(&tx, err) && cancel_if_stopped(&tx, items, n, ids, err);
     for (size_t i = 0; ok && i < n; i++) {
         items[i]->won = false;
-        ok = json_array_append_new(rows, record_row(items[i])) == 0 &&
-             json_object_set_new(index, items[i]->effect_id, json_integer((json_int_t)i)) == 0;
+        ok = json_array_append_new(rows, record_row(items[i])) == 0;
         if (!ok) {
             tally_error_set(err, "oom", false, "out of memory building the verdict batch");
         }
     }
     if (ok) {
-        res = exec_json(tx.pg, SQL_RECORD, rows, err);
-        ok = res != NULL;
+        res = tally_pg_exec_json(tx.pg, SQL_RECORD, rows, err);
+        pos = res != NULL ? tally_columns_positions(res, C_EFFECT_ID, ids, n) : NULL;
+        if (res != NULL && pos == NULL) {
+            tally_error_set(err, "oom", true, "out of memory reading the verdicts recorded");
+        }
+        ok = pos != NULL;
     }
     for (int r = 0; ok && r < PQntuples(res); r++) {
-        tally_recon_item_t *it = find_item(items, n, index, PQgetvalue(res, r, C_EFFECT_ID));
-        if (it == NULL) {
+        if (pos[r] == SIZE_MAX) {
             continue;
         }
+        tally_recon_item_t *it = items[pos[r]];
         it->won = true;
         it->next_in_ms = strtoll(PQgetvalue(res, r, C__EFFECT + 2), NULL, 10);
         if (it->decision.action == TALLY_RECON_REDISPATCH) {
@@ -837,18 +826,21 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
         }
     }
     if (ok && json_array_size(redispatch) > 0) {
-        PGresult *r2 = exec_json(tx.pg, SQL_REDISPATCH, redispatch, err);
+        PGresult *r2 = tally_pg_exec_json(tx.pg, SQL_REDISPATCH, redispatch, err);
         ok = r2 != NULL;
         PQclear(r2);
     }
     if (ok && json_array_size(obligations) > 0) {
-        obl = exec_json(tx.pg, SQL_OBLIGATIONS, obligations, err);
-        ok = obl != NULL;
+        obl = tally_pg_exec_json(tx.pg, SQL_OBLIGATIONS, obligations, err);
+        obl_pos = obl != NULL ? tally_columns_positions(obl, 2, ids, n) : NULL;
+        if (obl != NULL && obl_pos == NULL) {
+            tally_error_set(err, "oom", true, "out of memory reading the obligations written");
+        }
+        ok = obl_pos != NULL;
     }
     for (int r = 0; ok && r < PQntuples(res); r++) {
-        tally_recon_item_t *it = find_item(items, n, index, PQgetvalue(res, r, C_EFFECT_ID));
-        if (it != NULL) {
-            ok = queue_item_events(&tx, res, r, it, obl, err);
+        if (pos[r] != SIZE_MAX) {
+            ok = queue_item_events(&tx, res, r, items[pos[r]], pos[r], obl, obl_pos, err);
         }
     }
     ok = tx_end(&tx, ok, err);
@@ -859,10 +851,12 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
     }
     PQclear(res);
     PQclear(obl);
+    free(pos);
+    free(obl_pos);
+    free(ids);
     json_decref(redispatch);
     json_decref(obligations);
     json_decref(rows);
-    json_decref(index);
     return ok;
 }
 
@@ -883,7 +877,7 @@ int tally_recon_release(tally_recon_db_t *db, tally_recon_item_t **items, size_t
         tally_error_set(err, "oom", false, "out of memory building the release batch");
         return -1;
     }
-    PGresult *res = exec_json(db->pg, SQL_RELEASE, rows, err);
+    PGresult *res = tally_pg_exec_json(db->pg, SQL_RELEASE, rows, err);
     json_decref(rows);
     if (res == NULL) {
         return -1;

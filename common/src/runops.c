@@ -301,19 +301,6 @@ static const char SQL_APPROVE[] =
 /* ---------------------------------------------------------------------------------------- */
 /* Helpers                                                                                  */
 
-static PGresult *exec_json(tally_pg_t *pg, const char *sql, const json_t *param, tally_error_t *err)
-{
-    char *text = json_dumps(param, JSON_COMPACT);
-    if (text == NULL) {
-        tally_error_set(err, "oom", true, "out of memory serialising a statement parameter");
-        return NULL;
-    }
-    const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(pg, sql, 1, params, err);
-    free(text);
-    return res;
-}
-
 static const char *nullable(PGresult *res, int row, int col)
 {
     return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
@@ -393,8 +380,8 @@ static bool queue_obligation(const char *oid, const char *run_id, const char *ei
 typedef struct run_state {
     const char *run_id; /* borrowed from the request */
     bool found;
-    char initial[24];
-    char status[24];
+    tally_run_state_t initial; /* as locked */
+    tally_run_state_t status;  /* after the requests so far */
     char reason[256];
     size_t confirmed, waiting, created, cancelled;
     bool created_counted, cancelled_counted;
@@ -421,22 +408,27 @@ static const char *op_kind_name(const tally_runop_t *op)
 }
 
 /* The run's status after @p op (DESIGN §3 runs: ACTIVE -> COMPENSATING -> ..., CANCELLED). */
-static const char *next_run_status(const tally_runop_t *op, const run_state_t *rs)
+static tally_run_state_t next_run_status(const tally_runop_t *op, const run_state_t *rs)
 {
-    const char *cur = rs->status;
-    bool open = strcmp(cur, "ACTIVE") == 0 || strcmp(cur, "COMPLETING") == 0;
-    if (wants_compensation(op)) {
-        /* a completed run can still be undone */
-        if (open || strcmp(cur, "CANCELLED") == 0 || strcmp(cur, "COMPLETED") == 0) {
-            return "COMPENSATING";
-        }
-        if ((strcmp(cur, "COMPENSATED") == 0 || strcmp(cur, "PARTIALLY_COMPENSATED") == 0) &&
-            rs->created > 0) {
-            return "COMPENSATING";
-        }
-        return cur;
+    bool compensate = wants_compensation(op);
+    switch (rs->status) {
+    case TALLY_RUN_ACTIVE:
+    case TALLY_RUN_COMPLETING:
+        return compensate ? TALLY_RUN_COMPENSATING : TALLY_RUN_CANCELLED;
+    case TALLY_RUN_CANCELLED:
+    case TALLY_RUN_COMPLETED:
+        /* a completed (or cancelled) run can still be undone */
+        return compensate ? TALLY_RUN_COMPENSATING : rs->status;
+    case TALLY_RUN_COMPENSATED:
+    case TALLY_RUN_PARTIALLY_COMPENSATED:
+        /* undone already: again only when this request found something new to undo */
+        return compensate && rs->created > 0 ? TALLY_RUN_COMPENSATING : rs->status;
+    case TALLY_RUN_COMPENSATING:
+    case TALLY_RUN_STUCK:
+    case TALLY_RUN__COUNT:
+        break;
     }
-    return open ? "CANCELLED" : cur;
+    return rs->status;
 }
 
 static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_error_t *err)
@@ -452,21 +444,29 @@ static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_er
         tally_error_set(err, "oom", true, "out of memory listing the runs");
         return false;
     }
-    PGresult *res = exec_json(pg, SQL_LOCK_RUNS, ids, err);
+    PGresult *res = tally_pg_exec_json(pg, SQL_LOCK_RUNS, ids, err);
     if (res == NULL) {
         json_decref(ids);
         return false;
     }
     for (int row = 0; row < PQntuples(res); row++) {
         run_state_t *rs = find_run(runs, n_runs, PQgetvalue(res, row, 0));
-        if (rs != NULL) {
-            rs->found = true;
-            snprintf(rs->initial, sizeof rs->initial, "%s", PQgetvalue(res, row, 1));
-            snprintf(rs->status, sizeof rs->status, "%s", PQgetvalue(res, row, 1));
+        if (rs == NULL) {
+            continue;
         }
+        if (!tally_run_state_parse(PQgetvalue(res, row, 1), &rs->initial)) {
+            tally_error_set(err, "invalid", false,
+                            "run %s has status '%s', which this version of tally does not know",
+                            rs->run_id, PQgetvalue(res, row, 1));
+            PQclear(res);
+            json_decref(ids);
+            return false;
+        }
+        rs->found = true;
+        rs->status = rs->initial;
     }
     PQclear(res);
-    res = exec_json(pg, SQL_COUNTS, ids, err);
+    res = tally_pg_exec_json(pg, SQL_COUNTS, ids, err);
     json_decref(ids);
     if (res == NULL) {
         return false;
@@ -527,10 +527,10 @@ static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, r
     }
     bool ok = true;
     if (json_array_size(req) > 0) {
-        PGresult *res = exec_json(pg, SQL_CANCEL_OUTBOX, req, err);
+        PGresult *res = tally_pg_exec_json(pg, SQL_CANCEL_OUTBOX, req, err);
         ok = res != NULL;
         PQclear(res);
-        res = ok ? exec_json(pg, SQL_CANCEL_EFFECTS, req, err) : NULL;
+        res = ok ? tally_pg_exec_json(pg, SQL_CANCEL_EFFECTS, req, err) : NULL;
         ok = res != NULL;
         for (int row = 0; ok && row < PQntuples(res); row++) {
             const char *run_id = PQgetvalue(res, row, 1);
@@ -578,7 +578,7 @@ static bool create_obligations(tally_pg_t *pg, const tally_runop_t *ops, size_t 
     }
     bool ok = true;
     if (json_array_size(req) > 0) {
-        PGresult *res = exec_json(pg, SQL_OBLIGATIONS, req, err);
+        PGresult *res = tally_pg_exec_json(pg, SQL_OBLIGATIONS, req, err);
         ok = res != NULL;
         for (int row = 0; ok && row < PQntuples(res); row++) {
             const char *run_id = PQgetvalue(res, row, 1);
@@ -646,15 +646,17 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         if (!rs->found) {
             continue;
         }
-        snprintf(r->status_before, sizeof r->status_before, "%s", rs->status);
-        const char *next = next_run_status(op, rs);
-        if (strcmp(next, rs->status) != 0) {
-            snprintf(rs->status, sizeof rs->status, "%s", next);
+        r->before = rs->status;
+        tally_run_state_t next = next_run_status(op, rs);
+        if (next != rs->status) {
+            rs->status = next;
             /* the run's status_reason: cut on a character boundary (text.h) */
             tally_fmt(rs->reason, sizeof rs->reason, "%s%s%s", op_kind_name(op),
                       op->reason != NULL ? ": " : "", op->reason != NULL ? op->reason : "");
         }
-        snprintf(r->status_after, sizeof r->status_after, "%s", rs->status);
+        r->after = rs->status;
+        snprintf(r->status_before, sizeof r->status_before, "%s", tally_run_state_name(r->before));
+        snprintf(r->status_after, sizeof r->status_after, "%s", tally_run_state_name(r->after));
         r->effects_waiting = rs->waiting;
         if (wants_compensation(op)) {
             /* the counts belong to the first request of the run that asked */
@@ -701,25 +703,27 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
 
     for (size_t i = 0; i < n_runs; i++) {
         run_state_t *rs = &runs[i];
-        if (!rs->found || strcmp(rs->initial, rs->status) == 0) {
+        if (!rs->found || rs->initial == rs->status) {
             continue;
         }
+        const char *from = tally_run_state_name(rs->initial);
+        const char *to = tally_run_state_name(rs->status);
         if (json_array_append_new(updates, json_pack("{s:s, s:s, s:s, s:s}", "run_id", rs->run_id,
-                                                     "from_status", rs->initial, "status",
-                                                     rs->status, "reason", rs->reason)) != 0) {
+                                                     "from_status", from, "status", to, "reason",
+                                                     rs->reason)) != 0) {
             tally_error_set(err, "oom", true, "out of memory building the run updates");
             goto out;
         }
         tally_audit_event_t ev = {.run_id = rs->run_id,
                                   .kind = "transition",
-                                  .from_status = rs->initial,
-                                  .to_status = rs->status,
+                                  .from_status = from,
+                                  .to_status = to,
                                   .actor = actor,
                                   .reason = rs->reason};
         tally_audit_batch_add(ab, &ev);
     }
     if (json_array_size(updates) > 0) {
-        PGresult *res = exec_json(pg, SQL_RUN_STATUS, updates, err);
+        PGresult *res = tally_pg_exec_json(pg, SQL_RUN_STATUS, updates, err);
         if (res == NULL) {
             goto out;
         }
@@ -737,10 +741,9 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
      * undo, is answered with the summary it ended with, as a second complete_run is. */
     for (size_t i = 0; i < n; i++) {
         const tally_runop_result_t *r = &results[i];
-        if (!r->found || !wants_compensation(&ops[i]) || r->obligations_created > 0 ||
-            !(strcmp(r->status_after, "COMPENSATED") == 0 ||
-              strcmp(r->status_after, "PARTIALLY_COMPENSATED") == 0 ||
-              strcmp(r->status_after, "STUCK") == 0)) {
+        bool over = r->after == TALLY_RUN_COMPENSATED ||
+                    r->after == TALLY_RUN_PARTIALLY_COMPENSATED || r->after == TALLY_RUN_STUCK;
+        if (!r->found || !wants_compensation(&ops[i]) || r->obligations_created > 0 || !over) {
             continue;
         }
         const char *params[1] = {ops[i].run_id};
@@ -751,12 +754,11 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         bool have = PQntuples(res) == 1 && !PQgetisnull(res, 0, 0);
         json_t *summary = have ? json_loads(PQgetvalue(res, 0, 0), 0, NULL) : NULL;
         const char *why = have && !PQgetisnull(res, 0, 1) ? PQgetvalue(res, 0, 1) : NULL;
-        bool queued =
-            summary == NULL ||
-            queue_run_event(strcmp(r->status_after, "STUCK") == 0 ? "tally.run.stuck.v1"
+        bool queued = summary == NULL ||
+                      queue_run_event(r->after == TALLY_RUN_STUCK ? "tally.run.stuck.v1"
                                                                   : "tally.run.compensated.v1",
-                            ops[i].run_id, r->status_after, why,
-                            json_pack("{s:o}", "summary", summary), source, ob);
+                                      ops[i].run_id, r->status_after, why,
+                                      json_pack("{s:o}", "summary", summary), source, ob);
         PQclear(res);
         if (!queued) {
             tally_error_set(err, "oom", true, "out of memory building a run event");
@@ -906,8 +908,13 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
     char why[512] = "";
     const char *mode = tool != NULL ? tally_comp_mode_name(tool->comp_mode) : NULL;
     bool compensate = wants_compensation(op);
+    tally_effect_state_t state;
+    if (!tally_effect_state_parse(status, &state)) {
+        state = TALLY_EFFECT__COUNT; /* a state this version does not know: "nothing" below */
+    }
 
-    if (strcmp(status, "CONFIRMED") == 0) {
+    switch (state) {
+    case TALLY_EFFECT_CONFIRMED: {
         tally_effect_class_t cls = TALLY_CLASS_REVERSIBLE;
         bool known = tally_effect_class_parse(cls_name, &cls);
         tally_comp_decision_t dec;
@@ -937,7 +944,10 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
             }
             snprintf(why, sizeof why, "%s", dec.why);
         }
-    } else if (strcmp(status, "DISPATCHING") == 0 || strcmp(status, "UNKNOWN") == 0) {
+        break;
+    }
+    case TALLY_EFFECT_DISPATCHING:
+    case TALLY_EFFECT_UNKNOWN:
         action = "wait";
         if (compensate) {
             snprintf(will, sizeof will,
@@ -947,7 +957,9 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
         }
         snprintf(why, sizeof why, "the effect is %s: tally does not know yet whether it happened",
                  status);
-    } else if (strcmp(status, "PLANNED") == 0 || strcmp(status, "AWAITING_APPROVAL") == 0) {
+        break;
+    case TALLY_EFFECT_PLANNED:
+    case TALLY_EFFECT_AWAITING_APPROVAL:
         if (op->kind == TALLY_RUNOP_CANCEL) {
             action = "cancel";
             snprintf(will, sizeof will, "mark the effect CANCELLED; it is never dispatched");
@@ -956,16 +968,22 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
                      "nothing now; it is compensated if it is dispatched and confirmed later");
         }
         snprintf(why, sizeof why, "the effect is %s: it has not reached the tool", status);
-    } else if (strcmp(status, "STUCK") == 0) {
+        break;
+    case TALLY_EFFECT_STUCK:
         action = "blocked";
         snprintf(will, sizeof will,
                  "nothing until an operator settles it (tally resolve --effect %s ...); earlier "
                  "steps wait for it",
                  eid);
         snprintf(why, sizeof why, "the effect is STUCK: whether it happened is not known");
-    } else {
+        break;
+    case TALLY_EFFECT_FAILED:
+    case TALLY_EFFECT_REJECTED:
+    case TALLY_EFFECT_CANCELLED:
+    case TALLY_EFFECT__COUNT:
         snprintf(will, sizeof will, "nothing");
         snprintf(why, sizeof why, "the effect is %s: it never took effect", status);
+        break;
     }
 
     json_t *entry = json_pack("{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:s, s:s, s:s}", "step",

@@ -151,7 +151,10 @@ static void test_decisions_are_allowed_transitions(void **state)
     assert_true(lease_expiry);
 }
 
-static void test_backoff_doubles_to_the_cap_with_bounded_jitter(void **state)
+/* An inconclusive check is looked at again after the tool's backoff (backoff.h), the n-th
+ * inconclusive check of the episode taking the n-th step: doubling to max_backoff_ms, with
+ * equal jitter. */
+static void test_inconclusive_backs_off_by_the_tools_steps_with_bounded_jitter(void **state)
 {
     (void)state;
     for (int n = 1; n <= 12; n++) {
@@ -159,19 +162,22 @@ static void test_backoff_doubles_to_the_cap_with_bounded_jitter(void **state)
         if (full > 2000) {
             full = 2000;
         }
-        long long lo = tally_recon_backoff_ms(n, 100, 2000, 0);
-        long long hi = tally_recon_backoff_ms(n, 100, 2000, UINT32_MAX);
-        assert_int_equal(lo, full - full / 2);
-        assert_true(hi <= full && hi >= lo);
+        tally_recon_input_t in = base(TALLY_VERDICT_INCONCLUSIVE);
+        in.max_attempts = 100;
+        in.unknown_ms = 0;
+        in.backoff_ms = 100;
+        in.max_backoff_ms = 2000;
+        in.inconclusive_checks = n - 1;
+        in.random = 0;
+        tally_recon_decision_t d = tally_recon_decide(&in);
+        assert_int_equal(d.action, TALLY_RECON_RETRY_CHECK);
+        assert_int_equal(d.delay_ms, full - full / 2);
         for (uint32_t r = 0; r < 1000; r += 7) {
-            long long d = tally_recon_backoff_ms(n, 100, 2000, r * 2654435761u);
-            assert_true(d >= full - full / 2 && d <= full);
+            in.random = r * 2654435761u;
+            d = tally_recon_decide(&in);
+            assert_true(d.delay_ms >= full - full / 2 && d.delay_ms <= full);
         }
     }
-    /* no overflow for a huge n, and a nonsense configuration still waits a little */
-    assert_int_equal(tally_recon_backoff_ms(1000, 100, 2000, 0), 1000);
-    assert_true(tally_recon_backoff_ms(1, 0, 0, 0) >= 1);
-    assert_true(tally_recon_backoff_ms(3, 500, 100, 0) >= 250); /* cap below base: base wins */
 }
 
 static void test_parse_time(void **state)
@@ -310,7 +316,7 @@ int main(void)
         cmocka_unit_test(test_inconclusive_backs_off_then_pages),
         cmocka_unit_test(test_no_status_endpoint),
         cmocka_unit_test(test_decisions_are_allowed_transitions),
-        cmocka_unit_test(test_backoff_doubles_to_the_cap_with_bounded_jitter),
+        cmocka_unit_test(test_inconclusive_backs_off_by_the_tools_steps_with_bounded_jitter),
         cmocka_unit_test(test_parse_time),
         cmocka_unit_test(test_earliest_record),
         cmocka_unit_test(test_records_usable),

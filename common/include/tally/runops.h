@@ -11,6 +11,7 @@
 
 #include "tally/audit.h"
 #include "tally/error.h"
+#include "tally/ledger.h"
 #include "tally/outbox.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
@@ -92,8 +93,10 @@ typedef struct tally_runop {
 /** @brief What one request did. */
 typedef struct tally_runop_result {
     bool found;                  /**< false: no such run (nothing was done) */
-    char status_before[24];      /**< the run's status before the request */
-    char status_after[24];       /**< and after */
+    tally_run_state_t before;    /**< the run's status before the request */
+    tally_run_state_t after;     /**< and after */
+    char status_before[24];      /**< tally_run_state_name(before), for JSON and logs */
+    char status_after[24];       /**< tally_run_state_name(after) */
     size_t obligations_created;  /**< new obligations (0 when compensation was asked before) */
     size_t obligations_existing; /**< CONFIRMED effects that already had their obligation */
     size_t effects_cancelled;    /**< PLANNED / AWAITING_APPROVAL effects now CANCELLED */
