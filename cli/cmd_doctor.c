@@ -16,6 +16,8 @@
 #include "cli.h"
 #include "format.h"
 #include "tally/alert.h"
+#include "tally/ledger.h"
+#include "tally/runsummary.h"
 #include "tally/text.h"
 
 /* Data of one timeline event printed in full up to this many bytes (--json has
@@ -291,14 +293,59 @@ static bool is_completion_summary(const json_t *summary)
            json_object_get(summary, "compensated") == NULL;
 }
 
+/* A row's "status", parsed once here; false when it is missing or not a state the ledger has. */
+static bool effect_state(const json_t *row, tally_effect_state_t *out)
+{
+    return tally_effect_state_parse(cli_str(row, "status", ""), out);
+}
+
+static bool run_state(const json_t *row, tally_run_state_t *out)
+{
+    return tally_run_state_parse(cli_str(row, "status", ""), out);
+}
+
+static bool alert_open(const json_t *alert)
+{
+    tally_alert_state_t st;
+    return tally_alert_state_parse(cli_str(alert, "status", ""), &st) &&
+           st == TALLY_ALERT_TRIGGERED;
+}
+
+/* Whether a run in status @p status (its name) was ever asked to compensate: not while it is
+ * ACTIVE, CANCELLED (without compensation) or completing; an unknown status counts as asked. */
+static bool compensation_asked(const char *status)
+{
+    tally_run_state_t rs;
+    if (status == NULL || !tally_run_state_parse(status, &rs))
+        return true;
+    switch (rs) {
+    case TALLY_RUN_ACTIVE:
+    case TALLY_RUN_CANCELLED:
+    case TALLY_RUN_COMPLETING:
+    case TALLY_RUN_COMPLETED:
+        return false;
+    default:
+        return true;
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* doctor                                                                                   */
 
 /* Effects a COMPLETING run waits for: those still in flight. */
-static bool in_flight(const char *status)
+static bool in_flight(const json_t *effect)
 {
-    return strcmp(status, "PLANNED") == 0 || strcmp(status, "DISPATCHING") == 0 ||
-           strcmp(status, "UNKNOWN") == 0;
+    tally_effect_state_t st;
+    if (!effect_state(effect, &st))
+        return false;
+    switch (st) {
+    case TALLY_EFFECT_PLANNED:
+    case TALLY_EFFECT_DISPATCHING:
+    case TALLY_EFFECT_UNKNOWN:
+        return true;
+    default:
+        return false;
+    }
 }
 
 /* The header line of a finishing run: "completing" with what it waits for, or "completed" with
@@ -307,12 +354,13 @@ static void field_completion(const json_t *run, const json_t *effects)
 {
     char line[1024];
     const json_t *summary = json_object_get(run, "summary");
-    if (strcmp(cli_str(run, "status", ""), "COMPLETING") == 0) {
+    tally_run_state_t rs;
+    if (run_state(run, &rs) && rs == TALLY_RUN_COMPLETING) {
         size_t waiting = 0, i;
         json_t *e;
         json_array_foreach(effects, i, e)
         {
-            waiting += in_flight(cli_str(e, "status", ""));
+            waiting += in_flight(e);
         }
         snprintf(line, sizeof line,
                  "new intents are refused; completed once %zu effect%s in flight "
@@ -474,7 +522,8 @@ static void print_effect(const json_t *e)
     }
     field_member(e, "intent_id", "intent", 2);
     field_member(e, "args_canonical", "args", 2);
-    if (strcmp(cli_str(e, "status", ""), "STUCK") == 0) {
+    tally_effect_state_t st;
+    if (effect_state(e, &st) && st == TALLY_EFFECT_STUCK) {
         char *cmd = tally_alert_effect_command(cli_str(e, "effect_id", "?"));
         cli_print_command(stdout, cmd, 2);
         free(cmd);
@@ -505,12 +554,14 @@ static void print_obligation(const json_t *o)
     field_member(o, "reverse_receipt", "reverse rcpt", 2);
     field_member(o, "blast_radius", "blast radius", 2);
     field_error(o, "error_code", "error_message", 2);
-    const char *status = cli_str(o, "status", "");
-    if (strcmp(status, "STUCK") == 0) {
+    tally_obligation_state_t st;
+    if (!tally_obligation_state_parse(cli_str(o, "status", ""), &st))
+        return;
+    if (st == TALLY_OBLIGATION_STUCK) {
         char *cmd = tally_alert_obligation_command(cli_str(o, "obligation_id", "?"));
         cli_print_command(stdout, cmd, 2);
         free(cmd);
-    } else if (strcmp(status, "AWAITING_APPROVAL") == 0) {
+    } else if (st == TALLY_OBLIGATION_AWAITING_APPROVAL) {
         snprintf(line, sizeof line,
                  "tally approve --obligation %s --reason \"<why>\"\n"
                  "tally deny --obligation %s --reason \"<why>\"",
@@ -522,7 +573,7 @@ static void print_obligation(const json_t *o)
 static void print_alert(const json_t *a)
 {
     char line[1024], at[48];
-    bool open = strcmp(cli_str(a, "status", ""), "TRIGGERED") == 0;
+    bool open = alert_open(a);
     date_of(cli_str(a, "created_at", NULL), at, sizeof at);
     snprintf(line, sizeof line, "%s %s %s  %s  opened %s", open ? CLI_SYM_WARN : CLI_SYM_OK,
              cli_str(a, "status", "?"), cli_str(a, "dedup_key", "?"), cli_str(a, "severity", "?"),
@@ -563,7 +614,7 @@ static bool print_doctor(const json_t *doc)
     json_t *row;
     json_array_foreach(alerts, i, row)
     {
-        open += strcmp(cli_str(row, "status", ""), "TRIGGERED") == 0;
+        open += alert_open(row);
     }
     snprintf(line, sizeof line, "%zu effect%s, %zu obligation%s, %zu alert%s (%zu open)",
              json_array_size(effects), json_array_size(effects) == 1 ? "" : "s",
@@ -663,140 +714,7 @@ out:
 /* ---------------------------------------------------------------------------------------- */
 /* summary                                                                                  */
 
-static bool set_new(json_t *obj, const char *key, json_t *v)
-{
-    return v != NULL && json_object_set_new(obj, key, v) == 0;
-}
-
-static bool set_copy(json_t *obj, const char *key, const json_t *v)
-{
-    return set_new(obj, key, v != NULL ? json_deep_copy(v) : json_null());
-}
-
-/* The step as the agent sent it: an integer when it was one. */
-static json_t *step_of(const json_t *item)
-{
-    const char *step = cli_str(item, "step", NULL);
-    if (step == NULL)
-        return json_null();
-    if (json_is_true(json_object_get(item, "step_is_number"))) {
-        char *end = NULL;
-        long long v = strtoll(step, &end, 10);
-        if (end != step && *end == '\0')
-            return json_integer((json_int_t)v);
-    }
-    return json_string(step);
-}
-
-/*
- * Sort one item of SQL_SUMMARY_ITEMS into the lists, with the entries the
- * compensator writes (compensator/summary.c): effect_id, step, tool,
- * obligation_id, external_ref, and per list reverse_receipt | blast_radius |
- * reason | error, receipt, action_required. Obligations still under way go to
- * "pending".
- */
-static bool classify(const json_t *item, json_t *lists)
-{
-    const char *ob_status = cli_str(item, "obligation_status", NULL);
-    const char *effect_status = cli_str(item, "effect_status", "?");
-    json_t *e = json_object();
-    bool ok = e != NULL && set_copy(e, "effect_id", json_object_get(item, "effect_id")) &&
-              set_new(e, "step", step_of(item)) &&
-              set_copy(e, "tool", json_object_get(item, "tool")) &&
-              set_copy(e, "obligation_id", json_object_get(item, "obligation_id")) &&
-              set_copy(e, "external_ref", json_object_get(item, "external_ref"));
-    const char *list = "skipped";
-    char text[1024];
-    if (!ok) {
-        json_decref(e);
-        return false;
-    }
-    if (ob_status == NULL) {
-        if (strcmp(effect_status, "STUCK") == 0) {
-            char *cmd = tally_alert_effect_command(cli_str(item, "effect_id", "?"));
-            snprintf(text, sizeof text,
-                     "Settle the effect first from upstream evidence; if it happened, its "
-                     "compensation follows:\n%s",
-                     cmd != NULL ? cmd : "tally resolve --effect <id> --as confirmed|failed");
-            free(cmd);
-            const json_t *err = json_object_get(item, "effect_error");
-            ok =
-                set_new(e, "status", json_string("STUCK")) &&
-                set_new(e, "error",
-                        json_is_object(err)
-                            ? json_deep_copy(err)
-                            : json_pack("{s:s, s:s}", "code", "effect_stuck", "message",
-                                        "the effect is STUCK: whether it happened is not known")) &&
-                set_copy(e, "receipt", json_object_get(item, "receipt")) &&
-                set_new(e, "action_required", json_string(text));
-            list = "failed";
-        } else if (strcmp(effect_status, "CONFIRMED") == 0 ||
-                   strcmp(effect_status, "DISPATCHING") == 0 ||
-                   strcmp(effect_status, "UNKNOWN") == 0) {
-            snprintf(text, sizeof text,
-                     "%s and no obligation yet: one is created when the run is compensated%s",
-                     effect_status,
-                     strcmp(effect_status, "CONFIRMED") == 0 ? "" : " and the effect confirmed");
-            ok = set_new(e, "status", json_string(effect_status)) &&
-                 set_new(e, "reason", json_string(text));
-            list = "pending";
-        } else {
-            snprintf(text, sizeof text, "%s (%s)",
-                     strcmp(effect_status, "CANCELLED") == 0
-                         ? "the effect was cancelled and never took effect"
-                     : strcmp(effect_status, "FAILED") == 0 ||
-                             strcmp(effect_status, "REJECTED") == 0
-                         ? "the effect never took effect"
-                         : "the effect has not been dispatched",
-                     effect_status);
-            ok = set_new(e, "reason", json_string(text));
-        }
-    } else if (strcmp(ob_status, "RESOLVED") == 0) {
-        ok = set_copy(e, "reverse_receipt", json_object_get(item, "reverse_receipt")) &&
-             set_copy(e, "reason", json_object_get(item, "status_reason"));
-        list = "compensated";
-    } else if (strcmp(ob_status, "UNCOMPENSATABLE") == 0) {
-        ok = set_copy(e, "blast_radius", json_object_get(item, "blast_radius")) &&
-             set_copy(e, "reason", json_object_get(item, "status_reason"));
-        list = "uncompensatable";
-    } else if (strcmp(ob_status, "SKIPPED") == 0 || strcmp(ob_status, "CANCELLED") == 0) {
-        ok = set_new(e, "reason", json_string(cli_str(item, "status_reason", ob_status)));
-    } else if (strcmp(ob_status, "STUCK") == 0) {
-        char *cmd = tally_alert_obligation_command(cli_str(item, "obligation_id", "?"));
-        snprintf(text, sizeof text,
-                 "Reverse it by hand (the original receipt is here) or confirm nothing is to be "
-                 "undone, then settle it:\n%s",
-                 cmd != NULL ? cmd : "tally resolve --obligation <id> --as resolved|skipped");
-        free(cmd);
-        ok =
-            set_new(e, "status", json_string("STUCK")) &&
-            set_new(e, "error",
-                    json_pack("{s:s, s:s}", "code", cli_str(item, "error_code", "stuck"), "message",
-                              cli_str(item, "error_message", "the obligation is STUCK"))) &&
-            set_copy(e, "receipt", json_object_get(item, "receipt")) &&
-            set_new(e, "action_required", json_string(text)) &&
-            set_copy(e, "attempts", json_object_get(item, "attempts"));
-        list = "failed";
-    } else { /* PENDING, RUNNING, AWAITING_APPROVAL */
-        ok = set_new(e, "status", json_string(ob_status)) &&
-             set_copy(e, "reason", json_object_get(item, "status_reason")) &&
-             set_copy(e, "attempts", json_object_get(item, "attempts"));
-        list = "pending";
-    }
-    if (!ok || json_array_append_new(json_object_get(lists, list), e) != 0) {
-        if (!ok)
-            json_decref(e);
-        return false;
-    }
-    return true;
-}
-
-static const char *const LISTS[] = {"compensated", "uncompensatable", "skipped", "failed",
-                                    "pending"};
-#define N_LISTS (sizeof LISTS / sizeof LISTS[0])
-
-/* The summary document: the stored one's lists, or lists computed from @p
- * items. */
+/* The summary document: the stored one's lists, or the LIVE view of @p items (runsummary.h). */
 static json_t *build_summary(const char *run_id, const json_t *stored, const json_t *items)
 {
     const json_t *summary = json_object_get(stored, "summary");
@@ -812,25 +730,26 @@ static json_t *build_summary(const char *run_id, const json_t *stored, const jso
                             json_object_get(stored, "summary_at"));
     if (doc == NULL)
         return NULL;
+    json_t *lists[TALLY_RUNSUM__COUNT]; /* borrowed from doc */
     bool ok = true;
-    for (size_t l = 0; ok && l < N_LISTS; l++) {
-        const json_t *from = use_stored ? json_object_get(summary, LISTS[l]) : NULL;
-        ok = set_new(doc, LISTS[l], json_is_array(from) ? json_deep_copy(from) : json_array());
+    for (int l = 0; ok && l < TALLY_RUNSUM__COUNT; l++) {
+        const char *name = tally_runsum_list_name((tally_runsum_list_t)l);
+        const json_t *from = use_stored ? json_object_get(summary, name) : NULL;
+        lists[l] = json_is_array(from) ? json_deep_copy(from) : json_array();
+        ok = lists[l] != NULL && json_object_set_new(doc, name, lists[l]) == 0;
     }
-    if (!use_stored) {
-        size_t i;
-        json_t *item;
-        json_array_foreach(items, i, item)
-        {
-            ok = ok && classify(item, doc);
-        }
-    }
+    if (ok && !use_stored)
+        ok = tally_runsum_sort(TALLY_RUNSUM_LIVE, items, lists);
     json_t *counts = json_object();
     ok = ok && counts != NULL;
-    for (size_t l = 0; ok && l < N_LISTS; l++)
-        ok = set_new(counts, LISTS[l],
-                     json_integer((json_int_t)json_array_size(json_object_get(doc, LISTS[l]))));
-    ok = ok && json_object_set_new(doc, "counts", counts) == 0;
+    for (int l = 0; ok && l < TALLY_RUNSUM__COUNT; l++)
+        ok = json_object_set_new(counts, tally_runsum_list_name((tally_runsum_list_t)l),
+                                 json_integer((json_int_t)json_array_size(lists[l]))) == 0;
+    if (ok) {
+        ok = json_object_set_new(doc, "counts", counts) == 0; /* takes counts */
+        counts = NULL;
+    }
+    json_decref(counts);
     if (!ok) {
         json_decref(doc);
         return NULL;
@@ -860,7 +779,7 @@ static void print_action(const char *action)
 }
 
 /* One entry: the symbol, the step and tool, then its details. */
-static void print_entry(const char *sym, const json_t *e, const char *list)
+static void print_entry(const char *sym, const json_t *e, tally_runsum_list_t list)
 {
     char line[1024];
     const json_t *step = json_object_get(e, "step");
@@ -876,10 +795,12 @@ static void print_entry(const char *sym, const json_t *e, const char *list)
     cli_wrap(stdout, line, 2, 6);
     field_member(e, "effect_id", "effect", 6);
     field_member(e, "external_ref", "external ref", 6);
-    if (strcmp(list, "compensated") == 0) {
+    switch (list) {
+    case TALLY_RUNSUM_COMPENSATED:
         field_member(e, "reverse_receipt", "reverse rcpt", 6);
         field_member(e, "reason", "how", 6);
-    } else if (strcmp(list, "uncompensatable") == 0) {
+        return;
+    case TALLY_RUNSUM_UNCOMPENSATABLE: {
         const json_t *br = json_object_get(e, "blast_radius");
         const json_t *target = json_object_get(br, "target");
         if (json_is_object(target)) {
@@ -893,32 +814,39 @@ static void print_entry(const char *sym, const json_t *e, const char *list)
         field_member(br, "receipt", "receipt", 6);
         field_member(br, "args", "args", 6);
         field_member(e, "reason", "why", 6);
-    } else if (strcmp(list, "skipped") == 0 || strcmp(list, "pending") == 0) {
-        field_member(e, "reason", "reason", 6);
-    } else {
-        const json_t *err = json_object_get(e, "error");
-        if (json_is_object(err)) {
-            snprintf(line, sizeof line, "%s: %s", cli_str(err, "code", "?"),
-                     cli_str(err, "message", ""));
-            cli_field(stdout, 6, 13, "error", line);
-        }
-        field_member(e, "receipt", "receipt", 6);
-        const char *action = cli_str(e, "action_required", NULL);
-        if (action != NULL)
-            print_action(action);
+        return;
     }
+    case TALLY_RUNSUM_SKIPPED:
+    case TALLY_RUNSUM_PENDING:
+        field_member(e, "reason", "reason", 6);
+        return;
+    case TALLY_RUNSUM_FAILED:
+    case TALLY_RUNSUM__COUNT:
+        break;
+    }
+    const json_t *err = json_object_get(e, "error");
+    if (json_is_object(err)) {
+        snprintf(line, sizeof line, "%s: %s", cli_str(err, "code", "?"),
+                 cli_str(err, "message", ""));
+        cli_field(stdout, 6, 13, "error", line);
+    }
+    field_member(e, "receipt", "receipt", 6);
+    const char *action = cli_str(e, "action_required", NULL);
+    if (action != NULL)
+        print_action(action);
 }
 
 static bool print_summary(const json_t *doc)
 {
     static const struct {
-        const char *list, *sym, *title;
+        tally_runsum_list_t list;
+        const char *sym, *title;
     } SECTIONS[] = {
-        {"compensated", CLI_SYM_OK, "compensated"},
-        {"uncompensatable", CLI_SYM_WARN, "uncompensatable"},
-        {"skipped", CLI_SYM_SKIP, "skipped"},
-        {"failed", CLI_SYM_FAIL, "failed / STUCK: action required"},
-        {"pending", "…", "in progress"},
+        {TALLY_RUNSUM_COMPENSATED, CLI_SYM_OK, "compensated"},
+        {TALLY_RUNSUM_UNCOMPENSATABLE, CLI_SYM_WARN, "uncompensatable"},
+        {TALLY_RUNSUM_SKIPPED, CLI_SYM_SKIP, "skipped"},
+        {TALLY_RUNSUM_FAILED, CLI_SYM_FAIL, "failed / STUCK: action required"},
+        {TALLY_RUNSUM_PENDING, "…", "in progress"},
     };
     char line[1024];
     const char *source = cli_str(doc, "source", "ledger");
@@ -939,9 +867,7 @@ static bool print_summary(const json_t *doc)
             "computed from the ledger now (the compensator writes its own once the run settles)");
     }
     cli_field(stdout, 2, 8, "source", line);
-    const char *rs = cli_str(doc, "run_status", "");
-    if ((strcmp(rs, "ACTIVE") == 0 || strcmp(rs, "CANCELLED") == 0 ||
-         strcmp(rs, "COMPLETING") == 0 || strcmp(rs, "COMPLETED") == 0) &&
+    if (!compensation_asked(cli_str(doc, "run_status", NULL)) &&
         json_array_size(json_object_get(doc, "compensated")) == 0 &&
         json_array_size(json_object_get(doc, "uncompensatable")) == 0) {
         snprintf(line, sizeof line,
@@ -953,7 +879,7 @@ static bool print_summary(const json_t *doc)
 
     size_t total = 0;
     for (size_t s = 0; s < sizeof SECTIONS / sizeof SECTIONS[0]; s++) {
-        const json_t *list = json_object_get(doc, SECTIONS[s].list);
+        const json_t *list = json_object_get(doc, tally_runsum_list_name(SECTIONS[s].list));
         total += json_array_size(list);
         if (json_array_size(list) == 0)
             continue;

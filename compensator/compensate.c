@@ -1,13 +1,13 @@
 /* compensate.c — the compensator's loop (DESIGN §2): obligations arrive as wake-ups on
  * <prefix>obligations and as NOTIFY tally_obligations, and a sweep every TALLY_SWEEP_MS finds
  * due retries, expired leases, late confirmations and settled runs. Each turn leases what may
- * run now, starts the reverse calls (libcurl multi, many at once), waits on curl, PostgreSQL
- * and Kafka together, and records what finished. Kafka offsets are stored only after the
- * round the wake-ups caused. The pager runs beside it on its own thread (pager.c). */
+ * run now (store.c), carries out what policy.c decides for each — starting the reverse and
+ * containment calls (libcurl multi, many at once) or queueing the outcome — waits on curl,
+ * PostgreSQL and Kafka together, and records what finished (store.c) and the runs that
+ * settled (settle.c). Kafka offsets are stored only after the round the wake-ups caused. The
+ * pager runs beside it on its own thread (pager.c). */
 #include "compensator.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/crashpoint.h"
 #include "tally/log.h"
 
 double comp_now(void)
@@ -73,9 +74,7 @@ static char *approval_tools(const tally_registry_t *reg)
     json_t *list = json_array();
     for (size_t i = 0; list != NULL && i < tally_registry_count(reg); i++) {
         const tally_tool_t *t = tally_registry_at(reg, i);
-        tally_comp_decision_t dec;
-        tally_comp_decide(t, t->name, t->effect_class, false, &dec);
-        if (dec.action == TALLY_COMP_ACT_AWAIT_APPROVAL) {
+        if (comp_needs_approval(t)) {
             json_array_append_new(list, json_string(t->name));
         }
     }
@@ -112,7 +111,6 @@ static bool compensator_init(tally_worker_t *w, void **state)
         TALLY_ERROR("out of memory");
         return false;
     }
-    c->kafka_pipe[0] = c->kafka_pipe[1] = -1;
     if (!setup(c, w)) {
         /* the worker calls fini only after a successful init */
         compensator_fini(w, c);
@@ -128,15 +126,13 @@ static bool setup(compensator_t *c, tally_worker_t *w)
     c->cfg = tally_worker_config(w);
     c->reg = tally_worker_registry(w);
     c->pg = tally_worker_pg(w);
-    c->rk = tally_worker_consumer(w);
     c->worker_id = tally_worker_id(w);
     c->rand_state = (unsigned)time(NULL) ^ (unsigned)getpid();
     snprintf(c->source, sizeof c->source, "/tally/compensator/%s", c->worker_id);
     declare_metrics(c, tally_worker_metrics(w));
     c->approval_tools = approval_tools(c->reg);
     c->settle_runs = json_array();
-    c->offsets = rd_kafka_topic_partition_list_new(8);
-    if (c->approval_tools == NULL || c->settle_runs == NULL || c->offsets == NULL) {
+    if (c->approval_tools == NULL || c->settle_runs == NULL) {
         TALLY_ERROR("out of memory");
         return false;
     }
@@ -163,16 +159,9 @@ static bool setup(compensator_t *c, tally_worker_t *w)
         TALLY_ERROR("LISTEN tally_obligations: %s", err.message);
         return false;
     }
-    if (c->rk != NULL) {
-        /* librdkafka writes a byte when the consumer queue becomes non-empty, so one wait
-         * covers curl, PostgreSQL and Kafka */
-        c->queue = rd_kafka_queue_get_consumer(c->rk);
-        if (c->queue == NULL || pipe2(c->kafka_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
-            TALLY_ERROR("consumer queue wake-up pipe: %s",
-                        c->queue != NULL ? strerror(errno) : "no consumer queue");
-            return false;
-        }
-        rd_kafka_queue_io_event_enable(c->queue, c->kafka_pipe[1], "k", 1);
+    /* the consumer's wake-up pipe joins curl's and PostgreSQL's sockets in one wait */
+    if (tally_worker_consumer(w) != NULL && (c->cs = tally_worker_consume(w)) == NULL) {
+        return false;
     }
     c->pager = comp_pager_start(c->cfg, c->worker_id, tally_worker_metrics(w), c->m_alerts,
                                 tally_worker_stop_flag(w), errstr, sizeof errstr);
@@ -188,64 +177,341 @@ static bool setup(compensator_t *c, tally_worker_t *w)
     return true;
 }
 
-/* Wake-ups from <prefix>obligations: PostgreSQL holds the obligations, so a message only says
- * "look now". Offsets are stored after the round that looked. */
-static int read_wakeups(compensator_t *c)
+/* ---------------------------------------------------------------------------------------- */
+/* Acting on leased obligations: policy.c decides, this carries it out                      */
+
+void comp_ob_free(void *p)
 {
-    if (c->rk == NULL) {
+    comp_ob_t *ob = p;
+    if (ob == NULL) {
+        return;
+    }
+    free(ob->run_id);
+    free(ob->step);
+    free(ob->tool_name);
+    free(ob->operation_key);
+    free(ob->args_canonical);
+    free(ob->traceparent);
+    free(ob->external_ref);
+    free(ob->reason);
+    free(ob->confirmed_at);
+    free(ob->intent_id);
+    json_decref(ob->receipt);
+    json_decref(ob->blast_radius);
+    free(ob);
+}
+
+void comp_outcome_clear(comp_outcome_t *o)
+{
+    comp_ob_free(o->ob);
+    json_decref(o->reverse_receipt);
+    json_decref(o->call);
+    memset(o, 0, sizeof *o);
+}
+
+/* What a decision about @p ob reads. */
+static comp_policy_in_t policy_in(compensator_t *c, const comp_ob_t *ob)
+{
+    char if_match[COMP_IF_MATCH_SIZE];
+    return (comp_policy_in_t){.tool = ob->tool,
+                              .tool_name = ob->tool_name,
+                              .cls_known = ob->cls_known,
+                              .cls = ob->cls,
+                              .approved = ob->approved,
+                              .attempts = ob->attempts,
+                              .version = comp_if_match(ob->receipt, if_match),
+                              .hold_ms = c->cfg->sweep_ms,
+                              .random = (uint32_t)rand_r(&c->rand_state)};
+}
+
+/* Queue the outcome @p mv decided; when even that fails (out of memory), forget the
+ * obligation: its lease expires and it runs again with the same idempotency key. */
+static comp_outcome_t *queue(compensator_t *c, comp_ob_t *ob, const comp_move_t *mv)
+{
+    if (c->n_done == c->cap_done) {
+        size_t cap = c->cap_done ? 2 * c->cap_done : 64;
+        comp_outcome_t *d = realloc(c->done, cap * sizeof *d);
+        if (d == NULL) {
+            TALLY_ERROR("out of memory queueing the outcome of obligation %s; its lease will "
+                        "expire",
+                        ob->obligation_id);
+            comp_ob_free(ob);
+            return NULL;
+        }
+        c->done = d;
+        c->cap_done = cap;
+    }
+    comp_outcome_t *o = &c->done[c->n_done++];
+    memset(o, 0, sizeof *o);
+    o->ob = ob;
+    o->to = mv->to;
+    tally_text_copy(o->code, sizeof o->code, mv->code);
+    tally_text_copy(o->message, sizeof o->message, mv->message);
+    o->is_error = mv->is_error;
+    o->refund_attempt = mv->refund_attempt;
+    o->delay_ms = mv->delay_ms;
+    tally_text_copy(o->page, sizeof o->page, mv->page);
+    return o;
+}
+
+static const char *containment_status(comp_contain_t how)
+{
+    return how == COMP_CONTAIN_DONE ? "done" : "failed";
+}
+
+/* A decision that was not a call: the containment it records, then the outcome. */
+static void record_move(compensator_t *c, comp_ob_t *ob, const comp_move_t *mv)
+{
+    if (mv->containment != COMP_CONTAIN_NONE && ob->blast_radius != NULL) {
+        json_object_set_new(ob->blast_radius, "containment",
+                            json_pack("{s:s, s:s, s:s}", "status",
+                                      containment_status(mv->containment), "code",
+                                      mv->containment_code, "message", mv->containment_message));
+    }
+    queue(c, ob, mv);
+}
+
+/* Start the compensate or containment call. */
+static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
+{
+    json_t *args = json_loads(ob->args_canonical, 0, NULL);
+    json_t *body = comp_reverse_body(ob->external_ref, ob->receipt, args, ob->reason);
+    if (body != NULL && op == TALLY_CONN_CONTAIN && ob->blast_radius != NULL) {
+        json_object_set(body, "blast_radius", ob->blast_radius);
+    }
+    char *text = body != NULL ? json_dumps(body, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    json_decref(body);
+    json_decref(args);
+    comp_move_t mv;
+    if (text == NULL) {
+        comp_policy_no_body(&mv);
+        record_move(c, ob, &mv);
+        return;
+    }
+    char key[64];
+    snprintf(key, sizeof key, "%s:%s", op == TALLY_CONN_CONTAIN ? "contain" : "reverse",
+             ob->obligation_id);
+    /* an unusable version never gets here (comp_policy_lease) */
+    char if_match[COMP_IF_MATCH_SIZE];
+    bool has_version =
+        op == TALLY_CONN_COMPENSATE && comp_if_match(ob->receipt, if_match) == COMP_VERSION_OK;
+    tally_conn_request_t req = {
+        .tool = ob->tool,
+        .op = op,
+        .idempotency_key = key,
+        .run_id = ob->run_id,
+        .effect_id = ob->effect_id,
+        .traceparent = ob->traceparent,
+        .if_match = has_version ? if_match : NULL,
+        .body = text,
+        .body_len = strlen(text),
+        .opaque = ob,
+    };
+    tally_error_t err;
+    tally_error_clear(&err);
+    ob->started = comp_now();
+    bool ok = tally_connector_submit(c->conn, &req, &err);
+    free(text);
+    if (ok) {
+        TALLY_LOG(TALLY_LOG_DEBUG,
+                  (&(tally_log_ctx_t){.run_id = ob->run_id,
+                                      .effect_id = ob->effect_id,
+                                      .obligation_id = ob->obligation_id,
+                                      .tool = ob->tool_name}),
+                  "%s call started (attempt %d, key %s)", tally_conn_op_name(op), ob->attempts,
+                  key);
+        return;
+    }
+    /* Nothing was sent. */
+    bool capacity = strcmp(err.code, "capacity") == 0;
+    comp_policy_in_t in = policy_in(c, ob);
+    comp_policy_unsent(&in, &ob->dec, op, capacity, &err, &mv);
+    record_move(c, ob, &mv); /* copies what it borrows from err */
+}
+
+static void act(compensator_t *c, comp_ob_t *ob)
+{
+    comp_policy_in_t in = policy_in(c, ob);
+    comp_policy_decide(&in, &ob->dec);
+    if (comp_policy_wants_blast_radius(ob->dec.action)) {
+        json_t *args = json_loads(ob->args_canonical, 0, NULL);
+        ob->blast_radius = comp_blast_radius(ob->tool_name, ob->operation_key, args, ob->receipt,
+                                             ob->external_ref, ob->confirmed_at);
+        json_decref(args);
+    }
+    comp_move_t mv;
+    comp_policy_lease(&in, &ob->dec, ob->blast_radius != NULL, &mv);
+    if (mv.kind == COMP_MOVE_CALL) {
+        submit(c, ob, mv.op);
+    } else {
+        record_move(c, ob, &mv);
+    }
+}
+
+/* Lease what may run now, as far as there is room for calls, and act on each. @returns
+ * obligations leased, -1 on a database error. */
+static int lease_and_act(compensator_t *c)
+{
+    int room = c->cfg->max_inflight - tally_connector_inflight(c->conn);
+    int limit = c->cfg->batch_size < room ? c->cfg->batch_size : room;
+    if (limit <= 0) {
         return 0;
     }
-    int n = 0;
-    int batch = c->cfg->batch_size > 0 ? c->cfg->batch_size : 1;
-    while (n < batch) {
-        rd_kafka_message_t *msg = rd_kafka_consumer_poll(c->rk, 0);
-        if (msg == NULL) {
-            break;
+    comp_ob_t **obs = NULL;
+    int n = comp_store_lease(c, limit, &obs);
+    for (int i = 0; i < n; i++) {
+        TALLY_CRASHPOINT("compensate.after_lease_commit");
+        comp_ob_t *ob = obs[i];
+        if (ob == NULL) {
+            continue; /* could not be read: its lease expires */
         }
-        if (msg->err != RD_KAFKA_RESP_ERR_NO_ERROR) {
-            if (msg->err != RD_KAFKA_RESP_ERR__PARTITION_EOF) {
-                TALLY_WARN("consumer: %s", rd_kafka_message_errstr(msg));
-            }
-            rd_kafka_message_destroy(msg);
+        if (ob->from == TALLY_OBLIGATION_RUNNING) {
+            TALLY_LOG(TALLY_LOG_WARN,
+                      (&(tally_log_ctx_t){.run_id = ob->run_id,
+                                          .effect_id = ob->effect_id,
+                                          .obligation_id = ob->obligation_id,
+                                          .tool = ob->tool_name}),
+                      "took over an expired lease (attempt %d); repeating the call with the "
+                      "same idempotency key",
+                      ob->attempts);
+        }
+        act(c, ob);
+    }
+    free(obs);
+    return n;
+}
+
+/* The connector exchange as the audit trail keeps it (kind "connector_call"). */
+static json_t *call_record(const comp_ob_t *ob, const tally_conn_result_t *res,
+                           const tally_conn_verdict_t *v, const char *key, const char *if_match)
+{
+    json_t *excerpt = tally_conn_excerpt(res->body, res->body_len, 2048);
+    return json_pack(
+        "{s:s, s:s, s:s, s:s, s:s?, s:i, s:b, s:s, s:s, s:s, s:f, s:i, s:o}", "op",
+        tally_conn_op_name(res->op), "method", res->method, "url", res->url, "idempotency_key", key,
+        "if_match", if_match, "http_status", (int)res->http_status, "sent", res->sent, "verdict",
+        tally_verdict_name(v->verdict), "code", v->code, "message", v->message, "seconds",
+        res->seconds, "attempt", ob->attempts, "response", excerpt != NULL ? excerpt : json_null());
+}
+
+/* The connector's completion callback: classify the answer, decide, queue the outcome. */
+static void on_done(const tally_conn_result_t *res, void *opaque)
+{
+    compensator_t *c = opaque;
+    comp_ob_t *ob = res->opaque;
+    TALLY_CRASHPOINT("compensate.after_reverse_answer");
+    tally_conn_verdict_t v;
+    tally_conn_classify_compensate(res, &v);
+    tally_metric_observe(c->m_reverse, res->seconds, ob->tool_name);
+    bool contain = res->op == TALLY_CONN_CONTAIN;
+    char key[64], if_match[COMP_IF_MATCH_SIZE];
+    snprintf(key, sizeof key, "%s:%s", contain ? "contain" : "reverse", ob->obligation_id);
+    bool has_version = !contain && comp_if_match(ob->receipt, if_match) == COMP_VERSION_OK;
+    json_t *call = call_record(ob, res, &v, key, has_version ? if_match : NULL);
+    TALLY_LOG(v.verdict == TALLY_VERDICT_RESOLVED ? TALLY_LOG_INFO : TALLY_LOG_WARN,
+              (&(tally_log_ctx_t){.run_id = ob->run_id,
+                                  .effect_id = ob->effect_id,
+                                  .obligation_id = ob->obligation_id,
+                                  .tool = ob->tool_name}),
+              "%s call answered: %s (%s) in %.3f s", tally_conn_op_name(res->op),
+              tally_verdict_name(v.verdict), v.message, res->seconds);
+
+    comp_policy_in_t in = policy_in(c, ob);
+    comp_move_t mv;
+    comp_policy_answer(&in, &ob->dec, res->op, &v, &mv);
+    if (mv.containment != COMP_CONTAIN_NONE && ob->blast_radius != NULL) {
+        json_t *receipt = mv.containment == COMP_CONTAIN_DONE ? tally_conn_receipt(res) : NULL;
+        json_object_set_new(ob->blast_radius, "containment",
+                            json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o}", "status",
+                                      containment_status(mv.containment), "method", res->method,
+                                      "url", res->url, "http_status", (int)res->http_status, "code",
+                                      mv.containment_code, "message", mv.containment_message,
+                                      "receipt", receipt != NULL ? receipt : json_null()));
+    }
+    comp_outcome_t *o = queue(c, ob, &mv);
+    if (o != NULL && mv.to == TALLY_OBLIGATION_RESOLVED) {
+        o->reverse_receipt = tally_conn_receipt(res);
+    }
+    if (o != NULL) {
+        o->call = call;
+    } else {
+        json_decref(call);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The sweep                                                                                */
+
+/* Set tally_obligations for the live or terminal states from c->gauge_counts. @returns
+ * whether one of them changed since @p before. */
+static bool publish_counts(compensator_t *c, bool terminal,
+                           const double before[TALLY_OBLIGATION__COUNT])
+{
+    bool moved = false;
+    for (int s = 0; s < TALLY_OBLIGATION__COUNT; s++) {
+        tally_obligation_state_t st = (tally_obligation_state_t)s;
+        if (tally_obligation_state_terminal(st) != terminal) {
             continue;
         }
-        const char *topic = rd_kafka_topic_name(msg->rkt);
-        rd_kafka_topic_partition_t *tp =
-            rd_kafka_topic_partition_list_find(c->offsets, topic, msg->partition);
-        if (tp == NULL) {
-            tp = rd_kafka_topic_partition_list_add(c->offsets, topic, msg->partition);
-        }
-        if (msg->offset + 1 > tp->offset) {
-            tp->offset = msg->offset + 1;
-        }
-        rd_kafka_message_destroy(msg);
-        n++;
+        moved = moved || c->gauge_counts[s] != before[s];
+        tally_metric_set(c->m_obligations, c->gauge_counts[s], tally_obligation_state_name(st));
     }
+    return moved;
+}
+
+/* The live counts on every sweep; the terminal ones when comp_policy_count_terminal says. */
+static void refresh_gauges(compensator_t *c)
+{
+    double before[TALLY_OBLIGATION__COUNT];
+    memcpy(before, c->gauge_counts, sizeof before);
+    if (!comp_store_count(c, false, c->gauge_counts)) {
+        return;
+    }
+    bool moved = publish_counts(c, false, before);
+    tally_metric_set(c->m_stuck, c->gauge_counts[TALLY_OBLIGATION_STUCK]);
+    c->live_moved = c->live_moved || moved;
+    double now = comp_now();
+    if (!comp_policy_count_terminal(now, c->terminal_counted_at, c->live_moved)) {
+        return;
+    }
+    memcpy(before, c->gauge_counts, sizeof before);
+    if (comp_store_count(c, true, c->gauge_counts)) {
+        (void)publish_counts(c, true, before);
+        c->terminal_counted_at = now;
+        c->live_moved = false;
+    }
+}
+
+/* Obligations for late confirmations, approvals, settlement, gauges. */
+static int sweep(compensator_t *c)
+{
+    int work = 0;
+    int n = comp_sweep_confirmed(c);
+    work += n > 0 ? n : 0;
+    n = comp_store_hold_for_approval(c);
+    work += n > 0 ? n : 0;
+    n = comp_settle(c, NULL);
+    work += n > 0 ? n : 0;
+    refresh_gauges(c);
+    return work;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The loop                                                                                 */
+
+/* Wake-ups from <prefix>obligations: PostgreSQL holds the obligations, so a message only says
+ * "look now". Their offsets are stored after the round that looked (tally_consume_store). */
+static int read_wakeups(compensator_t *c)
+{
+    if (c->cs == NULL) {
+        return 0;
+    }
+    int n =
+        tally_consume_wakeups(c->cs, c->cfg->batch_size > 0 ? c->cfg->batch_size : 1, NULL, NULL);
     if (n > 0) {
         c->lease_wanted = true;
     }
     return n;
-}
-
-static void store_offsets(compensator_t *c)
-{
-    if (c->rk == NULL || c->offsets->cnt == 0) {
-        return;
-    }
-    rd_kafka_resp_err_t err = rd_kafka_offsets_store(c->rk, c->offsets);
-    if (err != RD_KAFKA_RESP_ERR_NO_ERROR) {
-        /* a partition revoked meanwhile: its wake-ups come again, which is harmless */
-        TALLY_DEBUG("storing consumer offsets: %s", rd_kafka_err2str(err));
-    }
-    rd_kafka_topic_partition_list_destroy(c->offsets);
-    c->offsets = rd_kafka_topic_partition_list_new(8);
-}
-
-static void drain_pipe(int fd)
-{
-    char buf[256];
-    while (read(fd, buf, sizeof buf) > 0) {
-    }
 }
 
 /* Wait for curl, a NOTIFY or Kafka, up to @p timeout_ms, and collect finished calls. */
@@ -258,17 +524,14 @@ static int wait_and_collect(compensator_t *c, int timeout_ms)
     if (pgfd >= 0) {
         fds[n++] = (struct curl_waitfd){.fd = pgfd, .events = CURL_WAIT_POLLIN};
     }
-    if (c->kafka_pipe[0] >= 0) {
-        fds[n++] = (struct curl_waitfd){.fd = c->kafka_pipe[0], .events = CURL_WAIT_POLLIN};
+    if (c->cs != NULL) {
+        fds[n++] = (struct curl_waitfd){.fd = tally_consume_fd(c->cs), .events = CURL_WAIT_POLLIN};
     }
     tally_error_t err;
     tally_error_clear(&err);
-    int done = tally_connector_poll(c->conn, fds, n, timeout_ms, comp_on_done, c, &err);
+    int done = tally_connector_poll(c->conn, fds, n, timeout_ms, on_done, c, &err);
     if (done < 0) {
         TALLY_ERROR("connector: %s", err.message);
-    }
-    if (c->kafka_pipe[0] >= 0) {
-        drain_pipe(c->kafka_pipe[0]);
     }
     if (tally_pg_wait_notify(c->pg, 0) > 0) {
         c->lease_wanted = true;
@@ -282,7 +545,7 @@ static int next_timeout_ms(compensator_t *c, double now, int work)
     if (work > 0) {
         return 0;
     }
-    if (c->queue != NULL && rd_kafka_queue_length(c->queue) > 0) {
+    if (c->cs != NULL && tally_consume_ready(c->cs)) {
         return 0;
     }
     double until = now + c->cfg->poll_ms / 1000.0;
@@ -301,7 +564,7 @@ static int record_and_settle(compensator_t *c)
 {
     int work = 0;
     if (c->n_done > 0 && comp_now() >= c->record_retry_at) {
-        int n = comp_record(c);
+        int n = comp_store_record(c);
         if (n > 0) {
             work += n;
             c->lease_wanted = true; /* a settled step may free an earlier one */
@@ -327,15 +590,17 @@ static int compensator_tick(tally_worker_t *w, void *state)
     double now = comp_now();
     if (now >= c->next_sweep) {
         c->next_sweep = now + c->cfg->sweep_ms / 1000.0;
-        work += comp_sweep(c);
+        work += sweep(c);
         c->lease_wanted = true;
     }
     work += record_and_settle(c);
     if (c->lease_wanted) {
         c->lease_wanted = false;
-        n = comp_lease(c);
+        n = lease_and_act(c);
         if (n >= 0) {
-            store_offsets(c);
+            if (c->cs != NULL) {
+                tally_consume_store(c->cs);
+            }
             work += n;
             /* a full batch: more may be waiting */
             c->lease_wanted = n >= c->cfg->batch_size;
@@ -358,8 +623,8 @@ static bool compensator_drain(tally_worker_t *w, void *state)
         TALLY_INFO("draining: %d reverse calls in flight, %zu outcomes to record",
                    tally_connector_inflight(c->conn), c->n_done);
     }
-    if (c->rk != NULL) {
-        rd_kafka_poll(c->rk, 0);
+    if (c->cs != NULL) {
+        tally_consume_serve(c->cs);
     }
     wait_and_collect(c, c->n_done > 0 ? 0 : 100);
     (void)record_and_settle(c);
@@ -391,19 +656,6 @@ static void compensator_fini(tally_worker_t *w, void *state)
         comp_outcome_clear(&c->done[i]);
     }
     free(c->done);
-    if (c->queue != NULL) {
-        rd_kafka_queue_io_event_enable(c->queue, -1, NULL, 0);
-        rd_kafka_queue_destroy(c->queue);
-    }
-    if (c->kafka_pipe[0] >= 0) {
-        close(c->kafka_pipe[0]);
-    }
-    if (c->kafka_pipe[1] >= 0) {
-        close(c->kafka_pipe[1]);
-    }
-    if (c->offsets != NULL) {
-        rd_kafka_topic_partition_list_destroy(c->offsets);
-    }
     json_decref(c->settle_runs);
     free(c->approval_tools);
     free(c);

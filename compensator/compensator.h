@@ -1,7 +1,13 @@
-/* compensator.h — tally-compensator's state and its parts: the loop that waits on curl,
- * PostgreSQL and Kafka at once (compensate.c), leasing obligations and acting on them
- * (obligation.c), run summaries and STUCK runs (settle.c), the pure builders the tests read
- * (summary.c) and the PagerDuty sender (pager.c).
+/* compensator.h — tally-compensator's state and its parts, on the reconciler's model:
+ *   compensate.c  the loop: wake-ups, leases, the reverse calls in flight, recording, the sweep
+ *   policy.c      the decisions, pure: what an obligation's tool, attempts and call answer make
+ *                 it, the backoff, what a settled run publishes (tests/unit/test_compensate.c)
+ *   body.c        the documents, pure: the blast radius, the reverse call's body and If-Match
+ *   store.c       every statement on obligations: lease, record outcomes, hold for approval,
+ *                 counts
+ *   settle.c      every statement on runs: settle them (their summary is tally/runsummary.h's),
+ *                 obligations for late confirmations
+ *   pager.c       the PagerDuty sender, on its own thread
  *
  * Saga order. Within one run an obligation is leased only when every obligation of a later
  * step is terminal (RESOLVED, SKIPPED, UNCOMPENSATABLE, CANCELLED) and, for run compensations,
@@ -14,11 +20,13 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <jansson.h>
-#include <librdkafka/rdkafka.h>
 
 #include "tally/config.h"
 #include "tally/connector.h"
+#include "tally/consume.h"
+#include "tally/ledger.h"
 #include "tally/metrics.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
@@ -26,15 +34,16 @@
 #include "tally/text.h"
 #include "tally/worker.h"
 
+/** SQL: the sort key of the step of effect row @p e in saga order (above): numeric steps by
+ * value, other steps in arrival order after them. */
+#define COMP_SQL_STEP_KEY(e) "(" e ".step_num IS NULL, coalesce(" e ".step_num, 0), " e ".seq)"
+
 /** The worker ops of tally-compensator; main.c hands them to tally_worker_main. */
 extern const tally_worker_ops_t tally_compensator_ops;
 
 /* A lease covers the tool's timeout plus this margin (and never less than TALLY_LEASE_MS),
  * so a reverse call still legitimately running is not taken over. */
 #define COMP_LEASE_MARGIN_MS 2000
-
-/** The obligation states counted for tally_obligations (settle.c). */
-#define COMP_OBLIGATION_STATES 8
 
 /** A leased obligation, from the lease until its outcome is recorded. */
 typedef struct comp_ob {
@@ -55,29 +64,28 @@ typedef struct comp_ob {
     json_t *receipt;     /**< the record's receipt (owned; may be NULL) */
     tally_effect_class_t cls;
     bool cls_known;
-    const tally_tool_t *tool; /**< NULL when the tool left the registry */
-    char from_status[24];     /**< PENDING, or RUNNING for an expired lease taken over */
+    const tally_tool_t *tool;      /**< NULL when the tool left the registry */
+    tally_obligation_state_t from; /**< PENDING, or RUNNING for an expired lease taken over */
     long long epoch;
     int attempts; /**< including this one */
     bool approved;
     tally_comp_decision_t dec;
-    json_t *blast_radius; /**< append_only / destructive (owned) */
+    json_t *blast_radius; /**< what cannot be undone (owned; NULL otherwise) */
     double started;       /**< monotonic seconds when the call was submitted */
 } comp_ob_t;
 
 /** A decided move of one obligation, waiting to be written. */
 typedef struct comp_outcome {
-    comp_ob_t *ob;              /**< owned */
-    const char *to_status;      /**< PENDING, RESOLVED, SKIPPED, UNCOMPENSATABLE, STUCK */
-    char code[48];              /**< status_reason: reverse verdict code or decision code */
-    char message[512];          /**< one sentence */
-    bool is_error;              /**< code/message are an error (error_code, error_message) */
-    json_t *reverse_receipt;    /**< RESOLVED (owned) */
-    json_t *call;               /**< the connector exchange for the audit trail (owned) */
-    long long delay_ms;         /**< PENDING: back off this long */
-    bool refund_attempt;        /**< PENDING without a call made (capacity): attempts - 1 */
-    const char *alert_severity; /**< raise a page: "critical"; NULL for none */
-    const char *alert_reason;   /**< its machine-readable reason */
+    comp_ob_t *ob;               /**< owned */
+    tally_obligation_state_t to; /**< PENDING, RESOLVED, SKIPPED, UNCOMPENSATABLE, STUCK */
+    char code[48];               /**< status_reason: reverse verdict code or decision code */
+    char message[512];           /**< one sentence */
+    bool is_error;               /**< code/message are an error (error_code, error_message) */
+    json_t *reverse_receipt;     /**< RESOLVED (owned) */
+    json_t *call;                /**< the connector exchange for the audit trail (owned) */
+    long long delay_ms;          /**< PENDING: back off this long */
+    bool refund_attempt;         /**< PENDING without a call made (capacity): attempts - 1 */
+    char page[48];               /**< raise a critical page with this reason; "" for none */
 } comp_outcome_t;
 
 typedef struct comp_pager comp_pager_t;
@@ -87,9 +95,7 @@ typedef struct compensator {
     const tally_config_t *cfg;
     const tally_registry_t *reg;
     tally_pg_t *pg;
-    rd_kafka_t *rk;
-    rd_kafka_queue_t *queue;
-    int kafka_pipe[2];
+    tally_consume_t *cs; /**< wake-ups on <prefix>obligations (the worker's); NULL: none */
     tally_connector_t *conn;
     const char *worker_id;
     char source[300];     /**< CloudEvents source of everything this worker publishes */
@@ -100,8 +106,6 @@ typedef struct compensator {
     double next_sweep; /**< monotonic seconds */
     double record_retry_at;
     bool minimal_pages; /**< the last record with pages was refused: raise them minimal */
-    double settle_retry_at;
-    rd_kafka_topic_partition_list_t *offsets; /**< wake-ups read, stored after the next round */
     bool draining;
 
     comp_outcome_t *done; /**< outcomes to record */
@@ -110,7 +114,7 @@ typedef struct compensator {
 
     comp_pager_t *pager;
 
-    double gauge_counts[COMP_OBLIGATION_STATES]; /**< the last counts, settle.c's order */
+    double gauge_counts[TALLY_OBLIGATION__COUNT]; /**< the last counts, by state */
     bool live_moved;            /**< live counts changed since the terminal ones were read */
     double terminal_counted_at; /**< monotonic seconds; 0: not yet */
     int settled_sweep_in;       /**< sweeps until the late-confirmation sweep reads settled runs */
@@ -128,43 +132,165 @@ typedef struct compensator {
     tally_metric_t *m_runs;        /**< tally_runs_settled_total{status} */
 } compensator_t;
 
-/* compensate.c */
+/* ---- compensate.c: the loop --------------------------------------------------------------- */
+
 double comp_now(void);
 
-/* obligation.c */
-
-/** @brief Lease what may run now (one statement) and act on it. @returns obligations leased,
- * -1 on a database error. */
-int comp_lease(compensator_t *c);
-
-/** @brief The connector's completion callback: classify and queue the outcome. */
-void comp_on_done(const tally_conn_result_t *res, void *opaque);
-
-/** @brief Write every queued outcome in one transaction. @returns outcomes written, -1. */
-int comp_record(compensator_t *c);
-
-/** @brief Move PENDING obligations of approval_required tools to AWAITING_APPROVAL. */
-int comp_hold_for_approval(compensator_t *c);
-
-/** @brief Frees a leased obligation (also for calls abandoned at exit). */
+/** @brief Frees a leased obligation (also for calls abandoned at exit). NULL is allowed. */
 void comp_ob_free(void *ob);
 
 /** @brief Frees an outcome's members (not the array slot). */
 void comp_outcome_clear(comp_outcome_t *o);
 
-/* settle.c */
+/* ---- policy.c: the decisions (pure) ------------------------------------------------------- */
+
+/** @brief The tool's max_attempts, 5 without one (or without the tool). */
+int comp_max_attempts(const tally_tool_t *tool);
+
+/** @brief Whether the registry's contract of @p tool asks for approval before compensating
+ * (the rule that fills the approval list the lease statement excludes). False for NULL. */
+bool comp_needs_approval(const tally_tool_t *tool);
 
 /**
- * @brief Write the summary of every run under compensation whose obligations can make no more
- * progress — @p run_ids (a JSON array; NULL: every such run) — and publish
- * tally.run.compensated.v1 / tally.run.stuck.v1 once per outcome. @returns runs settled, -1.
+ * @brief Backoff before retry @p attempts (1 = after the first call): the tool's backoff_ms
+ * doubling per attempt, capped at max_backoff_ms, with "equal jitter" (half fixed, half
+ * drawn from @p random); at least @p retry_after_ms when the tool sent Retry-After.
  */
-int comp_settle(compensator_t *c, const json_t *run_ids);
+long long comp_backoff_ms(const tally_tool_t *tool, int attempts, long retry_after_ms,
+                          uint32_t random);
 
-/** @brief The sweep: obligations for late confirmations, approvals, settlement, gauges. */
-int comp_sweep(compensator_t *c);
+/** What a receipt's "version" gives the If-Match header (body.c). */
+typedef enum {
+    COMP_VERSION_NONE = 0, /**< no version: no If-Match */
+    COMP_VERSION_OK,       /**< sent as If-Match */
+    COMP_VERSION_UNUSABLE, /**< over TALLY_LIMIT_RECEIPT_VERSION, or with control characters */
+} comp_version_t;
 
-/* summary.c — pure: no I/O, for the unit tests */
+/** Everything a decision about one leased obligation depends on. */
+typedef struct comp_policy_in {
+    const tally_tool_t *tool; /**< the registry's contract; NULL when the tool left it */
+    const char *tool_name;
+    bool cls_known; /**< the effect's class is one tally knows */
+    tally_effect_class_t cls;
+    bool approved;          /**< an operator approved this compensation */
+    int attempts;           /**< calls started for it, this one included */
+    comp_version_t version; /**< what the receipt's version gives If-Match */
+    int hold_ms;            /**< how long an obligation given back untouched waits */
+    uint32_t random;        /**< for the backoff's jitter */
+} comp_policy_in_t;
+
+/** How a decision is carried out. */
+typedef enum {
+    COMP_MOVE_RECORD = 0, /**< write the obligation's new state now */
+    COMP_MOVE_CALL,       /**< make the call; comp_policy_answer decides on its answer */
+} comp_move_kind_t;
+
+/** What a containment did, as the blast radius records it ("containment": {"status", ...}). */
+typedef enum {
+    COMP_CONTAIN_NONE = 0, /**< nothing to record */
+    COMP_CONTAIN_DONE,     /**< "done" */
+    COMP_CONTAIN_FAILED,   /**< "failed": a containment never makes the obligation STUCK */
+} comp_contain_t;
+
+/** One decision about one obligation: from its lease, a call not sent, or a call's answer. */
+typedef struct comp_move {
+    comp_move_kind_t kind;
+    tally_conn_op_t op;           /**< CALL: TALLY_CONN_COMPENSATE or TALLY_CONN_CONTAIN */
+    tally_obligation_state_t to;  /**< RECORD: PENDING, RESOLVED, SKIPPED, UNCOMPENSATABLE, STUCK */
+    const char *code;             /**< the status_reason code: static or borrowed from the input */
+    char message[512];            /**< one sentence (may quote a tool's answer) */
+    bool is_error;                /**< code and message are the error (error_code, _message) */
+    bool refund_attempt;          /**< PENDING without a call made: the attempt is not counted */
+    long long delay_ms;           /**< PENDING: wait this long */
+    const char *page;             /**< raise a critical page with this reason; NULL: none */
+    comp_contain_t containment;   /**< what to record of the containment in the blast radius */
+    const char *containment_code; /**< its code (borrowed) */
+    const char *containment_message; /**< its sentence (borrowed) */
+} comp_move_t;
+
+/**
+ * @brief The decision table for a leased obligation: tally_comp_decide, with approval given
+ * when an operator approved or the tool's contract does not ask for it, and an effect class
+ * tally does not know made STUCK (unknown_class).
+ */
+void comp_policy_decide(const comp_policy_in_t *in, tally_comp_decision_t *dec);
+
+/** @brief Whether the decided action records a blast radius (what cannot be undone). */
+bool comp_policy_wants_blast_radius(tally_comp_action_t action);
+
+/**
+ * @brief What to do with a leased obligation, by its decision (DESIGN §4):
+ * - SKIP: SKIPPED; RECORD, NOT_SUPPORTED: UNCOMPENSATABLE; ESCALATE: UNCOMPENSATABLE, paged
+ *   "destructive";
+ * - CONTAIN: the containment call while attempts ≤ max_attempts and @p can_contain (the blast
+ *   radius it carries was built), else UNCOMPENSATABLE (with "attempts_exhausted" recorded as
+ *   the containment's failure when that was why);
+ * - RUNBOOK, NO_TOOL: STUCK, paged with the decision's code;
+ * - AWAIT_APPROVAL (the registry changed under the lease): PENDING again, untouched, after
+ *   hold_ms;
+ * - REVERSE: the reverse call, unless attempts > max_attempts (leases kept expiring mid-call:
+ *   STUCK "attempts_exhausted") or the receipt's version cannot travel as If-Match (STUCK
+ *   "protocol_error": the call is not made without its stale-state guard); both paged.
+ */
+void comp_policy_lease(const comp_policy_in_t *in, const tally_comp_decision_t *dec,
+                       bool can_contain, comp_move_t *mv);
+
+/**
+ * @brief A call that could not be sent (nothing went out). @p capacity: no room in the engine,
+ * which is not the tool's fault: PENDING in 200 ms, the attempt not counted. A retriable
+ * @p err with attempts left: PENDING after the backoff. Otherwise a containment is recorded as
+ * failed (UNCOMPENSATABLE), a reverse call goes STUCK ("attempts_exhausted" when retriable,
+ * else @p err's code), paged. @p err is borrowed into @p mv.
+ */
+void comp_policy_unsent(const comp_policy_in_t *in, const tally_comp_decision_t *dec,
+                        tally_conn_op_t op, bool capacity, const tally_error_t *err,
+                        comp_move_t *mv);
+
+/** @brief Out of memory building a call's body: PENDING in 1 s, the attempt not counted. */
+void comp_policy_no_body(comp_move_t *mv);
+
+/**
+ * @brief A call's answer, classified (DESIGN §6; @p v is borrowed into @p mv).
+ * - containment (append_only): a transient failure is retried after the backoff within
+ *   max_attempts; anything else is UNCOMPENSATABLE with the containment "done" or "failed"
+ *   ("attempts_exhausted" when the retries ran out) — never STUCK;
+ * - reverse: RESOLVED; a transient failure PENDING after the backoff (Retry-After honoured), or
+ *   STUCK "attempts_exhausted" at max_attempts; anything else STUCK with the verdict's code,
+ *   paged "stale_state" (412) or "reverse_failed".
+ */
+void comp_policy_answer(const comp_policy_in_t *in, const tally_comp_decision_t *dec,
+                        tally_conn_op_t op, const tally_conn_verdict_t *v, comp_move_t *mv);
+
+/** What settling a run writes. */
+typedef enum {
+    COMP_SETTLE_NONE = 0,   /**< this outcome was published already: nothing */
+    COMP_SETTLE_SUMMARY,    /**< the run keeps its status: a new summary (audit "summary") */
+    COMP_SETTLE_TRANSITION, /**< the run moves to the outcome (audit "transition") */
+} comp_settle_t;
+
+/**
+ * @brief A settled run in @p status whose summary came out as @p outcome: nothing when the run
+ * is in @p outcome and @p published (the outcome last published; NULL: none) is it too — each
+ * outcome goes out once — else the summary, as a transition when the status changes.
+ */
+comp_settle_t comp_policy_settle(tally_run_state_t status, const tally_run_state_t *published,
+                                 tally_run_state_t outcome);
+
+/** @brief The event a settled run publishes: tally.run.stuck.v1 for STUCK, else
+ * tally.run.compensated.v1. */
+const char *comp_policy_run_event(tally_run_state_t outcome);
+
+/**
+ * @brief Whether the sweep counts the terminal obligations again (tally_obligations). They only
+ * grow and reading them is the costly part (bench/README.md, "compensator gauges"): at once the
+ * first time (@p counted_at 0), then when the live counts moved and COMP_TERMINAL_COUNT_MIN_S
+ * passed, and every COMP_TERMINAL_COUNT_MAX_S in any case.
+ */
+bool comp_policy_count_terminal(double now, double counted_at, bool live_moved);
+#define COMP_TERMINAL_COUNT_MIN_S 10.0
+#define COMP_TERMINAL_COUNT_MAX_S 60.0
+
+/* ---- body.c: the documents (pure) --------------------------------------------------------- */
 
 /** @brief The first of the args that names who or what the effect reached ("to", "recipient",
  * "email", "account_id", ...), or NULL. Borrowed from the list of names. */
@@ -182,13 +308,6 @@ json_t *comp_blast_radius(const char *tool, const char *operation_key, const jso
 json_t *comp_reverse_body(const char *external_ref, const json_t *receipt, const json_t *args,
                           const char *reason);
 
-/** What a receipt's "version" gives the If-Match header. */
-typedef enum {
-    COMP_VERSION_NONE = 0, /**< no version: no If-Match */
-    COMP_VERSION_OK,       /**< sent as If-Match */
-    COMP_VERSION_UNUSABLE, /**< over TALLY_LIMIT_RECEIPT_VERSION, or with control characters */
-} comp_version_t;
-
 /** The If-Match text of a receipt version, with its NUL. */
 #define COMP_IF_MATCH_SIZE (TALLY_LIMIT_RECEIPT_VERSION + 1)
 
@@ -199,25 +318,43 @@ typedef enum {
  */
 comp_version_t comp_if_match(const json_t *receipt, char out[COMP_IF_MATCH_SIZE]);
 
-/**
- * @brief Backoff before retry @p attempts (1 = after the first call): the tool's backoff_ms
- * doubling per attempt, capped at max_backoff_ms, with "equal jitter" (half fixed, half
- * random from @p rand_state); at least @p retry_after_ms when the tool sent Retry-After.
- */
-long long comp_backoff_ms(const tally_tool_t *tool, int attempts, long retry_after_ms,
-                          unsigned *rand_state);
+/* ---- store.c: every statement on obligations ---------------------------------------------- */
 
 /**
- * @brief A run's compensation summary (DESIGN §7) from the ledger's view of it: @p items is an
- * array of objects, one per effect and obligation (see settle.c for the fields). Fills
- * @p status with COMPENSATED, PARTIALLY_COMPENSATED or STUCK. @returns {"run_id", "status",
- * "reason", "compensated", "uncompensatable", "skipped", "failed", "counts"}, a new reference
- * or NULL (OOM).
+ * @brief Lease what may run now, at most @p limit (one statement, in saga order), with a
+ * "lease" audit event each, in one transaction. @returns the number leased, with @p out a
+ * malloc'd array of that many obligations (the caller frees it and each; an element is NULL
+ * when the row could not be read: its lease expires), or -1 on a database error (logged).
  */
-json_t *comp_run_summary(const char *run_id, const char *reason, const json_t *items,
-                         const char **status);
+int comp_store_lease(compensator_t *c, int limit, comp_ob_t ***out);
 
-/* pager.c */
+/** @brief Write every queued outcome (c->done) in one transaction: each a compare-and-set on
+ * (status, lease_epoch) with its audit events, pages and Kafka events. A batch PostgreSQL
+ * refuses for its data is written one by one. @returns outcomes written, -1. */
+int comp_store_record(compensator_t *c);
+
+/** @brief Move PENDING obligations of approval_required tools to AWAITING_APPROVAL. */
+int comp_store_hold_for_approval(compensator_t *c);
+
+/** @brief Read the counts of the live (@p terminal false) or terminal obligation states into
+ * @p counts (a state without rows is 0; the other states are left alone). False on an error,
+ * said in the log. */
+bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIGATION__COUNT]);
+
+/* ---- settle.c: every statement on runs ---------------------------------------------------- */
+
+/**
+ * @brief Write the summary of every run under compensation whose obligations can make no more
+ * progress — @p run_ids (a JSON array; NULL: every such run) — and publish
+ * tally.run.compensated.v1 / tally.run.stuck.v1 once per outcome. @returns runs settled, -1.
+ */
+int comp_settle(compensator_t *c, const json_t *run_ids);
+
+/** @brief Obligations for CONFIRMED effects of runs under compensation that have none yet
+ * (tally_runops_sweep_confirmed). @returns obligations created, -1. */
+int comp_sweep_confirmed(compensator_t *c);
+
+/* ---- pager.c ------------------------------------------------------------------------------ */
 
 /**
  * @brief The PagerDuty Events API v2 body for an alert: {"routing_key", "event_action"

@@ -18,6 +18,8 @@
 #include <time.h>
 #include <curl/curl.h>
 
+#include "tally/backoff.h"
+#include "tally/ledger.h"
 #include "tally/log.h"
 
 #define PAGER_BATCH          20
@@ -160,14 +162,28 @@ static long post(comp_pager_t *p, const char *body, char *why, size_t whysz)
 
 static long long backoff_ms(comp_pager_t *p, int attempts)
 {
-    long long d = PAGER_BACKOFF_MS;
-    for (int i = 1; i < attempts && d < PAGER_MAX_BACKOFF_MS; i++) {
-        d *= 2;
+    return tally_backoff_ms(attempts, PAGER_BACKOFF_MS, PAGER_MAX_BACKOFF_MS, -1,
+                            (uint32_t)rand_r(&p->rand_state));
+}
+
+/* What one delivery did, and the pager_state it leaves (SQL_RESULTS: a retry stays pending). */
+typedef enum {
+    PAGER_RETRY = 0,
+    PAGER_SENT,
+    PAGER_FAILED,
+} pager_outcome_t;
+
+static const char *pager_outcome_name(pager_outcome_t o)
+{
+    switch (o) {
+    case PAGER_SENT:
+        return "sent";
+    case PAGER_FAILED:
+        return "failed";
+    case PAGER_RETRY:
+        break;
     }
-    if (d > PAGER_MAX_BACKOFF_MS) {
-        d = PAGER_MAX_BACKOFF_MS;
-    }
-    return d / 2 + (long long)(rand_r(&p->rand_state) % (unsigned)(d / 2 + 1));
+    return "retry";
 }
 
 static const char *col(PGresult *res, int row, int c)
@@ -180,7 +196,9 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
 {
     const char *key = PQgetvalue(res, row, 0);
     const char *status = PQgetvalue(res, row, 1);
-    const char *action = strcmp(status, "RESOLVED") == 0 ? "resolve" : "trigger";
+    tally_alert_state_t st;
+    bool resolved = tally_alert_state_parse(status, &st) && st == TALLY_ALERT_RESOLVED;
+    const char *action = resolved ? "resolve" : "trigger";
     int attempts = atoi(PQgetvalue(res, row, 10));
     const char *run_id = col(res, row, 4);
     char source[300];
@@ -194,7 +212,7 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
     json_decref(details);
     char *text = body != NULL ? json_dumps(body, JSON_COMPACT) : NULL;
     json_decref(body);
-    const char *outcome = "retry";
+    pager_outcome_t outcome = PAGER_RETRY;
     char why[512] = "";
     long long delay = 0;
     if (text == NULL) {
@@ -207,29 +225,29 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
         tally_metric_observe(p->m_pager_seconds, (double)(t1.tv_sec - t0.tv_sec) +
                                                      (double)(t1.tv_nsec - t0.tv_nsec) / 1e9);
         if (http >= 200 && http < 300) {
-            outcome = "sent";
+            outcome = PAGER_SENT;
         } else if (http != 0) {
             snprintf(why, sizeof why, "HTTP %ld from %s", http, p->url);
             /* 4xx other than 429 will not get better by retrying (bad event, bad key) */
             if (http >= 400 && http < 500 && http != 429 && http != 408) {
-                outcome = "failed";
+                outcome = PAGER_FAILED;
             }
         }
     }
     free(text);
-    if (strcmp(outcome, "retry") == 0) {
+    if (outcome == PAGER_RETRY) {
         if (attempts >= PAGER_MAX_ATTEMPTS) {
-            outcome = "failed";
+            outcome = PAGER_FAILED;
         } else {
             delay = backoff_ms(p, attempts);
         }
     }
     tally_log_ctx_t ctx = {
         .run_id = run_id, .effect_id = col(res, row, 5), .obligation_id = col(res, row, 6)};
-    if (strcmp(outcome, "sent") == 0) {
+    if (outcome == PAGER_SENT) {
         tally_metric_add(p->m_alerts, 1, "pagerduty");
         TALLY_LOG(TALLY_LOG_INFO, &ctx, "PagerDuty %s sent for %s", action, key);
-    } else if (strcmp(outcome, "failed") == 0) {
+    } else if (outcome == PAGER_FAILED) {
         TALLY_LOG(TALLY_LOG_ERROR, &ctx,
                   "PagerDuty %s for %s failed for good after %d attempts: %s", action, key,
                   attempts, why);
@@ -238,10 +256,10 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
                   "PagerDuty %s for %s failed (attempt %d), retrying in %lld ms: %s", action, key,
                   attempts, delay, why);
     }
-    json_array_append_new(results, json_pack("{s:s, s:s, s:s, s:s, s:s?, s:I}", "dedup_key", key,
-                                             "status", status, "action", action, "outcome", outcome,
-                                             "error", strcmp(outcome, "sent") == 0 ? NULL : why,
-                                             "delay_ms", (json_int_t)delay));
+    json_array_append_new(
+        results, json_pack("{s:s, s:s, s:s, s:s, s:s?, s:I}", "dedup_key", key, "status", status,
+                           "action", action, "outcome", pager_outcome_name(outcome), "error",
+                           outcome == PAGER_SENT ? NULL : why, "delay_ms", (json_int_t)delay));
 }
 
 /* One round: @returns alerts handled, -1 on a database error. */

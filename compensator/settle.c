@@ -1,4 +1,5 @@
-/* settle.c — the end of a run's compensation (DESIGN §7), and the periodic sweep.
+/* settle.c — every statement the compensator runs on runs: the end of a run's compensation
+ * (DESIGN §7), and obligations for effects confirmed after it began.
  *
  * A run under compensation is settled when nothing of it can make progress on its own: no
  * obligation RUNNING or AWAITING_APPROVAL, no effect DISPATCHING or UNKNOWN, no CONFIRMED
@@ -18,19 +19,18 @@
 #include "tally/cloudevent.h"
 #include "tally/log.h"
 #include "tally/outbox.h"
+#include "tally/runsummary.h"
 
-/* clang-format off: SQL assembled from fragments reads best one clause per line */
-
-#define STEP_KEY(e) "(" e ".step_num IS NULL, coalesce(" e ".step_num, 0), " e ".seq)"
+/* SQL assembled from fragments reads best one clause per line. */
+// clang-format off
 
 /* A PENDING obligation (o, e) held behind a STUCK later step of its run. */
 #define BLOCKED(o, e)                                                                              \
     "(EXISTS (SELECT 1 FROM obligations ob JOIN effects eb ON eb.effect_id = ob.effect_id"         \
     "   WHERE ob.run_id = " o ".run_id AND ob.status = 'STUCK'"                                    \
-    "     AND " STEP_KEY("eb") " > " STEP_KEY(                                                     \
-        e) ")"                                                                                     \
-           " OR EXISTS (SELECT 1 FROM effects eb WHERE eb.run_id = " o ".run_id"                   \
-           "   AND eb.status = 'STUCK' AND " STEP_KEY("eb") " > " STEP_KEY(e) "))"
+    "     AND " COMP_SQL_STEP_KEY("eb") " > " COMP_SQL_STEP_KEY(e) ")"                             \
+    " OR EXISTS (SELECT 1 FROM effects eb WHERE eb.run_id = " o ".run_id"                          \
+    "   AND eb.status = 'STUCK' AND " COMP_SQL_STEP_KEY("eb") " > " COMP_SQL_STEP_KEY(e) "))"
 
 /* Nothing of run r can make progress on its own. */
 #define SETTLED(r)                                                                                 \
@@ -59,41 +59,40 @@ static const char SQL_LOCK[] =
     "             AND o.status = 'STUCK')"
     "           AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"
     "             AND e.status = 'STUCK')))))"
-    "   AND" SETTLED("r") " ORDER BY r.run_id LIMIT $2"
-                          " FOR UPDATE OF r SKIP LOCKED";
+    "   AND" SETTLED("r")
+    " ORDER BY r.run_id LIMIT $2"
+    " FOR UPDATE OF r SKIP LOCKED";
 
 /* The locked runs that are settled (checked again: this statement sees everything committed
  * before the locks were taken), each with the ledger's view of every effect and obligation
- * (the items comp_run_summary reads). */
+ * (the items tally_runsum_settled reads). */
 static const char SQL_SETTLED[] =
     "WITH s AS ("
     "  SELECT r.run_id, r.status, r.summary_status FROM runs r"
     "  WHERE r.run_id IN (SELECT json_array_elements_text($1::json))"
-    "    AND" SETTLED(
-        "r") ")"
-             " SELECT s.run_id, s.status, s.summary_status,"
-             "  (SELECT ev.kind || coalesce(': ' || ev.reason, '') FROM events ev"
-             "    WHERE ev.run_id = s.run_id AND ev.kind IN ('compensate_run', 'cancel_run')"
-             "    ORDER BY ev.seq LIMIT 1),"
-             "  (SELECT json_agg(json_build_object("
-             "     'effect_id', e.effect_id, 'step', e.step, 'step_is_number', e.step_num IS NOT "
-             "NULL,"
-             "     'tool', e.tool, 'effect_class', e.effect_class, 'effect_status', e.status,"
-             "     'effect_error', CASE WHEN e.error_code IS NOT NULL"
-             "       THEN json_build_object('code', e.error_code, 'message', e.error_message) END,"
-             "     'receipt', coalesce(o.receipt, e.receipt),"
-             "     'external_ref', coalesce(o.external_ref, e.external_ref),"
-             "     'obligation_id', o.obligation_id, 'obligation_status', o.status,"
-             "     'obligation_reason', o.reason, 'status_reason', o.status_reason,"
-             "     'error_code', o.error_code, 'error_message', o.error_message,"
-             "     'reverse_receipt', o.reverse_receipt, 'blast_radius', o.blast_radius,"
-             "     'attempts', o.attempts, 'blocked', o.status = 'PENDING',"
-             "     'runbook', a.runbook, 'resolve_command', a.resolve_command)"
-             "     ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC, o.created_at)"
-             "   FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
-             "   LEFT JOIN alerts a ON a.dedup_key = 'obligation:' || o.obligation_id"
-             "   WHERE e.run_id = s.run_id)::text"
-             " FROM s";
+    "    AND" SETTLED("r") ")"
+    " SELECT s.run_id, s.status, s.summary_status,"
+    "  (SELECT ev.kind || coalesce(': ' || ev.reason, '') FROM events ev"
+    "    WHERE ev.run_id = s.run_id AND ev.kind IN ('compensate_run', 'cancel_run')"
+    "    ORDER BY ev.seq LIMIT 1),"
+    "  (SELECT json_agg(json_build_object("
+    "     'effect_id', e.effect_id, 'step', e.step, 'step_is_number', e.step_num IS NOT NULL,"
+    "     'tool', e.tool, 'effect_class', e.effect_class, 'effect_status', e.status,"
+    "     'effect_error', CASE WHEN e.error_code IS NOT NULL"
+    "       THEN json_build_object('code', e.error_code, 'message', e.error_message) END,"
+    "     'receipt', coalesce(o.receipt, e.receipt),"
+    "     'external_ref', coalesce(o.external_ref, e.external_ref),"
+    "     'obligation_id', o.obligation_id, 'obligation_status', o.status,"
+    "     'obligation_reason', o.reason, 'status_reason', o.status_reason,"
+    "     'error_code', o.error_code, 'error_message', o.error_message,"
+    "     'reverse_receipt', o.reverse_receipt, 'blast_radius', o.blast_radius,"
+    "     'attempts', o.attempts, 'blocked', o.status = 'PENDING',"
+    "     'runbook', a.runbook, 'resolve_command', a.resolve_command)"
+    "     ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC, o.created_at)"
+    "   FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
+    "   LEFT JOIN alerts a ON a.dedup_key = 'obligation:' || o.obligation_id"
+    "   WHERE e.run_id = s.run_id)::text"
+    " FROM s";
 
 static const char SQL_WRITE[] =
     "UPDATE runs r SET status = x.status, summary = x.summary, summary_status = x.status,"
@@ -104,30 +103,7 @@ static const char SQL_WRITE[] =
     " WHERE r.run_id = x.run_id AND r.status = x.from_status"
     " RETURNING r.run_id";
 
-/* Obligations by state (tally_obligations), in two parts. The live states are few and read
- * through obligations_due_idx, which leads with the status: counted on every sweep. The
- * terminal ones only grow, and counting them reads every finished obligation of the ledger
- * (5.4 ms at 40,000 on a scratch cluster, linear, on every sweep of every compensator), so
- * they are counted again when the live counts have moved (obligations may have finished), at
- * most every TERMINAL_COUNT_MIN_S, and every TERMINAL_COUNT_MAX_S in any case. */
-static const char SQL_GAUGE_LIVE[] =
-    "SELECT status, count(*) FROM obligations"
-    " WHERE status IN ('PENDING', 'AWAITING_APPROVAL', 'RUNNING', 'STUCK') GROUP BY status";
-static const char SQL_GAUGE_TERMINAL[] =
-    "SELECT status, count(*) FROM obligations"
-    " WHERE status IN ('RESOLVED', 'SKIPPED', 'UNCOMPENSATABLE', 'CANCELLED') GROUP BY status";
-#define TERMINAL_COUNT_MIN_S 10.0
-#define TERMINAL_COUNT_MAX_S 60.0
-
-/* clang-format on */
-
-/* In SQL_GAUGE_LIVE's states first, then SQL_GAUGE_TERMINAL's: compensator_t.gauge_counts. */
-static const char *const OBLIGATION_STATES[COMP_OBLIGATION_STATES] = {
-    "PENDING",  "AWAITING_APPROVAL", "RUNNING",         "STUCK",
-    "RESOLVED", "SKIPPED",           "UNCOMPENSATABLE", "CANCELLED",
-};
-#define LIVE_STATES 4 /* the first four */
-#define STUCK_STATE 3 /* "STUCK", also tally_stuck_obligations */
+// clang-format on
 
 /* One settled run: its summary, the update row, the event and the audit entry. */
 static bool settle_one(compensator_t *c, PGresult *res, int row, json_t *updates,
@@ -135,54 +111,60 @@ static bool settle_one(compensator_t *c, PGresult *res, int row, json_t *updates
 {
     const char *run_id = PQgetvalue(res, row, 0);
     const char *status = PQgetvalue(res, row, 1);
-    const char *published = PQgetisnull(res, row, 2) ? NULL : PQgetvalue(res, row, 2);
     const char *reason = PQgetisnull(res, row, 3) ? NULL : PQgetvalue(res, row, 3);
+    /* the states, parsed here once; a status the ledger would refuse is left by a transition */
+    tally_run_state_t st, published;
+    bool st_known = tally_run_state_parse(status, &st);
+    bool was_published =
+        !PQgetisnull(res, row, 2) && tally_run_state_parse(PQgetvalue(res, row, 2), &published);
     json_t *items =
         PQgetisnull(res, row, 4) ? json_array() : json_loads(PQgetvalue(res, row, 4), 0, NULL);
-    const char *outcome = NULL;
-    json_t *summary = items != NULL ? comp_run_summary(run_id, reason, items, &outcome) : NULL;
+    tally_run_state_t outcome;
+    json_t *summary = items != NULL ? tally_runsum_settled(run_id, reason, items, &outcome) : NULL;
     json_decref(items);
     if (summary == NULL) {
         return false;
     }
-    if (strcmp(outcome, status) == 0 && published != NULL && strcmp(published, outcome) == 0) {
+    comp_settle_t what = st_known
+                             ? comp_policy_settle(st, was_published ? &published : NULL, outcome)
+                             : COMP_SETTLE_TRANSITION;
+    if (what == COMP_SETTLE_NONE) {
         json_decref(summary); /* this outcome is out already */
         return true;
     }
+    const char *outcome_name = tally_run_state_name(outcome);
     bool ok =
         json_array_append_new(updates, json_pack("{s:s, s:s, s:s, s:s, s:O}", "run_id", run_id,
-                                                 "from_status", status, "status", outcome, "reason",
-                                                 reason != NULL ? reason : "compensation",
+                                                 "from_status", status, "status", outcome_name,
+                                                 "reason", reason != NULL ? reason : "compensation",
                                                  "summary", summary)) == 0;
-    json_t *data = ok ? json_pack("{s:s, s:s, s:s?, s:O}", "run_id", run_id, "status", outcome,
+    json_t *data = ok ? json_pack("{s:s, s:s, s:s?, s:O}", "run_id", run_id, "status", outcome_name,
                                   "reason", reason, "summary", summary)
                       : NULL;
     json_t *ce = data != NULL
-                     ? tally_ce_new(strcmp(outcome, "STUCK") == 0 ? "tally.run.stuck.v1"
-                                                                  : "tally.run.compensated.v1",
-                                    c->source, run_id, data, NULL)
+                     ? tally_ce_new(comp_policy_run_event(outcome), c->source, run_id, data, NULL)
                      : NULL;
     if (ce != NULL) {
         tally_outbox_batch_add(ob, "outcomes", run_id, ce);
         json_t *counts = json_pack("{s:O}", "counts", json_object_get(summary, "counts"));
         tally_audit_event_t ev = {.run_id = run_id,
-                                  .kind = strcmp(outcome, status) == 0 ? "summary" : "transition",
+                                  .kind = what == COMP_SETTLE_SUMMARY ? "summary" : "transition",
                                   .from_status = status,
-                                  .to_status = outcome,
+                                  .to_status = outcome_name,
                                   .actor = c->worker_id,
                                   .reason = "compensation settled: nothing more can progress",
                                   .data = counts};
         tally_audit_batch_add(ab, &ev);
         json_decref(counts);
         json_t *cnt = json_object_get(summary, "counts");
-        TALLY_LOG(strcmp(outcome, "STUCK") == 0 ? TALLY_LOG_ERROR : TALLY_LOG_INFO,
+        TALLY_LOG(outcome == TALLY_RUN_STUCK ? TALLY_LOG_ERROR : TALLY_LOG_INFO,
                   (&(tally_log_ctx_t){.run_id = run_id}),
                   "run %s: %lld compensated, %lld uncompensatable, %lld skipped, %lld failed",
-                  outcome, (long long)json_integer_value(json_object_get(cnt, "compensated")),
+                  outcome_name, (long long)json_integer_value(json_object_get(cnt, "compensated")),
                   (long long)json_integer_value(json_object_get(cnt, "uncompensatable")),
                   (long long)json_integer_value(json_object_get(cnt, "skipped")),
                   (long long)json_integer_value(json_object_get(cnt, "failed")));
-        tally_metric_add(c->m_runs, 1, outcome);
+        tally_metric_add(c->m_runs, 1, outcome_name);
     }
     json_decref(ce);
     json_decref(summary);
@@ -204,7 +186,6 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
     tally_audit_batch_t *ab = tally_audit_batch_new();
     json_t *locked = json_array(), *updates = json_array();
     PGresult *res = NULL;
-    char *text = NULL;
     int n = -1;
     if (ob == NULL || ab == NULL || locked == NULL || updates == NULL) {
         tally_error_set(&err, "oom", true, "out of memory settling runs");
@@ -230,9 +211,7 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
         n = 0;
         goto out;
     }
-    text = json_dumps(locked, JSON_COMPACT);
-    const char *params[1] = {text};
-    res = text != NULL ? tally_pg_exec(c->pg, SQL_SETTLED, 1, params, &err) : NULL;
+    res = tally_pg_exec_json(c->pg, SQL_SETTLED, locked, &err);
     if (res == NULL) {
         goto out;
     }
@@ -245,10 +224,7 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
     PQclear(res);
     res = NULL;
     if (json_array_size(updates) > 0) {
-        free(text);
-        text = json_dumps(updates, JSON_COMPACT);
-        params[0] = text;
-        res = text != NULL ? tally_pg_exec(c->pg, SQL_WRITE, 1, params, &err) : NULL;
+        res = tally_pg_exec_json(c->pg, SQL_WRITE, updates, &err);
         if (res == NULL) {
             goto out;
         }
@@ -270,7 +246,6 @@ out:
         tally_metric_add(c->m_db_errors, 1, "settle");
     }
     PQclear(res);
-    free(text);
     free(ids_text);
     json_decref(locked);
     json_decref(updates);
@@ -280,14 +255,13 @@ out:
 }
 
 /* The late-confirmation sweep reads the COMPENSATED and PARTIALLY_COMPENSATED runs on the
- * first sweep and then on every this many (30 s at the default TALLY_SWEEP_MS). They are
- * every run ever compensated, and reading all their CONFIRMED effects took about 60 ms a sweep
- * on a ledger of 100,000 effects, growing with it; an effect of such a run is seldom confirmed
- * later (tally_runops_sweep_confirmed). COMPENSATING and STUCK runs are read on every sweep. */
+ * first sweep and then on every this many (30 s at the default TALLY_SWEEP_MS): they are every
+ * run ever compensated, an effect of one is seldom confirmed later, and reading them grows with
+ * the ledger (bench/README.md, "late-confirmation sweep"). COMPENSATING and STUCK runs are read
+ * on every sweep. */
 #define SETTLED_SWEEP_EVERY 30
 
-/* CONFIRMED effects of runs under compensation that have no obligation yet. */
-static int sweep_confirmed(compensator_t *c)
+int comp_sweep_confirmed(compensator_t *c)
 {
     tally_error_t err;
     tally_error_clear(&err);
@@ -316,62 +290,4 @@ static int sweep_confirmed(compensator_t *c)
     tally_outbox_batch_free(ob);
     tally_audit_batch_free(ab);
     return ok ? (int)created : -1;
-}
-
-/* Reads the counts of states [from, to) of OBLIGATION_STATES (a state without rows is 0) into
- * c->gauge_counts and the gauge; *moved says whether one of them changed. False on an error,
- * said in the log. */
-static bool count_states(compensator_t *c, const char *sql, size_t from, size_t to, bool *moved)
-{
-    tally_error_t err;
-    tally_error_clear(&err);
-    PGresult *res = tally_pg_exec(c->pg, sql, 0, NULL, &err);
-    if (res == NULL) {
-        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL, "reading obligation counts: %s", err.message);
-        return false;
-    }
-    *moved = false;
-    for (size_t i = from; i < to; i++) {
-        double v = 0;
-        for (int row = 0; row < PQntuples(res); row++) {
-            if (strcmp(PQgetvalue(res, row, 0), OBLIGATION_STATES[i]) == 0)
-                v = atof(PQgetvalue(res, row, 1));
-        }
-        *moved = *moved || v != c->gauge_counts[i];
-        c->gauge_counts[i] = v;
-        tally_metric_set(c->m_obligations, v, OBLIGATION_STATES[i]);
-    }
-    PQclear(res);
-    return true;
-}
-
-static void refresh_gauges(compensator_t *c)
-{
-    bool moved;
-    if (!count_states(c, SQL_GAUGE_LIVE, 0, LIVE_STATES, &moved))
-        return;
-    tally_metric_set(c->m_stuck, c->gauge_counts[STUCK_STATE]);
-    c->live_moved = c->live_moved || moved;
-    double now = comp_now();
-    double since = now - c->terminal_counted_at;
-    if (c->terminal_counted_at > 0 && since < TERMINAL_COUNT_MAX_S &&
-        !(c->live_moved && since >= TERMINAL_COUNT_MIN_S))
-        return;
-    if (count_states(c, SQL_GAUGE_TERMINAL, LIVE_STATES, COMP_OBLIGATION_STATES, &moved)) {
-        c->terminal_counted_at = now;
-        c->live_moved = false;
-    }
-}
-
-int comp_sweep(compensator_t *c)
-{
-    int work = 0;
-    int n = sweep_confirmed(c);
-    work += n > 0 ? n : 0;
-    n = comp_hold_for_approval(c);
-    work += n > 0 ? n : 0;
-    n = comp_settle(c, NULL);
-    work += n > 0 ? n : 0;
-    refresh_gauges(c);
-    return work;
 }

@@ -1,12 +1,19 @@
-# The compensator's pure logic (compensator/summary.c, compensator/pager.c and the decision
-# table in common/src/runops.c): decisions per effect class and compensation mode, blast
-# radius, reverse body and If-Match, backoff, run summaries, PagerDuty bodies. No services.
+# The compensator's pure logic (compensator/policy.c, compensator/body.c, compensator/pager.c
+# and the decision table in common/src/runops.c): decisions per effect class and compensation
+# mode, per unsent call and per answer, blast radius, reverse body and If-Match, backoff, what a
+# settled run publishes, PagerDuty bodies. No services.
 set(TALLY_COMPENSATE_COMMON runops.c backoff.c registry.c json.c error.c log.c pg.c metrics.c audit.c columns.c
     outbox.c cloudevent.c id.c ledger.c)
 tally_unit_test(test_compensate SOURCES ${TALLY_COMPENSATE_COMMON})
-target_sources(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator/summary.c
+target_sources(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator/policy.c
+                                       ${CMAKE_SOURCE_DIR}/compensator/body.c
                                        ${CMAKE_SOURCE_DIR}/compensator/pager.c)
 target_include_directories(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator)
+
+# A run's compensation summary (common/src/runsummary.c): the classification the compensator
+# and `tally summary` share, in both views. No services.
+tally_unit_test(test_runsummary SOURCES runsummary.c alert.c audit.c columns.c backoff.c outbox.c pg.c
+                cloudevent.c id.c json.c ledger.c log.c error.c)
 
 # Not a unit test: drives common/src/runops.c against a real PostgreSQL for the integration
 # tests (test_compensate_*.py) until `tally compensate|cancel|approve` exist.

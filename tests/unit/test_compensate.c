@@ -1,6 +1,8 @@
 /* test_compensate.c — the compensator's pure logic: the per-class decision table (runops.c),
- * the blast radius and its target, the reverse call's body and If-Match, the retry backoff, the
- * run summary of DESIGN §7 and the PagerDuty Events API v2 body. No services. */
+ * what a leased obligation, an unsent call and a call's answer make of it (policy.c), the blast
+ * radius and its target, the reverse call's body and If-Match (body.c), the retry backoff, what
+ * a settled run publishes, and the PagerDuty Events API v2 body. The run summary of DESIGN §7
+ * is tests/unit/test_runsummary.c's. No services. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -47,6 +49,11 @@ static tally_comp_action_t decide(tally_effect_class_t cls, tally_comp_mode_t mo
     assert_non_null(d.code);
     assert_true(strlen(d.why) > 10);
     return d.action;
+}
+
+static uint32_t rnd(unsigned *seed)
+{
+    return (uint32_t)rand_r(seed);
 }
 
 static json_t *load(const char *text)
@@ -267,183 +274,395 @@ static void test_backoff(void **state)
     tally_tool_t t = tool_of("t", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
     unsigned seed = 42;
     for (int i = 0; i < 200; i++) {
-        long long d1 = comp_backoff_ms(&t, 1, -1, &seed);
+        long long d1 = comp_backoff_ms(&t, 1, -1, rnd(&seed));
         assert_in_range(d1, 50, 100);
-        long long d3 = comp_backoff_ms(&t, 3, -1, &seed);
+        long long d3 = comp_backoff_ms(&t, 3, -1, rnd(&seed));
         assert_in_range(d3, 200, 400);
-        long long d20 = comp_backoff_ms(&t, 20, -1, &seed); /* capped at max_backoff_ms */
+        long long d20 = comp_backoff_ms(&t, 20, -1, rnd(&seed)); /* capped at max_backoff_ms */
         assert_in_range(d20, 1000, 2000);
     }
     /* jitter: not every retry waits the same */
-    long long first = comp_backoff_ms(&t, 5, -1, &seed);
+    long long first = comp_backoff_ms(&t, 5, -1, rnd(&seed));
     bool differs = false;
     for (int i = 0; i < 50 && !differs; i++) {
-        differs = comp_backoff_ms(&t, 5, -1, &seed) != first;
+        differs = comp_backoff_ms(&t, 5, -1, rnd(&seed)) != first;
     }
     assert_true(differs);
     /* the tool's Retry-After wins when it asks for longer */
-    assert_int_equal(comp_backoff_ms(&t, 1, 5000, &seed), 5000);
-    assert_in_range(comp_backoff_ms(&t, 1, 10, &seed), 50, 100);
-    assert_in_range(comp_backoff_ms(NULL, 1, -1, &seed), 100, 200);
+    assert_int_equal(comp_backoff_ms(&t, 1, 5000, rnd(&seed)), 5000);
+    assert_in_range(comp_backoff_ms(&t, 1, 10, rnd(&seed)), 50, 100);
+    assert_in_range(comp_backoff_ms(NULL, 1, -1, rnd(&seed)), 100, 200);
 }
 
-/* ---------------------------------------------------------------- the run summary */
+/* ---------------------------------------------------------------- policy: a leased obligation */
 
-/* The four-step run of issue 5, compensated: read skipped, two reversed, the email out. */
-static const char RUN_ITEMS[] =
-    "["
-    "{\"effect_id\":\"00000000-0000-0000-0000-000000000004\",\"step\":\"4\",\"step_is_number\":"
-    "true,\"tool\":\"create_hold\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":"
-    "\"holds_4\"},\"external_ref\":\"holds_4\",\"obligation_id\":"
-    "\"10000000-0000-0000-0000-000000000004\",\"obligation_status\":\"RESOLVED\","
-    "\"status_reason\":\"http_201: HTTP 201\",\"reverse_receipt\":{\"id\":\"rev_5\"}},"
-    "{\"effect_id\":\"00000000-0000-0000-0000-000000000003\",\"step\":\"3\",\"step_is_number\":"
-    "true,\"tool\":\"send_email\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":"
-    "\"emails_3\"},\"external_ref\":\"emails_3\",\"obligation_id\":"
-    "\"10000000-0000-0000-0000-000000000003\",\"obligation_status\":\"UNCOMPENSATABLE\","
-    "\"status_reason\":\"append_only: cannot be undone\",\"blast_radius\":{\"tool\":"
-    "\"send_email\",\"target\":{\"field\":\"to\",\"value\":\"ann@example.com\"},\"time\":"
-    "\"2026-11-22T00:00:01.000Z\"}},"
-    "{\"effect_id\":\"00000000-0000-0000-0000-000000000002\",\"step\":\"2\",\"step_is_number\":"
-    "true,\"tool\":\"charge_card\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":"
-    "\"charges_2\"},\"external_ref\":\"charges_2\",\"obligation_id\":"
-    "\"10000000-0000-0000-0000-000000000002\",\"obligation_status\":\"RESOLVED\","
-    "\"status_reason\":\"http_201: HTTP 201\",\"reverse_receipt\":{\"id\":\"rev_6\"}},"
-    "{\"effect_id\":\"00000000-0000-0000-0000-000000000001\",\"step\":\"1\",\"step_is_number\":"
-    "true,\"tool\":\"check_balance\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":"
-    "\"balance_checks_1\"},\"external_ref\":\"balance_checks_1\",\"obligation_id\":"
-    "\"10000000-0000-0000-0000-000000000001\",\"obligation_status\":\"SKIPPED\","
-    "\"status_reason\":\"read_only: a read changed nothing\"}"
-    "]";
-
-static json_t *counts_of(const json_t *summary)
+static comp_policy_in_t in_of(const tally_tool_t *t, int attempts)
 {
-    return json_object_get(summary, "counts");
+    return (comp_policy_in_t){.tool = t,
+                              .tool_name = t != NULL ? t->name : "gone",
+                              .cls_known = true,
+                              .cls = t != NULL ? t->effect_class : TALLY_CLASS_REVERSIBLE,
+                              .approved = false,
+                              .attempts = attempts,
+                              .version = COMP_VERSION_OK,
+                              .hold_ms = 1000,
+                              .random = 7};
 }
 
-static json_int_t count(const json_t *summary, const char *list)
+/* The decision and the move for a freshly leased obligation (@p can_contain: its blast radius
+ * was built). */
+static comp_move_t lease(const comp_policy_in_t *in, bool can_contain, tally_comp_decision_t *d)
 {
-    json_int_t n = json_integer_value(json_object_get(counts_of(summary), list));
-    assert_int_equal((size_t)n, json_array_size(json_object_get(summary, list)));
-    return n;
+    comp_policy_decide(in, d);
+    comp_move_t mv;
+    comp_policy_lease(in, d, can_contain, &mv);
+    return mv;
 }
 
-static void test_summary_partially_compensated(void **state)
+static void assert_record(const comp_move_t *mv, tally_obligation_state_t to, const char *code,
+                          const char *page)
 {
-    (void)state;
-    json_t *items = load(RUN_ITEMS);
-    const char *status = NULL;
-    json_t *s = comp_run_summary("run-1", "compensate_run: agent gave up", items, &status);
-    assert_non_null(s);
-    assert_string_equal(status, "PARTIALLY_COMPENSATED");
-    assert_string_equal(json_string_value(json_object_get(s, "status")), status);
-    assert_string_equal(json_string_value(json_object_get(s, "run_id")), "run-1");
-    assert_int_equal(count(s, "compensated"), 2);
-    assert_int_equal(count(s, "uncompensatable"), 1);
-    assert_int_equal(count(s, "skipped"), 1);
-    assert_int_equal(count(s, "failed"), 0);
-
-    /* reversed last step first, each with its reverse receipt and an integer step */
-    json_t *comp = json_object_get(s, "compensated");
-    assert_string_equal(json_string_value(json_object_get(json_array_get(comp, 0), "tool")),
-                        "create_hold");
-    assert_int_equal(json_integer_value(json_object_get(json_array_get(comp, 0), "step")), 4);
-    assert_string_equal(json_string_value(json_object_get(
-                            json_object_get(json_array_get(comp, 1), "reverse_receipt"), "id")),
-                        "rev_6");
-    json_t *un = json_array_get(json_object_get(s, "uncompensatable"), 0);
-    json_t *br = json_object_get(un, "blast_radius");
-    assert_string_equal(json_string_value(json_object_get(json_object_get(br, "target"), "value")),
-                        "ann@example.com");
-    assert_non_null(json_string_value(json_object_get(br, "time")));
-    json_t *sk = json_array_get(json_object_get(s, "skipped"), 0);
-    assert_non_null(strstr(json_string_value(json_object_get(sk, "reason")), "read_only"));
-    assert_string_equal(json_string_value(json_object_get(sk, "effect_id")),
-                        "00000000-0000-0000-0000-000000000001");
-    json_decref(s);
-    json_decref(items);
+    assert_int_equal(mv->kind, COMP_MOVE_RECORD);
+    assert_int_equal(mv->to, to);
+    assert_string_equal(mv->code, code);
+    assert_true(strlen(mv->message) > 0);
+    if (page == NULL) {
+        assert_null(mv->page);
+    } else {
+        assert_non_null(mv->page);
+        assert_string_equal(mv->page, page);
+    }
 }
 
-static void test_summary_stuck(void **state)
+static void test_policy_lease_by_class(void **state)
 {
     (void)state;
-    json_t *items =
-        load("[{\"effect_id\":\"e2\",\"step\":\"charge\",\"step_is_number\":false,\"tool\":"
-             "\"charge_card\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":\"charges_2\","
-             "\"version\":1},\"external_ref\":\"charges_2\",\"obligation_id\":\"o2\","
-             "\"obligation_status\":\"STUCK\",\"error_code\":\"stale_state\",\"error_message\":"
-             "\"HTTP 412\",\"attempts\":1,\"resolve_command\":\"tally resolve --obligation o2 --as "
-             "resolved\",\"runbook\":\"https://wiki/refunds\"},"
-             "{\"effect_id\":\"e1\",\"step\":\"hold\",\"step_is_number\":false,\"tool\":"
-             "\"create_hold\",\"effect_status\":\"CONFIRMED\",\"receipt\":{\"id\":\"holds_1\"},"
-             "\"external_ref\":\"holds_1\",\"obligation_id\":\"o1\",\"obligation_status\":"
-             "\"PENDING\",\"blocked\":true,\"attempts\":0},"
-             "{\"effect_id\":\"e0\",\"step\":\"prep\",\"step_is_number\":false,\"tool\":"
-             "\"charge_card\",\"effect_status\":\"FAILED\",\"effect_error\":{\"code\":\"http_422\","
-             "\"message\":\"no\"}}]");
-    const char *status = NULL;
-    json_t *s = comp_run_summary("run-2", NULL, items, &status);
-    assert_string_equal(status, "STUCK");
-    assert_int_equal(count(s, "failed"), 2);
-    assert_int_equal(count(s, "skipped"), 1);
-    json_t *f0 = json_array_get(json_object_get(s, "failed"), 0);
-    assert_string_equal(json_string_value(json_object_get(f0, "step")), "charge");
-    assert_string_equal(json_string_value(json_object_get(json_object_get(f0, "error"), "code")),
-                        "stale_state");
-    assert_string_equal(json_string_value(json_object_get(json_object_get(f0, "receipt"), "id")),
-                        "charges_2");
-    const char *action = json_string_value(json_object_get(f0, "action_required"));
-    assert_non_null(strstr(action, "If-Match"));
-    assert_non_null(strstr(action, "tally resolve --obligation o2"));
-    assert_non_null(strstr(action, "https://wiki/refunds"));
-    json_t *f1 = json_array_get(json_object_get(s, "failed"), 1);
-    assert_string_equal(json_string_value(json_object_get(json_object_get(f1, "error"), "code")),
-                        "blocked");
-    json_t *sk = json_array_get(json_object_get(s, "skipped"), 0);
-    assert_non_null(strstr(json_string_value(json_object_get(sk, "reason")), "FAILED"));
-    json_decref(s);
-    json_decref(items);
+    tally_comp_decision_t d;
+    tally_tool_t read = tool_of("check_balance", TALLY_CLASS_READ, TALLY_COMP_AUTOMATIC);
+    comp_policy_in_t in = in_of(&read, 1);
+    comp_move_t mv = lease(&in, true, &d);
+    assert_record(&mv, TALLY_OBLIGATION_SKIPPED, "read_only", NULL);
+    assert_false(mv.is_error);
+    assert_false(comp_policy_wants_blast_radius(d.action));
+
+    tally_tool_t rev = tool_of("charge_card", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
+    in = in_of(&rev, 1);
+    mv = lease(&in, false, &d);
+    assert_int_equal(mv.kind, COMP_MOVE_CALL);
+    assert_int_equal(mv.op, TALLY_CONN_COMPENSATE);
+    assert_false(comp_policy_wants_blast_radius(d.action));
+
+    /* append_only without a containment action: recorded, not paged */
+    tally_tool_t email = tool_of("send_email", TALLY_CLASS_APPEND_ONLY, TALLY_COMP_AUTOMATIC);
+    in = in_of(&email, 1);
+    mv = lease(&in, true, &d);
+    assert_true(comp_policy_wants_blast_radius(d.action));
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_false(mv.is_error);
+    assert_int_equal(mv.containment, COMP_CONTAIN_NONE);
+
+    /* destructive: recorded and paged, whatever the mode */
+    tally_tool_t del = tool_of("delete_account", TALLY_CLASS_DESTRUCTIVE, TALLY_COMP_AUTOMATIC);
+    in = in_of(&del, 1);
+    mv = lease(&in, true, &d);
+    assert_true(comp_policy_wants_blast_radius(d.action));
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "destructive", "destructive");
+
+    /* not_supported: recorded with the reason */
+    rev.comp_mode = TALLY_COMP_NOT_SUPPORTED;
+    in = in_of(&rev, 1);
+    mv = lease(&in, true, &d);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "not_supported", NULL);
+
+    /* manual_runbook, and a tool that left the registry: STUCK at once, paged, as an error */
+    rev.comp_mode = TALLY_COMP_MANUAL_RUNBOOK;
+    in = in_of(&rev, 1);
+    mv = lease(&in, true, &d);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "manual_runbook", "manual_runbook");
+    assert_true(mv.is_error);
+    in = in_of(NULL, 1);
+    mv = lease(&in, true, &d);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "unknown_tool", "unknown_tool");
+    assert_true(mv.is_error);
 }
 
-static void test_summary_compensated_and_stuck_effect(void **state)
+static void test_policy_lease_reverse_guards(void **state)
 {
     (void)state;
-    json_t *items = load("[{\"effect_id\":\"e1\",\"step\":\"1\",\"step_is_number\":true,"
-                         "\"tool\":\"charge_card\",\"effect_status\":\"CONFIRMED\","
-                         "\"obligation_id\":\"o1\",\"obligation_status\":\"RESOLVED\","
-                         "\"reverse_receipt\":{\"id\":\"rev_1\"}},"
-                         "{\"effect_id\":\"e0\",\"step\":\"0\",\"step_is_number\":true,"
-                         "\"tool\":\"update_ledger\",\"effect_status\":\"CONFIRMED\","
-                         "\"obligation_id\":\"o0\",\"obligation_status\":\"SKIPPED\","
-                         "\"status_reason\":\"idempotent\"}]");
-    const char *status = NULL;
-    json_t *s = comp_run_summary("run-3", "compensate_run", items, &status);
-    assert_string_equal(status, "COMPENSATED");
-    assert_int_equal(count(s, "compensated"), 1);
-    assert_int_equal(count(s, "skipped"), 1);
-    json_decref(s);
-    json_decref(items);
+    tally_comp_decision_t d;
+    tally_tool_t rev = tool_of("charge_card", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
+    /* the fifth start is still a call; a sixth means leases kept expiring mid-call */
+    comp_policy_in_t in = in_of(&rev, 5);
+    assert_int_equal(lease(&in, false, &d).kind, COMP_MOVE_CALL);
+    in = in_of(&rev, 6);
+    comp_move_t mv = lease(&in, false, &d);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "attempts_exhausted", "attempts_exhausted");
+    assert_true(mv.is_error);
+    /* without a tool max_attempts is 5 */
+    assert_int_equal(comp_max_attempts(NULL), 5);
+    rev.max_attempts = 0;
+    assert_int_equal(comp_max_attempts(&rev), 5);
+    rev.max_attempts = 2;
+    in = in_of(&rev, 3);
+    assert_int_equal(lease(&in, false, &d).to, TALLY_OBLIGATION_STUCK);
 
-    /* an effect STUCK upstream-unknown: the run cannot be called compensated */
-    items = load("[{\"effect_id\":\"e9\",\"step\":\"9\",\"step_is_number\":true,\"tool\":"
-                 "\"charge_card\",\"effect_status\":\"STUCK\",\"effect_error\":{\"code\":"
-                 "\"status_inconclusive\",\"message\":\"status checks failed\"}}]");
-    s = comp_run_summary("run-4", NULL, items, &status);
-    assert_string_equal(status, "STUCK");
-    json_t *f = json_array_get(json_object_get(s, "failed"), 0);
-    assert_string_equal(json_string_value(json_object_get(json_object_get(f, "error"), "code")),
-                        "status_inconclusive");
-    assert_non_null(strstr(json_string_value(json_object_get(f, "action_required")),
-                           "tally resolve --effect e9"));
-    json_decref(s);
-    json_decref(items);
+    /* a version that cannot travel as If-Match: no call without the stale-state guard */
+    rev.max_attempts = 5;
+    in = in_of(&rev, 1);
+    in.version = COMP_VERSION_UNUSABLE;
+    mv = lease(&in, false, &d);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "protocol_error", "protocol_error");
+    assert_true(mv.is_error);
+    assert_non_null(strstr(mv.message, "If-Match"));
+    in.version = COMP_VERSION_NONE;
+    assert_int_equal(lease(&in, false, &d).kind, COMP_MOVE_CALL);
+}
 
-    /* no effects at all: nothing to undo */
-    items = json_array();
-    s = comp_run_summary("run-5", NULL, items, &status);
-    assert_string_equal(status, "COMPENSATED");
-    json_decref(s);
-    json_decref(items);
+static void test_policy_lease_containment(void **state)
+{
+    (void)state;
+    tally_comp_decision_t d;
+    tally_tool_t email = tool_of("send_email", TALLY_CLASS_APPEND_ONLY, TALLY_COMP_AUTOMATIC);
+    email.contain.method = (char *)"POST";
+    email.contain.path = (char *)"/emails/contain";
+    comp_policy_in_t in = in_of(&email, 1);
+    comp_move_t mv = lease(&in, true, &d);
+    assert_int_equal(d.action, TALLY_COMP_ACT_CONTAIN);
+    assert_true(comp_policy_wants_blast_radius(d.action));
+    assert_int_equal(mv.kind, COMP_MOVE_CALL);
+    assert_int_equal(mv.op, TALLY_CONN_CONTAIN);
+
+    /* the blast radius the call carries could not be built: recorded without containing */
+    mv = lease(&in, false, &d);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_int_equal(mv.containment, COMP_CONTAIN_NONE);
+
+    /* the containment kept losing its lease: recorded as failed, never STUCK */
+    in = in_of(&email, 6);
+    mv = lease(&in, true, &d);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_int_equal(mv.containment, COMP_CONTAIN_FAILED);
+    assert_string_equal(mv.containment_code, "attempts_exhausted");
+    assert_non_null(strstr(mv.containment_message, "max_attempts"));
+}
+
+static void test_policy_lease_approval_and_unknown_class(void **state)
+{
+    (void)state;
+    tally_comp_decision_t d;
+    tally_tool_t rev = tool_of("refund", TALLY_CLASS_REVERSIBLE, TALLY_COMP_APPROVAL_REQUIRED);
+    assert_true(comp_needs_approval(&rev));
+    assert_false(comp_needs_approval(NULL));
+    tally_tool_t auto_rev = tool_of("x", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
+    assert_false(comp_needs_approval(&auto_rev));
+
+    /* leased without approval (the registry changed under the lease): given back untouched */
+    comp_policy_in_t in = in_of(&rev, 1);
+    comp_move_t mv = lease(&in, false, &d);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "approval_required", NULL);
+    assert_true(mv.refund_attempt);
+    assert_int_equal(mv.delay_ms, 1000);
+    assert_false(mv.is_error);
+    in.approved = true;
+    assert_int_equal(lease(&in, false, &d).kind, COMP_MOVE_CALL);
+
+    /* an effect class tally does not know: STUCK, paged */
+    in = in_of(&auto_rev, 1);
+    in.cls_known = false;
+    mv = lease(&in, true, &d);
+    assert_int_equal(d.action, TALLY_COMP_ACT_NO_TOOL);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "unknown_class", "unknown_class");
+}
+
+/* ---------------------------------------------------------------- policy: calls */
+
+static void test_policy_unsent(void **state)
+{
+    (void)state;
+    tally_comp_decision_t d;
+    tally_tool_t rev = tool_of("charge_card", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
+    comp_policy_in_t in = in_of(&rev, 5);
+    comp_policy_decide(&in, &d);
+    tally_error_t err;
+    comp_move_t mv;
+
+    /* no room: not the tool's fault, the attempt is given back, even at max_attempts */
+    tally_error_set(&err, "capacity", true, "per-tool cap reached");
+    comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, true, &err, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "capacity", NULL);
+    assert_true(mv.refund_attempt);
+    assert_true(mv.is_error);
+    assert_int_equal(mv.delay_ms, 200);
+
+    /* retriable with attempts left: the tool's backoff */
+    tally_error_set(&err, "secret_missing", true, "BILLING_HMAC_SECRET is not set");
+    in.attempts = 2;
+    comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, false, &err, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "secret_missing", NULL);
+    assert_false(mv.refund_attempt);
+    assert_in_range(mv.delay_ms, 100, 200);
+    /* ... and at max_attempts: STUCK */
+    in.attempts = 5;
+    comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, false, &err, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "attempts_exhausted", "attempts_exhausted");
+    assert_string_equal(mv.message, "BILLING_HMAC_SECRET is not set");
+
+    /* not retriable: STUCK with its own code */
+    tally_error_set(&err, "no_endpoint", false, "no compensate endpoint");
+    in.attempts = 1;
+    comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, false, &err, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "no_endpoint", "no_endpoint");
+    assert_true(mv.is_error);
+
+    /* a containment that cannot be made is recorded, never STUCK */
+    tally_tool_t email = tool_of("send_email", TALLY_CLASS_APPEND_ONLY, TALLY_COMP_AUTOMATIC);
+    email.contain.method = (char *)"POST";
+    email.contain.path = (char *)"/emails/contain";
+    in = in_of(&email, 1);
+    comp_policy_decide(&in, &d);
+    comp_policy_unsent(&in, &d, TALLY_CONN_CONTAIN, false, &err, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_false(mv.is_error);
+    assert_int_equal(mv.containment, COMP_CONTAIN_FAILED);
+    assert_string_equal(mv.containment_code, "no_endpoint");
+
+    /* out of memory building the body: given back in a second */
+    comp_policy_no_body(&mv);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "oom", NULL);
+    assert_true(mv.refund_attempt);
+    assert_int_equal(mv.delay_ms, 1000);
+}
+
+static tally_conn_verdict_t verdict(tally_verdict_t v, const char *code, long retry_after_ms)
+{
+    tally_conn_verdict_t out;
+    memset(&out, 0, sizeof out);
+    out.verdict = v;
+    out.retry_after_ms = retry_after_ms;
+    snprintf(out.code, sizeof out.code, "%s", code);
+    snprintf(out.message, sizeof out.message, "the tool said %s", code);
+    return out;
+}
+
+static void test_policy_answer_reverse(void **state)
+{
+    (void)state;
+    tally_comp_decision_t d;
+    tally_tool_t rev = tool_of("charge_card", TALLY_CLASS_REVERSIBLE, TALLY_COMP_AUTOMATIC);
+    comp_policy_in_t in = in_of(&rev, 1);
+    comp_policy_decide(&in, &d);
+    comp_move_t mv;
+
+    tally_conn_verdict_t v = verdict(TALLY_VERDICT_RESOLVED, "http_201", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_RESOLVED, "http_201", NULL);
+    assert_false(mv.is_error);
+
+    /* transient: retried after the backoff, or the tool's Retry-After when longer */
+    v = verdict(TALLY_VERDICT_RETRY, "http_503", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "http_503", NULL);
+    assert_true(mv.is_error);
+    assert_in_range(mv.delay_ms, 50, 100);
+    v = verdict(TALLY_VERDICT_RETRY, "http_429", 30000);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_int_equal(mv.delay_ms, 30000);
+    /* ... until max_attempts: STUCK, saying how often and what came last */
+    in.attempts = 5;
+    v = verdict(TALLY_VERDICT_RETRY, "http_503", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "attempts_exhausted", "attempts_exhausted");
+    assert_non_null(strstr(mv.message, "5 times"));
+    assert_non_null(strstr(mv.message, "'charge_card'"));
+    assert_non_null(strstr(mv.message, "the tool said http_503"));
+
+    /* 412: the record changed upstream, never retried */
+    in.attempts = 1;
+    v = verdict(TALLY_VERDICT_STUCK, "stale_state", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "stale_state", "stale_state");
+    assert_true(mv.is_error);
+    v = verdict(TALLY_VERDICT_STUCK, "http_422", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_COMPENSATE, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_STUCK, "http_422", "reverse_failed");
+    assert_int_equal(mv.containment, COMP_CONTAIN_NONE);
+}
+
+static void test_policy_answer_containment(void **state)
+{
+    (void)state;
+    tally_comp_decision_t d;
+    tally_tool_t email = tool_of("send_email", TALLY_CLASS_APPEND_ONLY, TALLY_COMP_AUTOMATIC);
+    email.contain.method = (char *)"POST";
+    email.contain.path = (char *)"/emails/contain";
+    comp_policy_in_t in = in_of(&email, 1);
+    comp_policy_decide(&in, &d);
+    comp_move_t mv;
+
+    tally_conn_verdict_t v = verdict(TALLY_VERDICT_RESOLVED, "http_200", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_CONTAIN, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_int_equal(mv.containment, COMP_CONTAIN_DONE);
+    assert_string_equal(mv.containment_code, "http_200");
+    assert_false(mv.is_error);
+
+    v = verdict(TALLY_VERDICT_RETRY, "timeout", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_CONTAIN, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_PENDING, "timeout", NULL);
+    assert_true(mv.is_error);
+    assert_int_equal(mv.containment, COMP_CONTAIN_NONE);
+
+    in.attempts = 5;
+    comp_policy_answer(&in, &d, TALLY_CONN_CONTAIN, &v, &mv);
+    assert_record(&mv, TALLY_OBLIGATION_UNCOMPENSATABLE, "append_only", NULL);
+    assert_int_equal(mv.containment, COMP_CONTAIN_FAILED);
+    assert_string_equal(mv.containment_code, "attempts_exhausted");
+
+    /* refused: recorded as failed with the tool's code, still never STUCK */
+    in.attempts = 1;
+    v = verdict(TALLY_VERDICT_STUCK, "http_400", -1);
+    comp_policy_answer(&in, &d, TALLY_CONN_CONTAIN, &v, &mv);
+    assert_int_equal(mv.to, TALLY_OBLIGATION_UNCOMPENSATABLE);
+    assert_int_equal(mv.containment, COMP_CONTAIN_FAILED);
+    assert_string_equal(mv.containment_code, "http_400");
+    assert_null(mv.page);
+}
+
+/* ---------------------------------------------------------------- policy: runs, gauges */
+
+static void test_policy_settle(void **state)
+{
+    (void)state;
+    tally_run_state_t stuck = TALLY_RUN_STUCK, compensated = TALLY_RUN_COMPENSATED;
+    /* a run under compensation settles into its outcome */
+    assert_int_equal(comp_policy_settle(TALLY_RUN_COMPENSATING, NULL, TALLY_RUN_COMPENSATED),
+                     COMP_SETTLE_TRANSITION);
+    assert_int_equal(comp_policy_settle(TALLY_RUN_COMPENSATING, NULL, TALLY_RUN_STUCK),
+                     COMP_SETTLE_TRANSITION);
+    /* a STUCK run stays STUCK: its STUCK outcome goes out once */
+    assert_int_equal(comp_policy_settle(TALLY_RUN_STUCK, NULL, TALLY_RUN_STUCK),
+                     COMP_SETTLE_SUMMARY);
+    assert_int_equal(comp_policy_settle(TALLY_RUN_STUCK, &stuck, TALLY_RUN_STUCK),
+                     COMP_SETTLE_NONE);
+    assert_int_equal(comp_policy_settle(TALLY_RUN_STUCK, &compensated, TALLY_RUN_STUCK),
+                     COMP_SETTLE_SUMMARY);
+    /* ... until a human settles what held it */
+    assert_int_equal(comp_policy_settle(TALLY_RUN_STUCK, &stuck, TALLY_RUN_COMPENSATED),
+                     COMP_SETTLE_TRANSITION);
+    assert_string_equal(comp_policy_run_event(TALLY_RUN_STUCK), "tally.run.stuck.v1");
+    assert_string_equal(comp_policy_run_event(TALLY_RUN_COMPENSATED), "tally.run.compensated.v1");
+    assert_string_equal(comp_policy_run_event(TALLY_RUN_PARTIALLY_COMPENSATED),
+                        "tally.run.compensated.v1");
+}
+
+static void test_policy_count_terminal(void **state)
+{
+    (void)state;
+    assert_true(comp_policy_count_terminal(100.0, 0, false)); /* never counted */
+    assert_false(comp_policy_count_terminal(105.0, 100.0, true));
+    assert_false(comp_policy_count_terminal(120.0, 100.0, false));
+    assert_true(comp_policy_count_terminal(110.0, 100.0, true));
+    assert_true(comp_policy_count_terminal(160.0, 100.0, false));
 }
 
 /* ---------------------------------------------------------------- PagerDuty */
@@ -517,9 +736,15 @@ int main(void)
         cmocka_unit_test(test_blast_radius),
         cmocka_unit_test(test_reverse_body_and_if_match),
         cmocka_unit_test(test_backoff),
-        cmocka_unit_test(test_summary_partially_compensated),
-        cmocka_unit_test(test_summary_stuck),
-        cmocka_unit_test(test_summary_compensated_and_stuck_effect),
+        cmocka_unit_test(test_policy_lease_by_class),
+        cmocka_unit_test(test_policy_lease_reverse_guards),
+        cmocka_unit_test(test_policy_lease_containment),
+        cmocka_unit_test(test_policy_lease_approval_and_unknown_class),
+        cmocka_unit_test(test_policy_unsent),
+        cmocka_unit_test(test_policy_answer_reverse),
+        cmocka_unit_test(test_policy_answer_containment),
+        cmocka_unit_test(test_policy_settle),
+        cmocka_unit_test(test_policy_count_terminal),
         cmocka_unit_test(test_pager_trigger_body),
         cmocka_unit_test(test_pager_resolve_and_long_summary),
     };
