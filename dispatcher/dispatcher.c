@@ -3,7 +3,6 @@
  * backpressure (pause intake when the outbox backlog or the calls in flight are too many),
  * the worker's metrics, and the SIGTERM drain. */
 #include <errno.h>
-#include <fcntl.h>
 #include <malloc.h>
 #include <poll.h>
 #include <stdio.h>
@@ -11,7 +10,6 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "dispatcher.h"
 #include "tally/ledger.h"
@@ -215,7 +213,6 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
         TALLY_ERROR("out of memory");
         return false;
     }
-    d->kafka_pipe[0] = d->kafka_pipe[1] = -1;
     d->rec_pipe[0] = d->rec_pipe[1] = -1;
     d->w = w;
     d->cfg = tally_worker_config(w);
@@ -242,7 +239,7 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
         TALLY_ERROR("connector engine: %s", errstr);
         return false;
     }
-    if (!deliver_recorder_start(d))
+    if (!recorder_start(d))
         return false;
     /* Calls progress on the connector's thread while this one waits on PostgreSQL. */
     if (!tally_connector_start(d->conn, deliver_on_done, d, errstr, sizeof errstr)) {
@@ -255,28 +252,13 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
         TALLY_ERROR("LISTEN tally_outbox: %s", err.message);
         return false;
     }
-    if (d->rk) {
-        /* One wait covers Kafka too: librdkafka writes a byte when the queue becomes
-         * non-empty (the main queue is forwarded to the consumer queue). */
-        d->queue = rd_kafka_queue_get_consumer(d->rk);
-        if (!d->queue || pipe2(d->kafka_pipe, O_NONBLOCK | O_CLOEXEC) != 0) {
-            TALLY_ERROR("consumer queue wake-up pipe: %s",
-                        d->queue ? strerror(errno) : "no consumer queue");
-            return false;
-        }
-        rd_kafka_queue_io_event_enable(d->queue, d->kafka_pipe[1], "k", 1);
-    }
+    /* One wait covers Kafka too: the consumer's wake-up pipe (consume.h). */
+    if (d->rk && (d->cs = tally_worker_consume(w)) == NULL)
+        return false;
     d->claim_wanted = true;
     TALLY_INFO("dispatcher ready: %zu tools, %d calls in flight at most, batches of %d",
                tally_registry_count(d->reg), d->cfg->max_inflight, d->cfg->batch_size);
     return true;
-}
-
-static void drain_pipe(int fd)
-{
-    char buf[256];
-    while (read(fd, buf, sizeof buf) > 0)
-        ;
 }
 
 /* Wait for a NOTIFY on tally_outbox, the Kafka queue or the recorder, up to timeout_ms. The
@@ -290,24 +272,24 @@ static int wait_and_collect(dispatcher_t *d, int timeout_ms)
     int pgfd = conn ? PQsocket(conn) : -1;
     if (pgfd >= 0)
         fds[n++] = (struct pollfd){.fd = pgfd, .events = POLLIN};
-    if (d->kafka_pipe[0] >= 0)
-        fds[n++] = (struct pollfd){.fd = d->kafka_pipe[0], .events = POLLIN};
+    if (d->cs)
+        fds[n++] = (struct pollfd){.fd = tally_consume_fd(d->cs), .events = POLLIN};
     fds[n++] = (struct pollfd){.fd = d->rec_pipe[0], .events = POLLIN};
     if (poll(fds, n, timeout_ms) < 0 && errno != EINTR)
         TALLY_ERROR("poll: %s", strerror(errno));
-    if (d->kafka_pipe[0] >= 0)
-        drain_pipe(d->kafka_pipe[0]);
+    if (d->cs)
+        (void)tally_consume_ready(d->cs); /* empties the pipe */
     /* Notifications may also have arrived with an earlier statement's results. */
     if (tally_pg_wait_notify(d->pg, 0) > 0)
         d->claim_wanted = true;
-    return deliver_recorded(d);
+    return recorder_collect(d);
 }
 
 static int next_timeout_ms(dispatcher_t *d, double now, int work)
 {
     if (work > 0 || d->intake_more)
         return 0;
-    if (d->queue && !d->paused && !d->intake_failed && rd_kafka_queue_length(d->queue) > 0)
+    if (d->cs && !d->paused && !d->intake_failed && tally_consume_ready(d->cs))
         return 0;
     if (d->claim_wanted && tally_connector_inflight(d->conn) < d->cfg->max_inflight)
         return 0;
@@ -355,8 +337,7 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
     /* The recorder is the last stage: while a full batch of results waits for it, taking more
      * work would only lengthen its queue and the time every result waits there. Intake and
      * claims wait for its next batch instead (its pipe wakes the loop). */
-    bool behind =
-        deliver_unrecorded(d) >= (size_t)(d->cfg->batch_size > 0 ? d->cfg->batch_size : 1);
+    bool behind = recorder_pending(d) >= (size_t)(d->cfg->batch_size > 0 ? d->cfg->batch_size : 1);
     int work = 0;
     if (!behind) {
         int n = intake_step(d);
@@ -384,19 +365,15 @@ static bool dispatcher_drain(tally_worker_t *w, void *state)
         intake_discard(d);
         set_paused(d, true, "shutting down");
         TALLY_INFO("draining: %d calls in flight, %zu results to record",
-                   tally_connector_inflight(d->conn), deliver_unrecorded(d));
+                   tally_connector_inflight(d->conn), recorder_pending(d));
     }
-    if (d->rk) {
-        /* Serve rebalances and errors (rd_kafka_poll is not allowed on a consumer whose main
-         * queue is forwarded). Partitions are paused; anything still queued is dropped
-         * unstored and read again by the partition's next owner. */
-        rd_kafka_message_t *rkm = rd_kafka_consumer_poll(d->rk, 0);
-        if (rkm)
-            rd_kafka_message_destroy(rkm);
-    }
+    /* Serve rebalances and errors. Partitions are paused; anything still queued is dropped
+     * unstored and read again by the partition's next owner. */
+    if (d->cs)
+        tally_consume_serve(d->cs);
     wait_and_collect(d, 100);
     tally_worker_heartbeat(w);
-    bool done = tally_connector_inflight(d->conn) == 0 && deliver_unrecorded(d) == 0;
+    bool done = tally_connector_inflight(d->conn) == 0 && recorder_pending(d) == 0;
     if (done)
         TALLY_INFO("drained: every call finished and was recorded");
     return done;
@@ -409,7 +386,7 @@ static void dispatcher_fini(tally_worker_t *w, void *state)
     if (!d)
         return;
     int left = d->conn ? tally_connector_inflight(d->conn) : 0;
-    size_t unrecorded = d->rec_init ? deliver_unrecorded(d) : 0;
+    size_t unrecorded = d->rec_init ? recorder_pending(d) : 0;
     if (left > 0 || unrecorded > 0)
         TALLY_WARN("exiting with %d calls in flight and %zu unrecorded results: their leases "
                    "will expire and the reconciler will resolve them",
@@ -418,18 +395,10 @@ static void dispatcher_fini(tally_worker_t *w, void *state)
      * it holds (it stops once its queue is empty) before the calls still in flight are
      * abandoned. */
     tally_connector_stop(d->conn);
-    deliver_recorder_stop(d);
+    recorder_stop(d);
     tally_connector_free(d->conn, dispatch_call_free);
     intake_discard(d);
     free(d->batch);
-    if (d->queue) {
-        rd_kafka_queue_io_event_enable(d->queue, -1, NULL, 0);
-        rd_kafka_queue_destroy(d->queue);
-    }
-    if (d->kafka_pipe[0] >= 0)
-        close(d->kafka_pipe[0]);
-    if (d->kafka_pipe[1] >= 0)
-        close(d->kafka_pipe[1]);
     free(d);
 }
 

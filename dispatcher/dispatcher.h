@@ -1,6 +1,8 @@
-/* dispatcher.h — the dispatcher's state and its three parts: intake (intents → ledger, one
- * transaction per Kafka poll batch), delivery (claim → connector call → compare-and-set
- * record) and the loop that waits on curl, PostgreSQL and Kafka at once (dispatcher.c). */
+/* dispatcher.h — the dispatcher's state and its parts: intake (intents → ledger, one
+ * transaction per Kafka poll batch: intake.c reads and refuses, intake_write.c writes),
+ * delivery (deliver.c: claim → connector call → decision, the decisions themselves pure in
+ * policy.c), the recorder (record.c: the compare-and-set of each decision, on a thread of its
+ * own) and the loop that waits on curl, PostgreSQL and Kafka at once (dispatcher.c). */
 #ifndef TALLY_DISPATCHER_H
 #define TALLY_DISPATCHER_H
 
@@ -11,14 +13,18 @@
 #include <jansson.h>
 #include <librdkafka/rdkafka.h>
 
+#include "tally/audit.h"
 #include "tally/cloudevent.h"
 #include "tally/config.h"
 #include "tally/connector.h"
+#include "tally/consume.h"
 #include "tally/metrics.h"
 #include "tally/outbox.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
 #include "tally/worker.h"
+
+#include "policy.h"
 
 /** The worker ops of tally-dispatcher; main.c hands them to tally_worker_main. */
 extern const tally_worker_ops_t tally_dispatcher_ops;
@@ -64,15 +70,11 @@ typedef struct dispatch_call {
 typedef struct dispatch_done {
     dispatch_call_t *call;
     tally_conn_verdict_t v;
-    const char *to_status; /**< "CONFIRMED", "FAILED", "PLANNED", "UNKNOWN" */
-    long long delay_ms;    /**< PLANNED: backoff before the next attempt */
-    bool maybe_applied;    /**< PLANNED: the attempt may have taken effect (see SQL_RECORD) */
-    char error_code[32];
-    char error_message[512];
-    char *receipt_text; /**< CONFIRMED: the receipt as compact JSON text (owned) */
-    char *external_ref; /**< CONFIRMED, may be NULL */
-    char *call_record;  /**< the "connector_call" audit data, JSON text (owned) */
-    double seconds;     /**< connector latency */
+    tally_dispatch_decision_t dec; /**< what the effect becomes (policy.c) */
+    char *receipt_text;            /**< CONFIRMED: the receipt as compact JSON text (owned) */
+    char *external_ref;            /**< CONFIRMED, may be NULL */
+    char *call_record;             /**< the "connector_call" audit data, JSON text (owned) */
+    double seconds;                /**< connector latency */
 } dispatch_done_t;
 
 typedef struct dispatcher {
@@ -81,8 +83,7 @@ typedef struct dispatcher {
     const tally_registry_t *reg;
     tally_pg_t *pg;
     rd_kafka_t *rk;
-    rd_kafka_queue_t *queue; /**< the consumer queue, for its io-event fd */
-    int kafka_pipe[2];       /**< librdkafka writes to [1] when the queue becomes non-empty */
+    tally_consume_t *cs; /**< the consumer's wake-up pipe and offsets (the worker's) */
     tally_connector_t *conn;
     const char *worker_id;
     char source[160]; /**< CloudEvents source of everything this worker publishes */
@@ -92,25 +93,27 @@ typedef struct dispatcher {
     size_t n_batch, cap_batch;
     bool intake_more;       /**< the last poll filled the batch: more is waiting */
     double intake_retry_at; /**< after a database error: not before this (monotonic s) */
-    int intake_backoff_ms;
-    bool intake_failed;   /**< holding a batch whose transaction failed */
-    size_t intake_done;   /**< the batch's first messages, already committed */
-    size_t intake_window; /**< while isolating a refused message: messages per transaction */
+    int intake_failures;    /**< transactions failed in a row (backoff.h's step) */
+    int intake_backoff_ms;  /**< the current wait after one, 0 when none failed */
+    bool intake_failed;     /**< holding a batch whose transaction failed */
+    size_t intake_done;     /**< the batch's first messages, already committed */
+    size_t intake_window;   /**< while isolating a refused message: messages per transaction */
 
     /* delivery */
     bool claim_wanted; /**< a NOTIFY, new intents, freed capacity or the timer */
     bool claim_capped; /**< the last claim was limited by capacity, not by due rows */
     double next_sweep; /**< look for due rows (backoffs that came due) at this time */
 
-    /* recording: its own thread and PostgreSQL connection (deliver.c). rec_mu guards the
-     * queue and the fields after it; rec_pg and rec_backoff_ms belong to the thread. */
+    /* recording: its own thread and PostgreSQL connection (record.c). rec_mu guards the
+     * queue and the fields after it; rec_pg and the rec_ backoff belong to the thread. */
     pthread_t rec_thread;
     bool rec_init, rec_started;
     pthread_mutex_t rec_mu;
     pthread_cond_t rec_cv;
     int rec_pipe[2]; /**< the thread writes to [1] after each batch; the loop waits on [0] */
     tally_pg_t *rec_pg;
-    int rec_backoff_ms;
+    int rec_failures;      /**< batches failed in a row (backoff.h's step) */
+    int rec_backoff_ms;    /**< the current wait after one, 0 when none failed */
     dispatch_done_t *done; /**< finished calls waiting for the thread */
     size_t n_done, cap_done;
     bool rec_busy;       /**< the thread holds a batch */
@@ -160,6 +163,42 @@ int intake_step(dispatcher_t *d);
 /** @brief Drop the held batch without storing offsets (Kafka redelivers it). */
 void intake_discard(dispatcher_t *d);
 
+/**
+ * @brief Dead-letter message @p m (its reason and detail set): its DLQ record on @p ob, and its
+ * tally.intent.rejected.v1 answer when its id and run id can be read. @returns false when out
+ * of memory.
+ */
+bool intake_refuse(dispatcher_t *d, tally_outbox_batch_t *ob, intake_msg_t *m) TALLY_WUR;
+
+/**
+ * @brief Queue tally.intent.rejected.v1 (docs/agent-protocol.md), the answer to message @p m
+ * that tally refuses (m->reason, m->detail), on the outcomes topic and on @p reply (may be
+ * NULL). @p step (borrowed) may be NULL; @p dlq: the message was dead-lettered (its position
+ * is named). @returns false when out of memory.
+ */
+bool intake_answer_rejected(dispatcher_t *d, tally_outbox_batch_t *ob, const intake_msg_t *m,
+                            const char *id, const char *run_id, json_t *step, const char *tool,
+                            const char *type, const char *reply, bool dlq) TALLY_WUR;
+
+/* intake_write.c */
+
+/** What became of the messages of one intake transaction (for the metrics and the log). */
+typedef struct intake_counts {
+    int created, planned, replay, conflict, dlq, cancel, compensate, complete, not_active;
+    int dlq_by_reason[16];
+} intake_counts_t;
+
+/**
+ * @brief Everything messages [@p lo, @p hi) of the batch say, in one transaction on d->pg,
+ * begun here; the caller commits or rolls back. Audit events go to @p ab and messages to
+ * @p ob, both flushed here; the messages are leased to this worker's relay and @p handed
+ * receives them, for dispatch_hand_messages after COMMIT. Effects claimed at once are marked
+ * (intake_msg_t.dispatch) for their calls to start after COMMIT.
+ */
+bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab,
+                  tally_outbox_batch_t *ob, intake_counts_t *c, PGresult **handed,
+                  tally_error_t *err) TALLY_WUR;
+
 /* deliver.c */
 
 /** @brief The lease of a call to @p tool: its timeout plus a margin, at least TALLY_LEASE_MS. */
@@ -184,24 +223,35 @@ dispatch_call_t *dispatch_call_new(const char *effect_id, const char *run_id, co
 void deliver_start(dispatcher_t *d, dispatch_call_t *call, const char *body, size_t body_len,
                    const char *traceparent);
 
-/** @brief The connector's completion callback: classify and queue the result. */
+/** @brief The connector's completion callback: classify, decide and queue the result. */
 void deliver_on_done(const tally_conn_result_t *res, void *opaque);
-
-/** @brief Start the recorder thread and its connection. false (logged) when it cannot. */
-bool deliver_recorder_start(dispatcher_t *d);
-
-/** @brief Let the recorder write what it holds, stop it and free what is left. */
-void deliver_recorder_stop(dispatcher_t *d);
-
-/** @brief On the loop: take the recorder's news (results written, retries due, room freed).
- * @returns results written since the last call. */
-int deliver_recorded(dispatcher_t *d);
-
-/** @brief Results not yet written (queued or being written). */
-size_t deliver_unrecorded(dispatcher_t *d);
 
 /** @brief Free a call context (also for calls abandoned at exit). */
 void dispatch_call_free(void *call);
+
+/* record.c */
+
+/** @brief Start the recorder thread and its connection. false (logged) when it cannot. */
+bool recorder_start(dispatcher_t *d);
+
+/** @brief Let the recorder write what it holds, stop it and free what is left. */
+void recorder_stop(dispatcher_t *d);
+
+/**
+ * @brief Hand a decided result to the recorder, which owns everything @p x points to from
+ * then on. @returns false when out of memory (then the caller still owns it).
+ */
+bool recorder_queue(dispatcher_t *d, const dispatch_done_t *x) TALLY_WUR;
+
+/** @brief On the loop: take the recorder's news (results written, retries due, room freed).
+ * @returns results written since the last call. */
+int recorder_collect(dispatcher_t *d);
+
+/** @brief Results not yet written (queued or being written). */
+size_t recorder_pending(dispatcher_t *d);
+
+/** @brief Free what a result owns (its call included) and zero it. */
+void dispatch_done_clear(dispatch_done_t *x);
 
 /* events.c */
 

@@ -208,15 +208,7 @@ bool tally_alert_batch_flush(tally_alert_batch_t *b, tally_pg_t *pg, const char 
     if (json_array_size(b->rows) == 0) {
         return true;
     }
-    char *text = json_dumps(b->rows, JSON_COMPACT);
-    if (text == NULL) {
-        tally_error_set(err, "oom", false, "alerts not raised: out of memory");
-        reset(b);
-        return false;
-    }
-    const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(pg, SQL_RAISE, 1, params, err);
-    free(text);
+    PGresult *res = tally_pg_exec_json(pg, SQL_RAISE, b->rows, err);
     if (res == NULL) {
         reset(b);
         return false;
@@ -279,16 +271,14 @@ bool tally_alert_resolve(tally_pg_t *pg, const char *const *dedup_keys, size_t n
     for (size_t i = 0; ok && i < n; i++) {
         ok = json_array_append_new(keys, json_string(dedup_keys[i])) == 0;
     }
-    char *text = ok ? json_dumps(keys, JSON_COMPACT) : NULL;
-    json_decref(keys);
-    if (text == NULL) {
+    if (!ok) {
+        json_decref(keys);
         tally_error_set(err, "oom", false,
                         "alerts not resolved: out of memory (or a key that is not UTF-8)");
         return false;
     }
-    const char *params[1] = {text};
-    PGresult *res = tally_pg_exec(pg, SQL_RESOLVE, 1, params, err);
-    free(text);
+    PGresult *res = tally_pg_exec_json(pg, SQL_RESOLVE, keys, err);
+    json_decref(keys);
     if (res == NULL) {
         return false;
     }
