@@ -15,6 +15,7 @@
 
 #include "cli.h"
 #include "format.h"
+#include "tally/cloudevent.h"
 #include "tally/alert.h"
 #include "tally/ledger.h"
 #include "tally/runsummary.h"
@@ -97,10 +98,12 @@ static const char SQL_EFFECTS[] =
 /* In compensation order: last step first. */
 static const char SQL_OBLIGATIONS[] =
     "SELECT coalesce(jsonb_agg(to_jsonb(o) || jsonb_build_object('step', e.step,"
-    "   'step_is_number', e.step_num IS NOT NULL, 'tool', e.tool, 'effect_class', e.effect_class,"
-    "   'effect_status', e.status, 'lease_held', coalesce(o.lease_until > now(), false))"
-    "   ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC, o.created_at), '[]')"
-    " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id WHERE o.run_id = $1";
+    "   'step_is_number', " TALLY_SQL_STEP_IS_NUMBER(
+        "e") ", 'tool', e.tool, 'effect_class', e.effect_class,"
+             "   'effect_status', e.status, 'lease_held', coalesce(o.lease_until > now(), false))"
+             "   ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC, o.created_at), "
+             "'[]')"
+             " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id WHERE o.run_id = $1";
 
 static const char SQL_ALERTS[] =
     "SELECT coalesce(jsonb_agg(to_jsonb(a) ORDER BY a.created_at, a.dedup_key), '[]')"
@@ -129,17 +132,19 @@ static const char SQL_SUMMARY_ITEMS[] =
     "SELECT coalesce(jsonb_agg(x ORDER BY x.ord), '[]') FROM ("
     " SELECT row_number() OVER (ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC,"
     "     o.created_at) AS ord,"
-    "   e.effect_id, e.step, e.step_num IS NOT NULL AS step_is_number, e.tool, e.effect_class,"
-    "   e.status AS effect_status,"
-    "   CASE WHEN e.error_code IS NULL THEN NULL ELSE jsonb_build_object('code', e.error_code,"
-    "     'message', e.error_message) END AS effect_error,"
-    "   coalesce(o.receipt, e.receipt) AS receipt,"
-    "   coalesce(o.external_ref, e.external_ref) AS external_ref,"
-    "   o.obligation_id, o.status AS obligation_status, o.reason AS obligation_reason,"
-    "   o.status_reason, o.reverse_receipt, o.blast_radius, o.error_code, o.error_message,"
-    "   o.attempts"
-    " FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
-    " WHERE e.run_id = $1) x";
+    "   e.effect_id, e.step, " TALLY_SQL_STEP_IS_NUMBER(
+        "e") " AS step_is_number, e.tool, e.effect_class,"
+             "   e.status AS effect_status,"
+             "   CASE WHEN e.error_code IS NULL THEN NULL ELSE jsonb_build_object('code', "
+             "e.error_code,"
+             "     'message', e.error_message) END AS effect_error,"
+             "   coalesce(o.receipt, e.receipt) AS receipt,"
+             "   coalesce(o.external_ref, e.external_ref) AS external_ref,"
+             "   o.obligation_id, o.status AS obligation_status, o.reason AS obligation_reason,"
+             "   o.status_reason, o.reverse_receipt, o.blast_radius, o.error_code, o.error_message,"
+             "   o.attempts"
+             " FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
+             " WHERE e.run_id = $1) x";
 
 /* ---------------------------------------------------------------------------------------- */
 /* Shared                                                                                   */
@@ -926,7 +931,7 @@ int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg)
     if (stored == NULL ||
         (items = cli_query_json(pg, SQL_SUMMARY_ITEMS, 1, params, &err)) == NULL) {
         if (stored == NULL)
-            tally_error_set(&err, "json", false, "the run row did not read back as JSON");
+            tally_error_setc(&err, TALLY_ERR_JSON, "the run row did not read back as JSON");
         rc = cli_pg_fail(o.verb, "cannot read the run's obligations", &err);
         goto out;
     }

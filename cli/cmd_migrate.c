@@ -28,7 +28,7 @@ static void usage(FILE *out)
 
 static bool is_connection_error(const tally_error_t *err)
 {
-    return strncmp(err->code, "08", 2) == 0 || strncmp(err->code, "57P0", 4) == 0;
+    return err->errc == TALLY_ERR_PG_CONNECTION;
 }
 
 static int print_status(tally_pg_t *pg)
@@ -123,7 +123,7 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
     if (!tally_migrate_apply(pg, &before, &after, &err)) {
         if (is_connection_error(&err))
             fprintf(stderr, "tally migrate: lost PostgreSQL while migrating: %s\n", err.message);
-        else if (strlen(err.code) == 5) /* an SQLSTATE */
+        else if (err.sqlstate[0] != '\0') /* an SQLSTATE */
             fprintf(stderr,
                     "tally migrate: %s (SQLSTATE %s); rolled back, the database is still at "
                     "version %d\n",

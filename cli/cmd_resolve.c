@@ -41,11 +41,12 @@ static const char *const VERB_NAMES[VERB__COUNT] = {"resolve", "approve", "deny"
 static const char SQL_LOCK_TIMEOUT[] = "SET LOCAL lock_timeout = '10s'";
 
 static const char SQL_EFFECT_LOCK[] =
-    "SELECT e.status, e.lease_epoch, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
-    "  e.operation_key, e.attempts, e.intent_id, e.receipt::text, e.external_ref,"
-    "  e.error_code, e.error_message, e.lease_owner,"
-    "  coalesce(e.lease_until > now(), false), e.status_reason"
-    " FROM effects e WHERE e.effect_id = $1::uuid FOR UPDATE";
+    "SELECT e.status, e.lease_epoch, e.run_id, e.step, " TALLY_SQL_STEP_IS_NUMBER(
+        "e") ", e.tool,"
+             "  e.operation_key, e.attempts, e.intent_id, e.receipt::text, e.external_ref,"
+             "  e.error_code, e.error_message, e.lease_owner,"
+             "  coalesce(e.lease_until > now(), false), e.status_reason"
+             " FROM effects e WHERE e.effect_id = $1::uuid FOR UPDATE";
 
 /* One statement for every operator move of an effect; $4..$9 are the new
  * values. The receipt and ref are kept when not given; the error is replaced.
@@ -72,10 +73,11 @@ static const char SQL_OBLIGATION_LOCK[] =
     "SELECT o.status, o.lease_epoch, o.run_id, o.effect_id::text, o.reason, o.external_ref,"
     "  o.attempts, o.error_code, o.error_message, o.lease_owner,"
     "  coalesce(o.lease_until > now(), false), o.status_reason, o.receipt::text,"
-    "  e.step, e.step_num IS NOT NULL, e.tool, e.operation_key, e.status, e.receipt::text,"
-    "  e.external_ref, e.attempts, e.intent_id"
-    " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id"
-    " WHERE o.obligation_id = $1::uuid FOR UPDATE OF o";
+    "  e.step, " TALLY_SQL_STEP_IS_NUMBER(
+        "e") ", e.tool, e.operation_key, e.status, e.receipt::text,"
+             "  e.external_ref, e.attempts, e.intent_id"
+             " FROM obligations o JOIN effects e ON e.effect_id = o.effect_id"
+             " WHERE o.obligation_id = $1::uuid FOR UPDATE OF o";
 
 /* resolve --obligation: STUCK -> RESOLVED | SKIPPED. */
 static const char SQL_OBLIGATION_SETTLE[] =
@@ -308,18 +310,6 @@ static json_t *str_or_null(const char *s)
     return s != NULL ? json_string(s) : json_null();
 }
 
-/* The step as the agent sent it: an integer when it was one. */
-static json_t *step_json(const char *step, bool is_number)
-{
-    if (is_number && step != NULL) {
-        char *end = NULL;
-        long long n = strtoll(step, &end, 10);
-        if (end != step && *end == '\0')
-            return json_integer((json_int_t)n);
-    }
-    return json_string(step != NULL ? step : "");
-}
-
 /* A JSON text from the ledger as a value (NULL stays NULL). */
 static json_t *parse_or_null(const char *text)
 {
@@ -351,7 +341,9 @@ static bool queue_effect_event(const op_t *o, tally_outbox_batch_t *ob, const ch
     bool ok = data != NULL && error != NULL;
     ok = ok && json_object_set_new(data, "effect_id", json_string(v->effect_id)) == 0;
     ok = ok && json_object_set_new(data, "run_id", json_string(v->run_id)) == 0;
-    ok = ok && json_object_set_new(data, "step", step_json(v->step, v->step_is_number)) == 0;
+    ok = ok &&
+         json_object_set_new(
+             data, "step", tally_step_json(v->step != NULL ? v->step : "", v->step_is_number)) == 0;
     ok = ok && json_object_set_new(data, "tool", json_string(v->tool)) == 0;
     ok = ok && json_object_set_new(data, "operation_key", json_string(v->operation_key)) == 0;
     ok = ok && json_object_set_new(data, "status", json_string(v->status)) == 0;

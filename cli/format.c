@@ -73,8 +73,8 @@ json_t *cli_query_json(tally_pg_t *pg, const char *sql, int nparams, const char 
     if (res == NULL)
         return NULL;
     if (PQntuples(res) != 1 || PQnfields(res) < 1) {
-        tally_error_set(err, "no_row", false, "the query returned %d rows, expected one",
-                        PQntuples(res));
+        tally_error_setc(err, TALLY_ERR_NO_ROW, "the query returned %d rows, expected one",
+                         PQntuples(res));
         PQclear(res);
         return NULL;
     }
@@ -86,8 +86,8 @@ json_t *cli_query_json(tally_pg_t *pg, const char *sql, int nparams, const char 
     json_t *doc = json_loads(PQgetvalue(res, 0, 0), JSON_DECODE_ANY, &jerr);
     PQclear(res);
     if (doc == NULL)
-        tally_error_set(err, "json", false, "the database returned JSON that does not parse: %s",
-                        jerr.text);
+        tally_error_setc(err, TALLY_ERR_JSON, "the database returned JSON that does not parse: %s",
+                         jerr.text);
     return doc;
 }
 

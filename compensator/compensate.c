@@ -323,7 +323,7 @@ static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
         return;
     }
     /* Nothing was sent. */
-    bool capacity = strcmp(err.code, "capacity") == 0;
+    bool capacity = err.errc == TALLY_ERR_CAPACITY;
     comp_policy_in_t in = policy_in(c, ob);
     comp_policy_unsent(&in, &ob->dec, op, capacity, &err, &mv);
     record_move(c, ob, &mv); /* copies what it borrows from err */

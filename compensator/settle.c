@@ -76,7 +76,7 @@ static const char SQL_SETTLED[] =
     "    WHERE ev.run_id = s.run_id AND ev.kind IN ('compensate_run', 'cancel_run')"
     "    ORDER BY ev.seq LIMIT 1),"
     "  (SELECT json_agg(json_build_object("
-    "     'effect_id', e.effect_id, 'step', e.step, 'step_is_number', e.step_num IS NOT NULL,"
+    "     'effect_id', e.effect_id, 'step', e.step, 'step_is_number', " TALLY_SQL_STEP_IS_NUMBER("e") ","
     "     'tool', e.tool, 'effect_class', e.effect_class, 'effect_status', e.status,"
     "     'effect_error', CASE WHEN e.error_code IS NOT NULL"
     "       THEN json_build_object('code', e.error_code, 'message', e.error_message) END,"
@@ -188,7 +188,7 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
     PGresult *res = NULL;
     int n = -1;
     if (ob == NULL || ab == NULL || locked == NULL || updates == NULL) {
-        tally_error_set(&err, "oom", true, "out of memory settling runs");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory settling runs");
         goto out;
     }
     if (!tally_pg_begin(c->pg, &err)) {
@@ -217,7 +217,7 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
     }
     for (int row = 0; row < PQntuples(res); row++) {
         if (!settle_one(c, res, row, updates, ob, ab)) {
-            tally_error_set(&err, "oom", true, "out of memory building a run summary");
+            tally_error_setc(&err, TALLY_ERR_OOM, "out of memory building a run summary");
             goto out;
         }
     }
@@ -229,7 +229,7 @@ int comp_settle(compensator_t *c, const json_t *run_ids)
             goto out;
         }
         if ((size_t)PQntuples(res) != json_array_size(updates)) {
-            tally_error_set(&err, "conflict", true, "a run changed status under its lock");
+            tally_error_setc(&err, TALLY_ERR_CONFLICT, "a run changed status under its lock");
             goto out;
         }
     }

@@ -71,7 +71,7 @@ static const char SQL_LEASE[] =
     " WHERE o.obligation_id = cand.obligation_id AND e.effect_id = o.effect_id"
     " RETURNING o.obligation_id::text, o.run_id, o.effect_id::text, o.reason, o.external_ref,"
     "   coalesce(o.receipt, e.receipt)::text, cand.from_status, o.lease_epoch, o.attempts,"
-    "   o.approved_at IS NOT NULL, e.step, e.step_num IS NOT NULL, e.tool, e.effect_class,"
+    "   o.approved_at IS NOT NULL, e.step, " TALLY_SQL_STEP_IS_NUMBER("e") ", e.tool, e.effect_class,"
     "   e.operation_key, e.args_canonical, e.traceparent, e.intent_id, e.attempts,"
     "   to_char(coalesce((SELECT max(ev.occurred_at) FROM events ev"
     "       WHERE ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
@@ -384,14 +384,7 @@ bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIG
 
 static json_t *step_json(const comp_ob_t *ob)
 {
-    if (ob->step_is_number) {
-        char *end = NULL;
-        long long v = strtoll(ob->step, &end, 10);
-        if (end != ob->step && *end == '\0') {
-            return json_integer((json_int_t)v);
-        }
-    }
-    return json_string(ob->step);
+    return tally_step_json(ob->step, ob->step_is_number);
 }
 
 static json_t *outcome_row(const comp_outcome_t *o, size_t ord)
@@ -634,12 +627,12 @@ static int record_outcomes(compensator_t *c, tally_error_t *err_out, size_t *pag
     size_t n_won = 0, pages = 0, queued_pages = 0;
     if (rows == NULL || stuck_runs == NULL || won == NULL || age == NULL || ab == NULL ||
         obx == NULL || alerts == NULL) {
-        tally_error_set(&err, "oom", true, "out of memory recording outcomes");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory recording outcomes");
         goto out;
     }
     for (size_t i = 0; i < c->n_done; i++) {
         if (json_array_append_new(rows, outcome_row(&c->done[i], i)) != 0) {
-            tally_error_set(&err, "oom", true, "out of memory recording outcomes");
+            tally_error_setc(&err, TALLY_ERR_OOM, "out of memory recording outcomes");
             goto out;
         }
     }
@@ -652,7 +645,7 @@ static int record_outcomes(compensator_t *c, tally_error_t *err_out, size_t *pag
     }
     pos = tally_columns_positions(res, 0, NULL, c->n_done);
     if (pos == NULL) {
-        tally_error_set(&err, "oom", true, "out of memory recording outcomes");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory recording outcomes");
         goto out;
     }
     for (int row = 0; row < PQntuples(res); row++) {
@@ -664,7 +657,7 @@ static int record_outcomes(compensator_t *c, tally_error_t *err_out, size_t *pag
         }
     }
     if (!queue_consequences(c, won, ab, obx, alerts, stuck_runs)) {
-        tally_error_set(&err, "oom", true, "out of memory building the events of outcomes");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory building the events of outcomes");
         goto out;
     }
     queued_pages = tally_alert_batch_len(alerts);

@@ -11,6 +11,7 @@
 
 #include "dispatcher.h"
 #include "tally/crashpoint.h"
+#include "tally/cloudevent.h"
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/text.h"
@@ -38,7 +39,8 @@ static const char SQL_CLAIM[] =
     "   lease_epoch = e.lease_epoch + 1, attempts = e.attempts + 1, updated_at = now()"
     "   WHERE e.effect_id = ANY ((SELECT ids FROM c)::uuid[])"
     "     AND coalesce(e.status, '') = 'PLANNED'"
-    "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.tool, e.operation_key,"
+    "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.step_quoted, e.tool, "
+    "e.operation_key,"
     "     e.args_canonical, e.traceparent, e.intent_id, e.lease_epoch, e.attempts,"
     "     e.lease_until),"
     " ev AS (INSERT INTO events (event_id, run_id, effect_id, kind, from_status, to_status,"
@@ -52,8 +54,9 @@ static const char SQL_CLAIM[] =
     "       'lease_until', u.lease_until, 'attempt', u.attempts)"
     "   FROM u, (SELECT lpad(to_hex((extract(epoch FROM now()) * 1000)::bigint), 12, '0')"
     "     AS hex) ts)"
-    " SELECT effect_id::text, run_id, step, step_num IS NOT NULL, tool, operation_key,"
-    "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
+    " SELECT effect_id::text, run_id, step, " TALLY_SQL_STEP_IS_NUMBER(
+        "u") ", tool, operation_key,"
+             "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
 
 /* ---------------------------------------------------------------------------------------- */
 /* Calls                                                                                    */
@@ -193,7 +196,7 @@ static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_er
 {
     dispatch_done_t done = {0}, *x = &done;
     x->call = call;
-    bool never = strcmp(err->code, "invalid_header") == 0 || strcmp(err->code, "no_endpoint") == 0;
+    bool never = err->errc == TALLY_ERR_INVALID_HEADER || err->errc == TALLY_ERR_NO_ENDPOINT;
     x->v.verdict = never ? TALLY_VERDICT_FAILED : TALLY_VERDICT_RETRY;
     x->v.retry_after_ms = -1;
     snprintf(x->v.code, sizeof x->v.code, "%s", err->code);

@@ -295,9 +295,6 @@ bool dispatch_flush_messages(dispatcher_t *d, tally_pg_t *pg, tally_outbox_batch
 /** @brief After COMMIT: hand dispatch_flush_messages' rows to the relay, and clear them. */
 void dispatch_hand_messages(dispatcher_t *d, PGresult *handed);
 
-/** @brief The step as JSON: an integer when it was one, else a string. New reference. */
-json_t *dispatch_step_json(const char *step, bool is_number);
-
 /** @brief Serialise @p v compactly; @returns malloc'd text or NULL. Steals @p v. */
 char *dispatch_dump(json_t *v);
 

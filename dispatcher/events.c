@@ -21,17 +21,6 @@ void dispatch_hand_messages(dispatcher_t *d, PGresult *handed)
     PQclear(handed);
 }
 
-json_t *dispatch_step_json(const char *step, bool is_number)
-{
-    if (is_number && step) {
-        char *end = NULL;
-        long long n = strtoll(step, &end, 10);
-        if (end && *end == '\0' && end != step)
-            return json_integer((json_int_t)n);
-    }
-    return json_string(step ? step : "");
-}
-
 char *dispatch_dump(json_t *v)
 {
     if (!v)
@@ -60,13 +49,7 @@ bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const ef
     tally_jtext_begin(&j, "data");
     tally_jtext_str(&j, "effect_id", v->effect_id);
     tally_jtext_str(&j, "run_id", v->run_id);
-    /* a step that is a number goes out as one, as dispatch_step_json writes it */
-    char *end = NULL;
-    long long n = v->step_is_number && v->step ? strtoll(v->step, &end, 10) : 0;
-    if (end && *end == '\0' && end != v->step)
-        tally_jtext_int(&j, "step", n);
-    else
-        tally_jtext_str(&j, "step", v->step ? v->step : "");
+    tally_step_jtext(&j, "step", v->step, v->step_is_number);
     tally_jtext_str(&j, "tool", v->tool);
     tally_jtext_str(&j, "operation_key", v->operation_key);
     tally_jtext_str(&j, "status", v->status);

@@ -318,8 +318,8 @@ static void parse_msg(dispatcher_t *d, intake_msg_t *m)
     if (!m->op_key) {
         /* A value that cannot make a key (control characters, over the limit) is invalid;
          * none at all is missing. */
-        m->reason = strcmp(err.code, "invalid_field") == 0 ? TALLY_DLQ_INVALID_FIELD
-                                                           : TALLY_DLQ_MISSING_OPERATION_KEY;
+        m->reason = err.errc == TALLY_ERR_INVALID_FIELD ? TALLY_DLQ_INVALID_FIELD
+                                                        : TALLY_DLQ_MISSING_OPERATION_KEY;
         tally_text_copy(m->detail, sizeof m->detail, err.message);
         return;
     }
@@ -539,7 +539,7 @@ static bool intake_commit(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *
     bool ok = ab && ob && intake_write(d, lo, hi, ab, ob, &c, &handed, err) &&
               tally_pg_commit(d->pg, err);
     if (!ab || !ob)
-        tally_error_set(err, "oom", true, "out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
     tally_audit_batch_free(ab);
     tally_outbox_batch_free(ob);
     if (!ok) {

@@ -41,21 +41,22 @@ static const char SQL_EFFECTS[] =
     "  SELECT u.ord::int AS ord, u.effect_id::uuid AS effect_id, u.run_id, u.step,"
     "    u.step_num::numeric AS step_num, u.tool, u.effect_class, u.operation_key, u.input_hash,"
     "    u.args_canonical, u.tenant, u.traceparent, u.intent_id, u.gated::boolean AS gated,"
-    "    u.lease_ms::int AS lease_ms"
+    "    u.lease_ms::int AS lease_ms, u.quoted::boolean AS step_quoted"
     "  FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
     TALLY_COLUMN("$1", 4) "," TALLY_COLUMN("$1", 5) "," TALLY_COLUMN("$1", 6) ","
     TALLY_COLUMN("$1", 7) "," TALLY_COLUMN("$1", 8) "," TALLY_COLUMN("$1", 9) ","
     TALLY_COLUMN("$1", 10) "," TALLY_COLUMN("$1", 11) "," TALLY_COLUMN("$1", 12) ","
-    TALLY_COLUMN("$1", 13) "," TALLY_COLUMN("$1", 14) "," TALLY_COLUMN("$1", 15) ")"
+    TALLY_COLUMN("$1", 13) "," TALLY_COLUMN("$1", 14) "," TALLY_COLUMN("$1", 15) ","
+    TALLY_COLUMN("$1", 16) ")"
     "  AS u(ord, effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
-    "    input_hash, args_canonical, tenant, traceparent, intent_id, gated, lease_ms)),"
+    "    input_hash, args_canonical, tenant, traceparent, intent_id, gated, lease_ms, quoted)),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT run_id FROM r)"
     "    ORDER BY run_id FOR SHARE),"
     " ins AS ("
-    "  INSERT INTO effects (effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
-    "    input_hash, args_canonical, tenant, traceparent, intent_id, status, status_reason,"
-    "    lease_owner, lease_until, lease_epoch, attempts)"
-    "  SELECT r.effect_id, r.run_id, r.step, r.step_num, r.tool, r.effect_class,"
+    "  INSERT INTO effects (effect_id, run_id, step, step_num, step_quoted, tool, effect_class,"
+    "    operation_key, input_hash, args_canonical, tenant, traceparent, intent_id, status,"
+    "    status_reason, lease_owner, lease_until, lease_epoch, attempts)"
+    "  SELECT r.effect_id, r.run_id, r.step, r.step_num, r.step_quoted, r.tool, r.effect_class,"
     "    r.operation_key, r.input_hash, r.args_canonical, r.tenant, r.traceparent, r.intent_id,"
     "    s.status, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END,"
     "    CASE WHEN s.status = 'DISPATCHING' THEN $2::text END,"
@@ -76,13 +77,13 @@ static const char SQL_EFFECTS[] =
     " SELECT effect_id::text, status, status_reason, lease_epoch, attempts, lease_until"
     " FROM ins";
 // clang-format on
-#define EFFECT_COLS 15
+#define EFFECT_COLS 16
 
 /* For the intents that created nothing: the effect holding their (tool, key), and the one
  * holding their (run, step), in one query. */
 // clang-format off
 static const char SQL_EXISTING[] =
-    "SELECT k.ord, e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool,"
+    "SELECT k.ord, e.effect_id::text, e.run_id, e.step, " TALLY_SQL_STEP_IS_NUMBER("e") ", e.tool,"
     "  e.operation_key, e.status, e.input_hash, e.receipt::text, e.external_ref, e.error_code,"
     "  e.error_message, e.attempts, s.effect_id::text, s.tool, s.operation_key, ru.status"
     " FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
@@ -128,10 +129,10 @@ static bool exec_rows(dispatcher_t *d, const char *sql, tally_columns_t *c, cons
     const char *params[2] = {tally_columns_param(c, &lengths[0]), param2};
     if (!params[0]) {
         if (c->bad_text)
-            tally_error_set(err, "invalid_text", false, "intake batch not written: %s", c->why);
+            tally_error_setc(err, TALLY_ERR_INVALID_TEXT, "intake batch not written: %s", c->why);
         else
-            tally_error_set(err, "oom", true, "intake batch not written: %s",
-                            c->failed ? c->why : "out of memory");
+            tally_error_setc(err, TALLY_ERR_OOM, "intake batch not written: %s",
+                             c->failed ? c->why : "out of memory");
         return false;
     }
     PGresult *res = tally_pg_exec_bin(d->pg, sql, param2 ? 2 : 1, params, lengths, formats, err);
@@ -191,9 +192,8 @@ static bool reject_not_active(dispatcher_t *d, tally_outbox_batch_t *ob, tally_a
     tally_fmt(m->detail, sizeof m->detail, "run %s is %s: it takes no new %s", m->in.run_id,
               run_status, m->in.type == TALLY_MSG_INTENT ? "intents" : "requests to complete");
     tally_text_copy(m->field, sizeof m->field, "data.run_id");
-    json_t *step = m->in.type == TALLY_MSG_INTENT
-                       ? dispatch_step_json(m->in.step, m->in.step_is_number)
-                       : NULL;
+    json_t *step =
+        m->in.type == TALLY_MSG_INTENT ? tally_step_json(m->in.step, m->in.step_is_number) : NULL;
     bool ok = intake_answer_rejected(d, ob, m, m->in.id, m->in.run_id, step, m->in.tool,
                                      json_string_value(json_object_get(m->in.doc, "type")),
                                      m->reply, false);
@@ -314,7 +314,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
         if (!same && !sid && run_over) {
             /* A completed run takes no new intent (its effects' replays are answered). */
             if (!reject_not_active(d, ob, ab, m, run, c)) {
-                tally_error_set(err, "oom", true, "out of memory building a refusal");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a refusal");
                 return false;
             }
             continue;
@@ -324,7 +324,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
              * answers go to this intent's reply destination too. */
             c->replay++;
             if (!add_reply(rp, PQgetvalue(res, row, 2), eid, m)) {
-                tally_error_set(err, "oom", true, "out of memory noting a reply destination");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory noting a reply destination");
                 return false;
             }
             json_t *receipt = NULL;
@@ -348,7 +348,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
             json_t *extra = json_pack(
                 "{s:b, s:s, s:o}", "replay", 1, "effect_run_id", PQgetvalue(res, row, 2),
                 "effect_step",
-                dispatch_step_json(PQgetvalue(res, row, 3), PQgetvalue(res, row, 4)[0] == 't'));
+                tally_step_json(PQgetvalue(res, row, 3), PQgetvalue(res, row, 4)[0] == 't'));
             bool ok = extra && dispatch_publish_effect(d, ob, &v, extra);
             const tally_audit_member_t data[] = {
                 {"intent_id", m->in.id, false},
@@ -361,7 +361,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
             json_decref(extra);
             json_decref(receipt);
             if (!ok) {
-                tally_error_set(err, "oom", true, "out of memory building a replay event");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a replay event");
                 return false;
             }
             continue;
@@ -369,9 +369,9 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
         if (!eid && !sid) {
             /* The conflicting row vanished between the INSERT and this SELECT: only a
              * concurrent transaction that rolled back can do that. Try the batch again. */
-            tally_error_set(err, "race", true,
-                            "intent %s created nothing yet no effect holds its key or step",
-                            m->in.id);
+            tally_error_setc(err, TALLY_ERR_RACE,
+                             "intent %s created nothing yet no effect holds its key or step",
+                             m->in.id);
             return false;
         }
         c->conflict++;
@@ -414,7 +414,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
                   sizeof data / sizeof data[0]);
         json_decref(extra);
         if (!ok) {
-            tally_error_set(err, "oom", true, "out of memory building a conflict event");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a conflict event");
             return false;
         }
     }
@@ -428,7 +428,7 @@ static bool record_existing(dispatcher_t *d, PGresult *res, tally_audit_batch_t 
 {
     size_t *pos = tally_columns_positions(res, 0, NULL, d->n_batch); /* the ord column */
     if (!pos) {
-        tally_error_set(err, "oom", true, "out of memory reading the existing effects");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the existing effects");
         return false;
     }
     bool ok = record_existing_rows(d, res, pos, ab, ob, c, rp, err);
@@ -459,7 +459,7 @@ static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_au
     for (size_t i = 0; moving && i < n; i++)
         moving[i] = ms[i]->in.run_id;
     if (!moving || !(ids = tally_pg_text_array(moving, n))) {
-        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the runs to complete");
         goto out;
     }
     const char *params[1] = {ids};
@@ -516,7 +516,7 @@ static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_au
     ok = true;
     goto out;
 oom:
-    tally_error_set(err, "oom", true, "out of memory answering complete_run");
+    tally_error_setc(err, TALLY_ERR_OOM, "out of memory answering complete_run");
 out:
     PQclear(res);
     PQclear(moved);
@@ -555,7 +555,7 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
     PGresult *res = NULL;
     size_t n_ops = 0;
     if (!ids || !created || !ops || !op_results || !room || !completes) {
-        tally_error_set(err, "oom", true, "out of memory building the intake batch");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the intake batch");
         goto out;
     }
 
@@ -570,7 +570,7 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
         }
         if (m->reason != TALLY_DLQ_NONE) {
             if (!intake_refuse(d, ob, m)) {
-                tally_error_set(err, "oom", true, "out of memory building a DLQ record");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a DLQ record");
                 goto out;
             }
             c->dlq++;
@@ -618,14 +618,15 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
             bool row = tally_columns_row_begin(rs) && tally_columns_text(rs, ord) &&
                        tally_columns_text(rs, m->effect_id) && tally_columns_text(rs, in->run_id) &&
                        tally_columns_text(rs, in->step) &&
-                       tally_columns_text(rs, in->step_is_number ? in->step : NULL) &&
+                       tally_columns_text(rs, in->step_is_digits ? in->step : NULL) &&
                        tally_columns_text(rs, m->tool->name) &&
                        tally_columns_text(rs, tally_effect_class_name(m->tool->effect_class)) &&
                        tally_columns_text(rs, m->op_key) && tally_columns_text(rs, m->input_hash) &&
                        tally_columns_text(rs, m->canonical) && tally_columns_text(rs, in->tenant) &&
                        tally_columns_text(rs, in->traceparent) && tally_columns_text(rs, in->id) &&
                        tally_columns_text(rs, gated ? "true" : "false") &&
-                       tally_columns_text(rs, lease);
+                       tally_columns_text(rs, lease) &&
+                       tally_columns_text(rs, in->step_is_number ? "false" : "true");
             if (!tally_columns_row_end(rs, row))
                 goto oom;
             ids[i] = m->effect_id;
@@ -701,13 +702,13 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
     goto out;
 oom:
     if (runs.bad_text || effects.bad_text || existing.bad_text || replies.bad_text)
-        tally_error_set(err, "invalid_text", false, "intake batch not written: %s",
-                        runs.bad_text      ? runs.why
-                        : effects.bad_text ? effects.why
-                        : replies.bad_text ? replies.why
-                                           : existing.why);
+        tally_error_setc(err, TALLY_ERR_INVALID_TEXT, "intake batch not written: %s",
+                         runs.bad_text      ? runs.why
+                         : effects.bad_text ? effects.why
+                         : replies.bad_text ? replies.why
+                                            : existing.why);
     else
-        tally_error_set(err, "oom", true, "out of memory building the intake batch");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the intake batch");
 out:
     PQclear(res);
     tally_columns_release(&runs);

@@ -228,12 +228,12 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                .attempts = call->attempts,
                                .intent_id = call->intent_id};
             if (!dispatch_publish_effect(d, ob, &v, NULL)) {
-                tally_error_set(err, "oom", true, "out of memory");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
                 return false;
             }
         }
         if (dec->page_owner && alerts && !queue_page(alerts, x)) {
-            tally_error_set(err, "oom", true, "out of memory");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
             return false;
         }
     }
@@ -257,7 +257,8 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
     const char *ev = tally_audit_batch_param(ab, &lengths[1], &why_ev);
     const char *mo = tally_outbox_batch_param(ob, &lengths[2], &why_mo);
     if (!ev || !mo) {
-        tally_error_set(err, "oom", false, "results not written: %s", !ev ? why_ev : why_mo);
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "results not written: %s",
+                                   !ev ? why_ev : why_mo);
         return false;
     }
     tally_relay_t *relay = tally_worker_relay(d->w);
@@ -336,7 +337,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     bool ok = false;
     size_t pages = 0;
     if (!won || !ids || !ab || !ob) {
-        tally_error_set(&err, "oom", true, "out of memory");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory");
         goto out;
     }
     bool final = true;
@@ -359,9 +360,9 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
                    tally_columns_text(&rows, x->dec.maybe_applied ? "t" : "f");
         if (!tally_columns_row_end(&rows, row)) {
             if (rows.bad_text)
-                tally_error_set(&err, "invalid_text", false, "results not written: %s", rows.why);
+                tally_error_setc(&err, TALLY_ERR_INVALID_TEXT, "results not written: %s", rows.why);
             else
-                tally_error_set(&err, "oom", true, "results not written: out of memory");
+                tally_error_setc(&err, TALLY_ERR_OOM, "results not written: out of memory");
             goto out;
         }
     }
@@ -370,7 +371,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     char n_rows[24];
     snprintf(n_rows, sizeof n_rows, "%zu", rows.n);
     if (!param) {
-        tally_error_set(&err, "oom", true, "out of memory");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory");
         goto out;
     }
     if (final) {
@@ -379,7 +380,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     }
     alerts = tally_alert_batch_new();
     if (!alerts) {
-        tally_error_set(&err, "oom", true, "out of memory");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory");
         goto out;
     }
     const char *params[2] = {param, n_rows};
@@ -390,7 +391,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
     if (!res)
         goto out;
     if (!record_returned(res, done, n_done, ids, won)) {
-        tally_error_set(&err, "oom", true, "out of memory");
+        tally_error_setc(&err, TALLY_ERR_OOM, "out of memory");
         goto out;
     }
     PGresult *handed = NULL;

@@ -323,7 +323,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     }
     json_t *tools = json_array();
     if (tools == NULL) {
-        tally_error_set(err, "oom", false, "out of memory listing the tools");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory listing the tools");
         return -1;
     }
     for (size_t i = 0; i < tally_registry_count(rc->reg); i++) {
@@ -346,7 +346,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     if (tools_json == NULL || items == NULL) {
         free(tools_json);
         free(items);
-        tally_error_set(err, "oom", false, "out of memory preparing a claim");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory preparing a claim");
         return -1;
     }
     int n = tally_recon_claim(&rc->db, tools_json, (int)room, items, err);

@@ -24,9 +24,11 @@
 
 /* The effect columns every event is built from; RETURNING lists them first, in this order. */
 #define EFFECT_COLS                                                                                \
-    "e.effect_id::text, e.run_id, e.step, e.step_num IS NOT NULL, e.tool, e.operation_key,"        \
-    " e.status, e.receipt::text, e.external_ref, e.error_code, e.error_message, e.attempts,"       \
-    " e.intent_id"
+    "e.effect_id::text, e.run_id, e.step, " TALLY_SQL_STEP_IS_NUMBER(                              \
+        "e") ", e.tool, e.operation_key,"                                                          \
+             " e.status, e.receipt::text, e.external_ref, e.error_code, e.error_message, "         \
+             "e.attempts,"                                                                         \
+             " e.intent_id"
 
 enum {
     C_EFFECT_ID = 0,
@@ -184,19 +186,10 @@ static const char *col(const PGresult *res, int row, int c)
     return PQgetisnull(res, row, c) ? NULL : PQgetvalue(res, row, c);
 }
 
-/* The step as the agent sent it: a number when the ledger holds a canonical non-negative
- * integer in step_num, else the text. */
+/* The step as the agent sent it (cloudevent.h). */
 static json_t *step_value(const PGresult *res, int row)
 {
-    const char *step = col(res, row, C_STEP);
-    bool is_num = strcmp(PQgetvalue(res, row, C_STEP_IS_NUM), "t") == 0;
-    size_t len = step ? strlen(step) : 0;
-    bool canonical = is_num && len > 0 && len <= 18 && strspn(step, "0123456789") == len &&
-                     (step[0] != '0' || len == 1);
-    if (canonical) {
-        return json_integer((json_int_t)strtoll(step, NULL, 10));
-    }
-    return step ? json_string(step) : json_null();
+    return tally_step_json(col(res, row, C_STEP), PQgetvalue(res, row, C_STEP_IS_NUM)[0] == 't');
 }
 
 static json_t *text_or_null(const char *s)
@@ -232,7 +225,7 @@ static bool queue_message(tally_recon_db_t *db, const char *topic, const char *t
 {
     json_t *ev = data ? tally_ce_new(type, db->source, run_id, data, NULL) : NULL;
     if (ev == NULL) {
-        tally_error_set(err, "oom", false, "could not build a %s event", type);
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "could not build a %s event", type);
         return false;
     }
     tally_outbox_batch_add(db->outbox, topic, run_id, ev);
@@ -279,7 +272,8 @@ static bool tx_begin(tally_recon_db_t *tx, tally_error_t *err)
     tx->outbox = tally_outbox_batch_new();
     tx->alerts = tally_alert_batch_new();
     if (tx->audit == NULL || tx->outbox == NULL || tx->alerts == NULL) {
-        tally_error_set(err, "oom", false, "out of memory starting a transaction");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory starting a transaction");
         return false;
     }
     return tally_pg_begin(tx->pg, err);
@@ -644,7 +638,8 @@ static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
                                      refs, "obligations", new_obligations),
                            err);
     } else {
-        tally_error_set(err, "oom", false, "out of memory building the duplicate events");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory building the duplicate events");
     }
     json_decref(refs);
     json_decref(new_obligations);
@@ -746,7 +741,8 @@ static bool cancel_if_stopped(tally_recon_db_t *tx, tally_recon_item_t **items, 
 {
     json_t *ids = json_array();
     if (ids == NULL) {
-        tally_error_set(err, "oom", false, "out of memory building the run check");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory building the run check");
         return false;
     }
     for (size_t i = 0; i < n; i++) {
@@ -760,7 +756,7 @@ static bool cancel_if_stopped(tally_recon_db_t *tx, tally_recon_item_t **items, 
         PGresult *res = tally_pg_exec_json(tx->pg, SQL_STOPPED_RUNS, ids, err);
         size_t *pos = res != NULL ? tally_columns_positions(res, 0, ids_of_items, n) : NULL;
         if (res != NULL && pos == NULL) {
-            tally_error_set(err, "oom", true, "out of memory reading the run check");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the run check");
         }
         ok = pos != NULL;
         for (int r = 0; ok && r < PQntuples(res); r++) {
@@ -784,7 +780,8 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
     json_t *obligations = json_array();
     bool ok = rows != NULL && ids != NULL && redispatch != NULL && obligations != NULL;
     if (!ok) {
-        tally_error_set(err, "oom", false, "out of memory building the verdict batch");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory building the verdict batch");
     }
     for (size_t i = 0; ok && i < n; i++) {
         ids[i] = items[i]->effect_id;
@@ -799,14 +796,15 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
         items[i]->won = false;
         ok = json_array_append_new(rows, record_row(items[i])) == 0;
         if (!ok) {
-            tally_error_set(err, "oom", false, "out of memory building the verdict batch");
+            tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                       "out of memory building the verdict batch");
         }
     }
     if (ok) {
         res = tally_pg_exec_json(tx.pg, SQL_RECORD, rows, err);
         pos = res != NULL ? tally_columns_positions(res, C_EFFECT_ID, ids, n) : NULL;
         if (res != NULL && pos == NULL) {
-            tally_error_set(err, "oom", true, "out of memory reading the verdicts recorded");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the verdicts recorded");
         }
         ok = pos != NULL;
     }
@@ -834,7 +832,7 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
         obl = tally_pg_exec_json(tx.pg, SQL_OBLIGATIONS, obligations, err);
         obl_pos = obl != NULL ? tally_columns_positions(obl, 2, ids, n) : NULL;
         if (obl != NULL && obl_pos == NULL) {
-            tally_error_set(err, "oom", true, "out of memory reading the obligations written");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the obligations written");
         }
         ok = obl_pos != NULL;
     }
@@ -874,7 +872,8 @@ int tally_recon_release(tally_recon_db_t *db, tally_recon_item_t **items, size_t
     }
     if (!ok) {
         json_decref(rows);
-        tally_error_set(err, "oom", false, "out of memory building the release batch");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory building the release batch");
         return -1;
     }
     PGresult *res = tally_pg_exec_json(db->pg, SQL_RELEASE, rows, err);

@@ -168,8 +168,9 @@ static bool queue_events(const json_t *row, const char *type, const char *status
     char event_id[37];
     json_t *ev = data ? tally_ce_new(type, source, run_id, data, event_id) : NULL;
     if (ev == NULL) {
-        tally_error_set(err, "oom", false, "the %s event for alert %s could not be built", type,
-                        dedup_key ? dedup_key : "?");
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "the %s event for alert %s could not be built", type,
+                                   dedup_key ? dedup_key : "?");
         return false;
     }
     tally_outbox_batch_add(ob, "alerts", run_id, ev);
@@ -201,7 +202,7 @@ bool tally_alert_batch_flush(tally_alert_batch_t *b, tally_pg_t *pg, const char 
         *n_opened = 0;
     }
     if (b->failed) {
-        tally_error_set(err, "alert", false, "alerts not raised: %s", b->why);
+        tally_error_setc(err, TALLY_ERR_ALERT, "alerts not raised: %s", b->why);
         reset(b);
         return false;
     }
@@ -273,8 +274,9 @@ bool tally_alert_resolve(tally_pg_t *pg, const char *const *dedup_keys, size_t n
     }
     if (!ok) {
         json_decref(keys);
-        tally_error_set(err, "oom", false,
-                        "alerts not resolved: out of memory (or a key that is not UTF-8)");
+        tally_error_setc_retriable(
+            err, TALLY_ERR_OOM, false,
+            "alerts not resolved: out of memory (or a key that is not UTF-8)");
         return false;
     }
     PGresult *res = tally_pg_exec_json(pg, SQL_RESOLVE, keys, err);
@@ -293,7 +295,8 @@ bool tally_alert_resolve(tally_pg_t *pg, const char *const *dedup_keys, size_t n
             ok = details != NULL && json_object_set_new(row, "details", details) == 0;
         }
         if (!ok) {
-            tally_error_set(err, "oom", false, "alerts not resolved: out of memory");
+            tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                       "alerts not resolved: out of memory");
         } else {
             ok = queue_events(row, "tally.alert.resolve.v1", "RESOLVED", actor, source, reason,
                               false, ob, ab, err);

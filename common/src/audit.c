@@ -93,10 +93,10 @@ bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error
     const char *param = tally_audit_batch_param(b, &len, &why);
     bool ok = false;
     if (param == NULL && b->cols.failed) {
-        tally_error_set(err, b->cols.bad_text ? "invalid_text" : "audit", false,
-                        "audit batch not written: %s", why);
+        tally_error_setc(err, b->cols.bad_text ? TALLY_ERR_INVALID_TEXT : TALLY_ERR_AUDIT,
+                         "audit batch not written: %s", why);
     } else if (param == NULL) {
-        tally_error_set(err, "oom", true, "audit batch not written: out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "audit batch not written: out of memory");
     } else if (b->cols.n == 0) {
         ok = true;
     } else {

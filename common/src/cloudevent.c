@@ -6,6 +6,7 @@
  * message is never handed to the JSON parser. */
 #include "tally/cloudevent.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -534,7 +535,7 @@ static bool parse_step(const json_t *data, tally_intent_t *out, check_t *ck)
             return false;
         }
         snprintf(out->step, sizeof out->step, "%" JSON_INTEGER_FORMAT, n);
-        out->step_is_number = true;
+        out->step_is_number = out->step_is_digits = true;
         return true;
     }
     if (!json_is_string(v)) {
@@ -548,7 +549,8 @@ static bool parse_step(const json_t *data, tally_intent_t *out, check_t *ck)
     if (s == NULL)
         return false;
     memcpy(out->step, s, strlen(s) + 1); /* ≤ 100 bytes: fits step[128] */
-    out->step_is_number = all_digits(s);
+    out->step_is_number = false;         /* echoed as the string it is, "03" as "03" */
+    out->step_is_digits = all_digits(s);
     return true;
 }
 
@@ -895,4 +897,32 @@ void tally_intent_clear(tally_intent_t *in)
         return;
     json_decref(in->doc);
     memset(in, 0, sizeof *in);
+}
+
+json_t *tally_step_json(const char *step, bool is_number)
+{
+    if (step == NULL)
+        return json_null();
+    if (is_number) {
+        char *end = NULL;
+        errno = 0;
+        long long n = strtoll(step, &end, 10);
+        if (errno == 0 && end != step && *end == '\0')
+            return json_integer((json_int_t)n);
+    }
+    return json_string(step);
+}
+
+void tally_step_jtext(tally_jtext_t *j, const char *key, const char *step, bool is_number)
+{
+    if (step != NULL && is_number) {
+        char *end = NULL;
+        errno = 0;
+        long long n = strtoll(step, &end, 10);
+        if (errno == 0 && end != step && *end == '\0') {
+            tally_jtext_int(j, key, n);
+            return;
+        }
+    }
+    tally_jtext_str(j, key, step != NULL ? step : "");
 }

@@ -43,10 +43,6 @@ bool tally_errc_parse(const char *name, tally_errc_t *out)
 {
     if (name == NULL)
         return false;
-    if (strcmp(name, "out_of_memory") == 0) { /* registry.c's spelling before the table */
-        *out = TALLY_ERR_OOM;
-        return true;
-    }
     for (int e = TALLY_ERR_NONE + 1; e < TALLY_ERR__COUNT; e++) {
         if (strcmp(ERRC[e].name, name) == 0) {
             *out = (tally_errc_t)e;
@@ -127,25 +123,6 @@ void tally_error_set_pg(tally_error_t *err, const char *sqlstate, bool retriable
         sqlstate = "08006";
     fill(err, sqlstate_connection(sqlstate) ? TALLY_ERR_PG_CONNECTION : TALLY_ERR_PG, sqlstate,
          sqlstate, retriable);
-    va_list ap;
-    va_start(ap, fmt);
-    tally_vfmt(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-}
-
-void tally_error_set(tally_error_t *err, const char *code, bool retriable, const char *fmt, ...)
-{
-    if (err == NULL)
-        return;
-    if (code == NULL)
-        code = "error";
-    tally_errc_t errc = TALLY_ERR_OTHER;
-    const char *sqlstate = NULL;
-    if (!tally_errc_parse(code, &errc) && sqlstate_shaped(code)) {
-        sqlstate = code;
-        errc = sqlstate_connection(code) ? TALLY_ERR_PG_CONNECTION : TALLY_ERR_PG;
-    }
-    fill(err, errc, sqlstate, code, retriable);
     va_list ap;
     va_start(ap, fmt);
     tally_vfmt(err->message, sizeof err->message, fmt, ap);

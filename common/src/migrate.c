@@ -61,8 +61,8 @@ static bool run_migration(tally_pg_t *pg, const tally_migration_t *m, tally_erro
 {
     PGconn *conn = tally_pg_conn(pg);
     if (conn == NULL) {
-        tally_error_set(err, "08006", true, "migration %03d_%s: PostgreSQL connection lost",
-                        m->version, m->name);
+        tally_error_set_pg(err, "08006", true, "migration %03d_%s: PostgreSQL connection lost",
+                           m->version, m->name);
         return false;
     }
     PGresult *res = PQexec(conn, m->sql);
@@ -76,8 +76,7 @@ static bool run_migration(tally_pg_t *pg, const tally_migration_t *m, tally_erro
     char msg[400];
     snprintf(msg, sizeof(msg), "%s", primary ? primary : PQerrorMessage(conn));
     msg[strcspn(msg, "\n")] = '\0';
-    tally_error_set(err, state && *state ? state : "08006", false, "migration %03d_%s failed: %s",
-                    m->version, m->name, msg);
+    tally_error_set_pg(err, state, false, "migration %03d_%s failed: %s", m->version, m->name, msg);
     PQclear(res);
     return false;
 }
@@ -125,10 +124,10 @@ bool tally_migrate_apply(tally_pg_t *pg, int *before, int *after, tally_error_t 
     if (!read_version(pg, &found, err))
         goto fail;
     if (found > latest) {
-        tally_error_set(err, "schema_too_new", false,
-                        "the database schema is at version %d but this tally only knows up to "
-                        "version %d; upgrade tally before running it against this database",
-                        found, latest);
+        tally_error_setc(err, TALLY_ERR_SCHEMA_TOO_NEW,
+                         "the database schema is at version %d but this tally only knows up to "
+                         "version %d; upgrade tally before running it against this database",
+                         found, latest);
         goto fail;
     }
 

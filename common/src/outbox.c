@@ -159,10 +159,10 @@ static const char *param_or_error(tally_outbox_batch_t *b, int *len, tally_error
     const char *why = NULL;
     const char *param = tally_outbox_batch_param(b, len, &why);
     if (param == NULL && b->cols.failed)
-        tally_error_set(err, b->cols.bad_text ? "invalid_text" : "outbox", false,
-                        "outbox batch not written: %s", why);
+        tally_error_setc(err, b->cols.bad_text ? TALLY_ERR_INVALID_TEXT : TALLY_ERR_OUTBOX,
+                         "outbox batch not written: %s", why);
     else if (param == NULL)
-        tally_error_set(err, "oom", true, "outbox batch not written: out of memory");
+        tally_error_setc(err, TALLY_ERR_OOM, "outbox batch not written: out of memory");
     return param;
 }
 

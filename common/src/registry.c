@@ -878,30 +878,30 @@ static const char *json_kind(const json_t *x)
 char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
                                    const char *explicit_key, tally_error_t *err)
 {
-    const char *code = "missing_operation_key";
+    const tally_errc_t code = TALLY_ERR_MISSING_OPERATION_KEY;
     if (explicit_key != NULL && explicit_key[0] != '\0') {
         if (!key_text_ok(explicit_key)) {
-            tally_error_set(err, "invalid_field", false,
-                            "the intent's operation_key contains control characters; it is sent "
-                            "as the Idempotency-Key header");
+            tally_error_setc(err, TALLY_ERR_INVALID_FIELD,
+                             "the intent's operation_key contains control characters; it is sent "
+                             "as the Idempotency-Key header");
             return NULL;
         }
         char *k = strdup(explicit_key);
         if (k == NULL)
-            tally_error_set(err, "out_of_memory", true, "out of memory building an operation key");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building an operation key");
         return k;
     }
     if (tool->n_operation_key == 0) {
-        tally_error_set(err, code, false,
-                        "tool %s declares no operation_key fields; the intent must carry "
-                        "operation_key",
-                        tool->name);
+        tally_error_setc(err, code,
+                         "tool %s declares no operation_key fields; the intent must carry "
+                         "operation_key",
+                         tool->name);
         return NULL;
     }
     if (!json_is_object(args)) {
-        tally_error_set(err, code, false,
-                        "tool %s builds its operation key from args, but args is not an object",
-                        tool->name);
+        tally_error_setc(err, code,
+                         "tool %s builds its operation key from args, but args is not an object",
+                         tool->name);
         return NULL;
     }
     sbuf_t b = {0};
@@ -912,16 +912,16 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
         char num[32];
         const char *text = NULL;
         if (x == NULL) {
-            tally_error_set(err, code, false,
-                            "tool %s builds its operation key from args.%s, which is missing",
-                            tool->name, field);
+            tally_error_setc(err, code,
+                             "tool %s builds its operation key from args.%s, which is missing",
+                             tool->name, field);
         } else if (json_is_string(x)) {
             text = json_string_value(x);
             if (text[0] == '\0' || !key_text_ok(text)) {
                 /* Empty: the key is missing. Control characters: the value is invalid (the key
                  * is sent as the Idempotency-Key header, where CR/LF would inject headers). */
-                tally_error_set(
-                    err, text[0] == '\0' ? code : "invalid_field", false,
+                tally_error_setc(
+                    err, text[0] == '\0' ? code : TALLY_ERR_INVALID_FIELD,
                     "tool %s builds its operation key from args.%s, which is %s", tool->name, field,
                     text[0] == '\0' ? "an empty string" : "a string with control characters");
                 text = NULL;
@@ -932,10 +932,10 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
         } else if (json_is_boolean(x)) {
             text = json_is_true(x) ? "true" : "false";
         } else {
-            tally_error_set(err, code, false,
-                            "tool %s builds its operation key from args.%s, which is %s; it must "
-                            "be a string, an integer or a boolean",
-                            tool->name, field, json_kind(x));
+            tally_error_setc(err, code,
+                             "tool %s builds its operation key from args.%s, which is %s; it must "
+                             "be a string, an integer or a boolean",
+                             tool->name, field, json_kind(x));
         }
         if (text == NULL) {
             free(b.s);
@@ -946,14 +946,14 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
     }
     char *key = sb_finish(&b);
     if (key == NULL) {
-        tally_error_set(err, "out_of_memory", true, "out of memory building an operation key");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building an operation key");
     } else if (strlen(key) > TALLY_LIMIT_OPERATION_KEY) {
         /* The limit of an explicit key holds for a derived one too: the key is a UNIQUE index
          * entry and an HTTP header. */
-        tally_error_set(err, "invalid_field", false,
-                        "tool %s builds its operation key from args; the key is %zu bytes, above "
-                        "the limit of %d bytes",
-                        tool->name, strlen(key), TALLY_LIMIT_OPERATION_KEY);
+        tally_error_setc(err, TALLY_ERR_INVALID_FIELD,
+                         "tool %s builds its operation key from args; the key is %zu bytes, above "
+                         "the limit of %d bytes",
+                         tool->name, strlen(key), TALLY_LIMIT_OPERATION_KEY);
         free(key);
         key = NULL;
     }

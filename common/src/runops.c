@@ -197,7 +197,7 @@ static const char SQL_CANCEL_EFFECTS[] =
     " FROM old, req"
     " WHERE e.effect_id = old.effect_id AND e.run_id = req.run_id"
     "   AND e.status IN ('PLANNED', 'AWAITING_APPROVAL')"
-    " RETURNING e.effect_id::text, e.run_id, old.status, e.step, e.step_num IS NOT NULL, e.tool,"
+    " RETURNING e.effect_id::text, e.run_id, old.status, e.step, " TALLY_SQL_STEP_IS_NUMBER("e") ", e.tool,"
     "   e.operation_key, e.attempts, e.intent_id";
 // clang-format on
 
@@ -278,14 +278,16 @@ static const char SQL_RUN_SUMMARY[] =
     "SELECT summary::text, status_reason FROM runs WHERE run_id = $1 AND summary ? 'counts'";
 
 static const char SQL_PLAN_EFFECTS[] =
-    "SELECT e.effect_id::text, e.step, e.step_num IS NOT NULL, e.tool, e.effect_class, e.status,"
-    "  e.external_ref, e.receipt->>'version',"
-    "  (SELECT json_agg(json_build_object('obligation_id', o.obligation_id, 'status', o.status,"
-    "     'reason', o.reason, 'external_ref', o.external_ref,"
-    "     'approved', o.approved_at IS NOT NULL) ORDER BY o.created_at)"
-    "   FROM obligations o WHERE o.effect_id = e.effect_id)::text"
-    " FROM effects e WHERE e.run_id = $1"
-    " ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC";
+    "SELECT e.effect_id::text, e.step, " TALLY_SQL_STEP_IS_NUMBER(
+        "e") ", e.tool, e.effect_class, e.status,"
+             "  e.external_ref, e.receipt->>'version',"
+             "  (SELECT json_agg(json_build_object('obligation_id', o.obligation_id, 'status', "
+             "o.status,"
+             "     'reason', o.reason, 'external_ref', o.external_ref,"
+             "     'approved', o.approved_at IS NOT NULL) ORDER BY o.created_at)"
+             "   FROM obligations o WHERE o.effect_id = e.effect_id)::text"
+             " FROM effects e WHERE e.run_id = $1"
+             " ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC";
 
 static const char SQL_APPROVE[] =
     "UPDATE obligations SET status = $2,"
@@ -441,7 +443,7 @@ static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_er
         }
     }
     if (ids == NULL) {
-        tally_error_set(err, "oom", true, "out of memory listing the runs");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the runs");
         return false;
     }
     PGresult *res = tally_pg_exec_json(pg, SQL_LOCK_RUNS, ids, err);
@@ -455,9 +457,9 @@ static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_er
             continue;
         }
         if (!tally_run_state_parse(PQgetvalue(res, row, 1), &rs->initial)) {
-            tally_error_set(err, "invalid", false,
-                            "run %s has status '%s', which this version of tally does not know",
-                            rs->run_id, PQgetvalue(res, row, 1));
+            tally_error_setc(err, TALLY_ERR_INVALID,
+                             "run %s has status '%s', which this version of tally does not know",
+                             rs->run_id, PQgetvalue(res, row, 1));
             PQclear(res);
             json_decref(ids);
             return false;
@@ -489,8 +491,7 @@ static bool queue_cancelled_event(PGresult *res, int row, const char *source,
 {
     const char *run_id = PQgetvalue(res, row, 1);
     const char *step = PQgetvalue(res, row, 3);
-    json_t *step_json = PQgetvalue(res, row, 4)[0] == 't' ? json_integer(strtoll(step, NULL, 10))
-                                                          : json_string(step);
+    json_t *step_json = tally_step_json(step, PQgetvalue(res, row, 4)[0] == 't');
     json_t *data =
         json_pack("{s:s, s:s, s:o, s:s, s:s, s:s, s:n, s:n, s:n, s:I, s:s, s:s}", "effect_id",
                   PQgetvalue(res, row, 0), "run_id", run_id, "step", step_json, "tool",
@@ -513,7 +514,7 @@ static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, r
 {
     json_t *req = json_array();
     if (req == NULL) {
-        tally_error_set(err, "oom", true, "out of memory building the cancel batch");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the cancel batch");
         return false;
     }
     for (size_t i = 0; i < n; i++) {
@@ -547,7 +548,7 @@ static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, r
                                       .reason = "cancel_run"};
             tally_audit_batch_add(ab, &ev);
             if (!queue_cancelled_event(res, row, source, ob)) {
-                tally_error_set(err, "oom", true, "out of memory building a cancelled event");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a cancelled event");
                 ok = false;
             }
         }
@@ -564,7 +565,7 @@ static bool create_obligations(tally_pg_t *pg, const tally_runop_t *ops, size_t 
 {
     json_t *req = json_array();
     if (req == NULL) {
-        tally_error_set(err, "oom", true, "out of memory building the compensation batch");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the compensation batch");
         return false;
     }
     for (size_t i = 0; i < n; i++) {
@@ -596,7 +597,7 @@ static bool create_obligations(tally_pg_t *pg, const tally_runop_t *ops, size_t 
             if (!queue_obligation(PQgetvalue(res, row, 0), run_id, PQgetvalue(res, row, 2),
                                   PQgetvalue(res, row, 3), nullable(res, row, 4), intent_id, actor,
                                   source, ob, ab)) {
-                tally_error_set(err, "oom", true, "out of memory building an obligation event");
+                tally_error_setc(err, TALLY_ERR_OOM, "out of memory building an obligation event");
                 ok = false;
             }
         }
@@ -618,13 +619,13 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
     json_t *updates = json_array();
     bool ok = false;
     if (runs == NULL || updates == NULL) {
-        tally_error_set(err, "oom", true, "out of memory building the run batch");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the run batch");
         goto out;
     }
     size_t n_runs = 0;
     for (size_t i = 0; i < n; i++) {
         if (ops[i].run_id == NULL || ops[i].run_id[0] == '\0') {
-            tally_error_set(err, "invalid", false, "request %zu names no run", i);
+            tally_error_setc(err, TALLY_ERR_INVALID, "request %zu names no run", i);
             goto out;
         }
         if (find_run(runs, n_runs, ops[i].run_id) == NULL) {
@@ -696,7 +697,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
                 "tally.run.cancelled.v1", op->run_id, r->status_after, op->reason,
                 json_pack("{s:I}", "effects_cancelled", (json_int_t)r->effects_cancelled), source,
                 ob)) {
-            tally_error_set(err, "oom", true, "out of memory building a run event");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a run event");
             goto out;
         }
     }
@@ -711,7 +712,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         if (json_array_append_new(updates, json_pack("{s:s, s:s, s:s, s:s}", "run_id", rs->run_id,
                                                      "from_status", from, "status", to, "reason",
                                                      rs->reason)) != 0) {
-            tally_error_set(err, "oom", true, "out of memory building the run updates");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the run updates");
             goto out;
         }
         tally_audit_event_t ev = {.run_id = rs->run_id,
@@ -731,9 +732,9 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         PQclear(res);
         if ((size_t)moved != json_array_size(updates)) {
             /* cannot happen while the rows are locked; refuse rather than write half */
-            tally_error_set(err, "conflict", true,
-                            "%zu run(s) changed status under the lock; nothing written",
-                            json_array_size(updates) - (size_t)moved);
+            tally_error_setc(err, TALLY_ERR_CONFLICT,
+                             "%zu run(s) changed status under the lock; nothing written",
+                             json_array_size(updates) - (size_t)moved);
             goto out;
         }
     }
@@ -761,7 +762,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
                                       json_pack("{s:o}", "summary", summary), source, ob);
         PQclear(res);
         if (!queued) {
-            tally_error_set(err, "oom", true, "out of memory building a run event");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a run event");
             goto out;
         }
     }
@@ -803,7 +804,7 @@ bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, bool settled, const
         if (!queue_obligation(PQgetvalue(res, row, 1), run_id, PQgetvalue(res, row, 3),
                               PQgetvalue(res, row, 4), nullable(res, row, 5), NULL, actor, source,
                               ob, ab)) {
-            tally_error_set(err, "oom", true, "out of memory building an obligation event");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building an obligation event");
             ok = false;
         }
     }
@@ -813,19 +814,6 @@ bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, bool settled, const
 
 /* ---------------------------------------------------------------------------------------- */
 /* The plan                                                                                 */
-
-/* The step as JSON: an integer when the ledger holds it as a number, else the text. */
-static json_t *step_json(const char *step, bool is_number)
-{
-    if (is_number) {
-        char *end = NULL;
-        long long v = strtoll(step, &end, 10);
-        if (end != step && *end == '\0') {
-            return json_integer((json_int_t)v);
-        }
-    }
-    return json_string(step);
-}
 
 static bool obligation_terminal(const char *status)
 {
@@ -986,12 +974,12 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
         break;
     }
 
-    json_t *entry = json_pack("{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:s, s:s, s:s}", "step",
-                              step_json(PQgetvalue(res, row, 1), PQgetvalue(res, row, 2)[0] == 't'),
-                              "effect_id", eid, "tool", tool_name, "effect_class", cls_name,
-                              "compensation_mode", mode, "effect_status", status, "external_ref",
-                              nullable(res, row, 6), "obligation", obl, "action", action, "will",
-                              will, "why", why);
+    json_t *entry = json_pack(
+        "{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:s, s:s, s:s}", "step",
+        tally_step_json(PQgetvalue(res, row, 1), PQgetvalue(res, row, 2)[0] == 't'), "effect_id",
+        eid, "tool", tool_name, "effect_class", cls_name, "compensation_mode", mode,
+        "effect_status", status, "external_ref", nullable(res, row, 6), "obligation", obl, "action",
+        action, "will", will, "why", why);
     json_decref(obligations);
     return entry;
 }
@@ -1007,7 +995,7 @@ json_t *tally_runops_plan(tally_pg_t *pg, const tally_registry_t *reg, const tal
     bool found = PQntuples(res) == 1;
     PQclear(res);
     if (!found) {
-        tally_error_set(err, "not_found", false, "no run '%s' in the ledger", op->run_id);
+        tally_error_setc(err, TALLY_ERR_NOT_FOUND, "no run '%s' in the ledger", op->run_id);
         return NULL;
     }
     res = tally_pg_exec(pg, SQL_PLAN_EFFECTS, 1, params, err);
@@ -1024,7 +1012,7 @@ json_t *tally_runops_plan(tally_pg_t *pg, const tally_registry_t *reg, const tal
     }
     PQclear(res);
     if (plan == NULL) {
-        tally_error_set(err, "oom", true, "out of memory building the plan");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the plan");
     }
     return plan;
 }
@@ -1045,13 +1033,13 @@ bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligat
         }
     }
     if (ids == NULL) {
-        tally_error_set(err, "oom", true, "out of memory listing the obligations");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the obligations");
         return false;
     }
     char *text = json_dumps(ids, JSON_COMPACT);
     json_decref(ids);
     if (text == NULL) {
-        tally_error_set(err, "oom", true, "out of memory listing the obligations");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the obligations");
         return false;
     }
     const char *to = approve ? "PENDING" : "SKIPPED";
@@ -1103,7 +1091,7 @@ static const char SQL_COMPLETE[] =
     "   'effects', coalesce((SELECT jsonb_object_agg(g.status, g.n) FROM (SELECT e.status,"
     "     count(*) AS n FROM effects e WHERE e.run_id = c.run_id GROUP BY e.status) g), '{}'),"
     "   'open', coalesce((SELECT jsonb_agg(jsonb_build_object('effect_id', o.effect_id,"
-    "     'step', CASE WHEN o.step_num IS NOT NULL THEN to_jsonb(o.step_num)"
+    "     'step', CASE WHEN " TALLY_SQL_STEP_IS_NUMBER("o") " THEN to_jsonb(o.step_num)"
     "       ELSE to_jsonb(o.step) END, 'tool', o.tool, 'status', o.status)"
     "     ORDER BY o.step_num, o.seq) FROM (SELECT * FROM effects e WHERE e.run_id = c.run_id"
     "     AND e.status IN ('AWAITING_APPROVAL', 'STUCK') ORDER BY e.step_num, e.seq LIMIT 100) o),"
@@ -1134,7 +1122,7 @@ bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n,
     *completed = 0;
     char *ids = NULL;
     if (run_ids != NULL && (ids = tally_pg_text_array(run_ids, n)) == NULL) {
-        tally_error_set(err, "oom", true, "out of memory listing the runs to complete");
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the runs to complete");
         return false;
     }
     char lim[16], idle[16];
@@ -1159,7 +1147,7 @@ bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n,
         tally_audit_batch_add(ab, &ev);
         ok = tally_runops_completed_event(run_id, why, PQgetvalue(res, row, 3), source, ob);
         if (!ok) {
-            tally_error_set(err, "oom", true, "out of memory building a run event");
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a run event");
         }
         (*completed)++;
     }

@@ -1,5 +1,6 @@
 /* runsummary.c — a run's compensation summary (runsummary.h): the classification of each item
  * and the entry it gets, for the compensator's summary and `tally summary`. */
+#include "tally/cloudevent.h"
 #include "tally/runsummary.h"
 
 #include <stdio.h>
@@ -116,14 +117,7 @@ static json_t *step_json(const json_t *item)
     if (step == NULL) {
         return json_null();
     }
-    if (json_is_true(json_object_get(item, "step_is_number"))) {
-        char *end = NULL;
-        long long v = strtoll(step, &end, 10);
-        if (end != step && *end == '\0') {
-            return json_integer((json_int_t)v);
-        }
-    }
-    return json_string(step);
+    return tally_step_json(step, json_is_true(json_object_get(item, "step_is_number")));
 }
 
 static bool set(json_t *obj, const char *key, json_t *v)

@@ -104,8 +104,7 @@ static void check_key_error(const tally_error_t *err, char *detail)
     fuzz_check_text("error code", err->code, sizeof err->code);
     size_t len = fuzz_check_text("error message", err->message, sizeof err->message);
     FUZZ_CHECK(len > 0, "no error message (code %s)", err->code);
-    FUZZ_CHECK(strcmp(err->code, "missing_operation_key") == 0 ||
-                   strcmp(err->code, "invalid_field") == 0,
+    FUZZ_CHECK(err->errc == TALLY_ERR_MISSING_OPERATION_KEY || err->errc == TALLY_ERR_INVALID_FIELD,
                "error code %s", err->code);
     tally_text_copy(detail, DETAIL_BYTES, err->message);
     fuzz_check_text("detail (from the error message)", detail, DETAIL_BYTES);

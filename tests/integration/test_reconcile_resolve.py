@@ -151,6 +151,38 @@ class ReconcileResolveTest(ReconcileCase):
                                      '{outcome="confirmed"}'), 1)
         self.invariants()
 
+    def test_every_answer_carries_the_step_exactly_as_the_intent_had_it(self):
+        # DESIGN §5: the dispatcher's answers and the reconciler's alike. A string of digits
+        # stays a string ("03", not 3) though it orders numerically; a number stays a number.
+        self.dispatcher()
+        self.reconciler()
+        run = run_id()
+        steps = {"03": "p03", 7: "p7", "charge-1": "pc"}
+        keys = {}
+        for step, pid in steps.items():
+            key = f"charge_card:t1:{run}-{pid}"
+            if step == "03":
+                self.fault("apply_then_hang", key=key, delay_ms=5000)  # answered by the reconciler
+            self.publish(self.intent(run, step, "charge_card",
+                                     {"tenant_id": "t1", "payment_id": f"{run}-{pid}", "amount": 3}))
+            keys[step] = key
+        rows = {step: self.wait_status("charge_card", key, "CONFIRMED", timeout=40)
+                for step, key in keys.items()}
+        got = self.messages("outcomes", lambda ms: len({
+            m["data"]["effect_id"] for m in ms if m["type"] == "tally.effect.confirmed.v1"}) >= 3)
+        for step, row in rows.items():
+            answers = [m for m in got if m["data"].get("effect_id") == row["effect_id"]]
+            self.assertTrue(answers, step)
+            for m in answers:
+                self.assertEqual(m["data"]["step"], step, (m["type"], m["source"]))
+                self.assertIs(type(m["data"]["step"]), type(step), (m["type"], m["source"]))
+        confirmed_03 = [m for m in got if m["data"].get("effect_id") == rows["03"]["effect_id"]
+                        and m["type"] == "tally.effect.confirmed.v1"]
+        self.assertTrue(confirmed_03[0]["source"].startswith("/tally/reconciler/"))
+        # and "03" still orders as 3: before 7, in the ledger's compensation order
+        self.assertEqual(self.scalar("SELECT step_num FROM effects WHERE effect_id = %s",
+                                     (rows["03"]["effect_id"],)), 3)
+
     def test_timed_out_before_applying_is_redispatched_once_with_the_same_key(self):
         self.dispatcher()
         self.reconciler()

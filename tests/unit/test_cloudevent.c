@@ -263,19 +263,22 @@ static void test_intent_optional_fields_absent_or_null(void **state)
 static void test_step_integer_and_string(void **state)
 {
     (void)state;
+    /* is_number: echoed as a number; is_digits: orders numerically (DESIGN §5: an answer
+     * carries the step exactly as the intent had it, so "12" stays a string) */
     struct {
         const char *json;
         const char *text;
-        bool is_number;
+        bool is_number, is_digits;
     } ok[] = {
-        {"3", "3", true},
-        {"0", "0", true},
-        {"9223372036854775807", "9223372036854775807", true},
-        {"\"12\"", "12", true},
-        {"\"007\"", "007", true},
-        {"\"charge\"", "charge", false},
-        {"\"3a\"", "3a", false},
-        {"\"étape-2\"", "étape-2", false},
+        {"3", "3", true, true},
+        {"0", "0", true, true},
+        {"9223372036854775807", "9223372036854775807", true, true},
+        {"\"12\"", "12", false, true},
+        {"\"007\"", "007", false, true},
+        {"\"03\"", "03", false, true},
+        {"\"charge\"", "charge", false, false},
+        {"\"3a\"", "3a", false, false},
+        {"\"étape-2\"", "étape-2", false, false},
     };
     for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
         tally_intent_t in;
@@ -285,6 +288,16 @@ static void test_step_integer_and_string(void **state)
             fail_msg("step %s refused: %s", ok[i].json, detail);
         assert_string_equal(in.step, ok[i].text);
         assert_int_equal(in.step_is_number, ok[i].is_number);
+        assert_int_equal(in.step_is_digits, ok[i].is_digits);
+        /* and the answer's step is the intent's own */
+        json_t *echo = tally_step_json(in.step, in.step_is_number);
+        json_t *want = json_loads(ok[i].json, JSON_DECODE_ANY, NULL);
+        assert_non_null(echo);
+        assert_non_null(want);
+        if (!json_equal(echo, want))
+            fail_msg("step %s echoed as %s", ok[i].json, json_dumps(echo, JSON_ENCODE_ANY));
+        json_decref(echo);
+        json_decref(want);
         tally_intent_clear(&in);
     }
 

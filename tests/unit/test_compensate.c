@@ -487,7 +487,7 @@ static void test_policy_unsent(void **state)
     comp_move_t mv;
 
     /* no room: not the tool's fault, the attempt is given back, even at max_attempts */
-    tally_error_set(&err, "capacity", true, "per-tool cap reached");
+    tally_error_setc(&err, TALLY_ERR_CAPACITY, "per-tool cap reached");
     comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, true, &err, &mv);
     assert_record(&mv, TALLY_OBLIGATION_PENDING, "capacity", NULL);
     assert_true(mv.refund_attempt);
@@ -495,7 +495,7 @@ static void test_policy_unsent(void **state)
     assert_int_equal(mv.delay_ms, 200);
 
     /* retriable with attempts left: the tool's backoff */
-    tally_error_set(&err, "secret_missing", true, "BILLING_HMAC_SECRET is not set");
+    tally_error_setc(&err, TALLY_ERR_SECRET_MISSING, "BILLING_HMAC_SECRET is not set");
     in.attempts = 2;
     comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, false, &err, &mv);
     assert_record(&mv, TALLY_OBLIGATION_PENDING, "secret_missing", NULL);
@@ -508,7 +508,7 @@ static void test_policy_unsent(void **state)
     assert_string_equal(mv.message, "BILLING_HMAC_SECRET is not set");
 
     /* not retriable: STUCK with its own code */
-    tally_error_set(&err, "no_endpoint", false, "no compensate endpoint");
+    tally_error_setc(&err, TALLY_ERR_NO_ENDPOINT, "no compensate endpoint");
     in.attempts = 1;
     comp_policy_unsent(&in, &d, TALLY_CONN_COMPENSATE, false, &err, &mv);
     assert_record(&mv, TALLY_OBLIGATION_STUCK, "no_endpoint", "no_endpoint");

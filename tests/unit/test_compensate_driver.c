@@ -105,7 +105,7 @@ static int plan(tally_pg_t *pg, const tally_runop_t *op)
     int rc = 0;
     if (p == NULL) {
         fprintf(stderr, "plan: %s (%s)\n", err.message, err.code);
-        rc = strcmp(err.code, "not_found") == 0 ? 3 : 1;
+        rc = err.errc == TALLY_ERR_NOT_FOUND ? 3 : 1;
     } else {
         char *text = json_dumps(p, JSON_COMPACT);
         printf("%s\n", text);

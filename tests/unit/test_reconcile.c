@@ -298,7 +298,7 @@ static void test_alert_batch_refuses_incomplete_alerts(void **state)
     tally_error_t err;
     tally_error_clear(&err);
     assert_false(tally_alert_batch_flush(b, NULL, "test", "/test", NULL, NULL, NULL, &err));
-    assert_string_equal(err.code, "alert");
+    assert_int_equal(err.errc, TALLY_ERR_ALERT);
     assert_non_null(strstr(err.message, "dedup key"));
     /* the failure is reported once; the batch is usable again */
     a.effect_id = "0b0e3a52-4f1c-4b7e-9a55-0d6c1c1f2a10";

@@ -572,7 +572,7 @@ static void test_operation_key(void **state)
             assert_int_equal(strlen(k), TALLY_LIMIT_OPERATION_KEY);
         } else {
             assert_null(k);
-            assert_string_equal(kerr.code, "invalid_field");
+            assert_int_equal(kerr.errc, TALLY_ERR_INVALID_FIELD);
             snprintf(big, sizeof big, "the key is %d bytes, above the limit of %d bytes",
                      TALLY_LIMIT_OPERATION_KEY + 1, TALLY_LIMIT_OPERATION_KEY);
             if (strstr(kerr.message, big) == NULL)
@@ -595,7 +595,7 @@ static void test_operation_key(void **state)
     assert_string_equal(key, "note:42");
     free(key);
     assert_null(tally_registry_operation_key(note, args, "bad\nkey", &err));
-    assert_string_equal(err.code, "invalid_field");
+    assert_int_equal(err.errc, TALLY_ERR_INVALID_FIELD);
     json_decref(args);
     tally_registry_free(reg);
 }

@@ -74,8 +74,10 @@ typedef struct tally_intent {
     tally_msg_type_t type;
     const char *id; /**< CloudEvents id */
     const char *run_id;
-    char step[128]; /**< step as text ("3" for integer 3) */
-    bool step_is_number;
+    char step[128];            /**< step as text ("3" for integer 3) */
+    bool step_is_number;       /**< it came as a JSON number: answers echo it as one (DESIGN §5) */
+    bool step_is_digits;       /**< digits alone (a number, or a string such as "03"): it orders
+                                    numerically for compensation (effects.step_num) */
     const char *tool;          /**< intents only */
     json_t *args;              /**< intents only; borrowed from doc */
     const char *operation_key; /**< optional */
@@ -120,5 +122,21 @@ typedef struct tally_intent_peek {
 bool tally_intent_peek(const void *buf, size_t len, tally_intent_peek_t *out);
 
 void tally_intent_peek_clear(tally_intent_peek_t *p);
+
+/**
+ * @brief The step as the intent had it (DESIGN §5): a JSON integer when it came as a number,
+ * the string otherwise ("03" stays "03"). NULL only out of memory. Every answer that names a
+ * step builds it here.
+ */
+json_t *tally_step_json(const char *step, bool is_number);
+
+/** @brief The same written into @p j as member @p key (the per-effect events, tally_jtext_t). */
+void tally_step_jtext(tally_jtext_t *j, const char *key, const char *step, bool is_number);
+
+/**
+ * SQL: whether the effect row aliased @p E had its step as a JSON number (step_num holds the
+ * digits of a string too, for ordering; step_quoted says it was a string, migration 10).
+ */
+#define TALLY_SQL_STEP_IS_NUMBER(E) "(" E ".step_num IS NOT NULL AND NOT " E ".step_quoted)"
 
 #endif

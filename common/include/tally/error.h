@@ -57,8 +57,7 @@
     X(TALLY_ERR_AUDIT, "audit", false, false, "audit events could not be built")                   \
     X(TALLY_ERR_OUTBOX, "outbox", false, false, "outbox messages could not be built")              \
     X(TALLY_ERR_ALERT, "alert", false, false, "alerts could not be built")                         \
-    X(TALLY_ERR_OTHER, "error", false, false,                                                      \
-      "a code the table does not name (tally_error_set with free text)")
+    X(TALLY_ERR_OTHER, "error", false, false, "a code out of the table's range")
 
 #define TALLY_ERRC_ENUM_ROW(code, name, retriable, fatal, meaning) code,
 
@@ -75,7 +74,7 @@ const char *tally_errc_name(tally_errc_t errc);
 bool tally_errc_retriable(tally_errc_t errc);
 bool tally_errc_fatal(tally_errc_t errc);
 
-/** @brief The code named @p name (a table name; "out_of_memory" is read as "oom"). */
+/** @brief The code named @p name (a name of the table). */
 bool tally_errc_parse(const char *name, tally_errc_t *out);
 
 /**
@@ -116,15 +115,6 @@ void tally_error_setc_retriable(tally_error_t *err, tally_errc_t errc, bool retr
  */
 void tally_error_set_pg(tally_error_t *err, const char *sqlstate, bool retriable, const char *fmt,
                         ...) __attribute__((format(printf, 4, 5)));
-
-/**
- * @brief The former setter, with the code as text: kept while call sites move to
- * tally_error_setc (/tmp/t22/errc-sweep.md). @p code is kept as given in err->code; errc is
- * read from it (a table name, or a SQLSTATE, which also fills err->sqlstate; anything else is
- * TALLY_ERR_OTHER).
- */
-void tally_error_set(tally_error_t *err, const char *code, bool retriable, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
 
 /** @brief Reset @p err to "no error". */
 void tally_error_clear(tally_error_t *err);
