@@ -372,19 +372,17 @@ static bool queue_effect_event(const op_t *o, tally_outbox_batch_t *ob, const ch
 
 /* Rule 3 of DESIGN §3: every move of a state writes its "transition" event, whoever makes it;
  * the "operator" event beside it carries the decision's evidence. */
-static void add_transition(tally_audit_batch_t *ab, const char *kind, const char *run_id,
-                           const char *effect_id, const char *obligation_id, const char *from,
-                           const char *to, const char *actor, const char *why)
+static void add_transition(tally_audit_batch_t *ab, tally_machine_t m, const char *kind,
+                           const char *run_id, const char *effect_id, const char *obligation_id,
+                           int from, int to, const char *actor, const char *why)
 {
     tally_audit_event_t ev = {.run_id = run_id,
                               .effect_id = effect_id,
                               .obligation_id = obligation_id,
                               .kind = kind,
-                              .from_status = from,
-                              .to_status = to,
                               .actor = actor,
                               .reason = why};
-    tally_audit_batch_add(ab, &ev);
+    (void)tally_audit_move(ab, m, from, to, &ev);
 }
 
 /* The "operator" event: the move in @p d, who decided it, why, and on what evidence
@@ -577,8 +575,10 @@ static int effect_move(tally_pg_t *pg, const op_t *o, const PGresult *cur, tally
     }
 
     /* The audit events: the transition, and who decided, why, on what evidence. */
-    add_transition(ab, "transition", d->run_id, id, NULL, from_name, to_name, o->actor,
-                   status_reason);
+    tally_effect_state_t from = TALLY_EFFECT__COUNT; /* out of range: logged, if ever */
+    (void)tally_effect_state_parse(from_name, &from);
+    add_transition(ab, TALLY_MACHINE_EFFECT, "transition", d->run_id, id, NULL, (int)from, (int)to,
+                   o->actor, status_reason);
     json_t *previous = json_pack("{s:s, s:s?, s:s?, s:s?, s:s?}", "status", from_name,
                                  "status_reason", col(cur, 0, 15), "external_ref", col(cur, 0, 10),
                                  "error_code", col(cur, 0, 11), "error_message", col(cur, 0, 12));
@@ -688,8 +688,10 @@ static int obligation_move(tally_pg_t *pg, const op_t *o, const PGresult *cur,
         return changed_meanwhile(o, d);
     }
 
-    add_transition(ab, "obligation", d->run_id, effect_id, id, from_name, to_name, o->actor,
-                   status_reason);
+    tally_obligation_state_t from = TALLY_OBLIGATION__COUNT; /* out of range: logged, if ever */
+    (void)tally_obligation_state_parse(from_name, &from);
+    add_transition(ab, TALLY_MACHINE_OBLIGATION, "obligation", d->run_id, effect_id, id, (int)from,
+                   (int)to, o->actor, status_reason);
 
     /* What the compensator and the agents learn. */
     if (to == TALLY_OBLIGATION_PENDING) {

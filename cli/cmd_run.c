@@ -347,12 +347,10 @@ static int run_verb(run_op_t *o, tally_config_t *cfg)
                                  "effects_waiting", (json_int_t)result.effects_waiting);
         tally_audit_event_t ev = {.run_id = o->run,
                                   .kind = "operator",
-                                  .from_status = result.status_before,
-                                  .to_status = result.status_after,
                                   .actor = o->actor,
                                   .reason = o->reason,
                                   .data = data};
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_RUN, (int)result.before, (int)result.after, &ev);
         json_decref(data);
     }
     /* The plan, read in the same transaction: after the request, it shows the

@@ -149,12 +149,11 @@ static bool settle_one(compensator_t *c, PGresult *res, int row, json_t *updates
         json_t *counts = json_pack("{s:O}", "counts", json_object_get(summary, "counts"));
         tally_audit_event_t ev = {.run_id = run_id,
                                   .kind = what == COMP_SETTLE_SUMMARY ? "summary" : "transition",
-                                  .from_status = status,
-                                  .to_status = outcome_name,
                                   .actor = c->worker_id,
                                   .reason = "compensation settled: nothing more can progress",
                                   .data = counts};
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_RUN, st_known ? (int)st : TALLY_RUN__COUNT,
+                               (int)outcome, &ev);
         json_decref(counts);
         json_t *cnt = json_object_get(summary, "counts");
         TALLY_LOG(outcome == TALLY_RUN_STUCK ? TALLY_LOG_ERROR : TALLY_LOG_INFO,

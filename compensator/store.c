@@ -261,12 +261,11 @@ int comp_store_lease(compensator_t *c, int limit, comp_ob_t ***out)
             .effect_id = PQgetvalue(res, row, L_EFFECT_ID),
             .obligation_id = PQgetvalue(res, row, L_OBLIGATION_ID),
             .kind = "lease",
-            .from_status = tally_obligation_state_name(from),
-            .to_status = tally_obligation_state_name(TALLY_OBLIGATION_RUNNING),
             .actor = c->worker_id,
             .reason = from == TALLY_OBLIGATION_RUNNING ? "expired lease taken over" : "leased",
             .data = data};
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_OBLIGATION, (int)from, TALLY_OBLIGATION_RUNNING,
+                               &ev);
         json_decref(data);
     }
     if (!tally_audit_batch_flush(ab, c->pg, &err) || !tally_pg_commit(c->pg, &err)) {
@@ -321,16 +320,14 @@ int comp_store_hold_for_approval(compensator_t *c)
         goto out;
     }
     for (int row = 0; row < PQntuples(res); row++) {
-        tally_audit_event_t ev = {
-            .run_id = PQgetvalue(res, row, 1),
-            .effect_id = PQgetvalue(res, row, 2),
-            .obligation_id = PQgetvalue(res, row, 0),
-            .kind = "obligation",
-            .from_status = tally_obligation_state_name(TALLY_OBLIGATION_PENDING),
-            .to_status = tally_obligation_state_name(TALLY_OBLIGATION_AWAITING_APPROVAL),
-            .actor = c->worker_id,
-            .reason = "approval_required"};
-        tally_audit_batch_add(ab, &ev);
+        tally_audit_event_t ev = {.run_id = PQgetvalue(res, row, 1),
+                                  .effect_id = PQgetvalue(res, row, 2),
+                                  .obligation_id = PQgetvalue(res, row, 0),
+                                  .kind = "obligation",
+                                  .actor = c->worker_id,
+                                  .reason = "approval_required"};
+        (void)tally_audit_move(ab, TALLY_MACHINE_OBLIGATION, TALLY_OBLIGATION_PENDING,
+                               TALLY_OBLIGATION_AWAITING_APPROVAL, &ev);
         TALLY_LOG(TALLY_LOG_INFO,
                   (&(tally_log_ctx_t){.run_id = ev.run_id,
                                       .effect_id = ev.effect_id,
@@ -544,13 +541,11 @@ static bool queue_consequences(compensator_t *c, const bool *won, tally_audit_ba
                                   .effect_id = ob->effect_id,
                                   .obligation_id = ob->obligation_id,
                                   .kind = "obligation",
-                                  .from_status =
-                                      tally_obligation_state_name(TALLY_OBLIGATION_RUNNING),
-                                  .to_status = tally_obligation_state_name(o->to),
                                   .actor = c->worker_id,
                                   .reason = o->message,
                                   .data = data};
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_OBLIGATION, TALLY_OBLIGATION_RUNNING, (int)o->to,
+                               &ev);
         json_decref(data);
         if (o->to == TALLY_OBLIGATION_RESOLVED && !publish_compensated(c, obx, o)) {
             return false;
@@ -591,13 +586,10 @@ static bool mark_runs_stuck(compensator_t *c, json_t *stuck_runs, tally_audit_ba
                 break;
             }
         }
-        tally_audit_event_t ev = {.run_id = run_id,
-                                  .kind = "transition",
-                                  .from_status = PQgetvalue(res, row, 1),
-                                  .to_status = tally_run_state_name(TALLY_RUN_STUCK),
-                                  .actor = c->worker_id,
-                                  .reason = reason};
-        tally_audit_batch_add(ab, &ev);
+        tally_audit_event_t ev = {.run_id = run_id, .actor = c->worker_id, .reason = reason};
+        tally_run_state_t was = TALLY_RUN__COUNT;
+        (void)tally_run_state_parse(PQgetvalue(res, row, 1), &was);
+        (void)tally_audit_move(ab, TALLY_MACHINE_RUN, (int)was, TALLY_RUN_STUCK, &ev);
         TALLY_LOG(TALLY_LOG_ERROR, (&(tally_log_ctx_t){.run_id = run_id}),
                   "run is STUCK: %s; a human decides", reason);
     }

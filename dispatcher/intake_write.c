@@ -153,14 +153,12 @@ static const char *val(PGresult *res, int row, int col)
 /* An audit event whose data is the object of @p n members (audit.h): text, without a jansson
  * object to build and serialise for each intent. */
 static void audit_add(tally_audit_batch_t *ab, const char *run_id, const char *effect_id,
-                      const char *kind, const char *from, const char *to, const char *actor,
-                      const char *reason, const tally_audit_member_t *members, size_t n)
+                      const char *kind, const char *actor, const char *reason,
+                      const tally_audit_member_t *members, size_t n)
 {
     tally_audit_event_t ev = {.run_id = run_id,
                               .effect_id = effect_id,
                               .kind = kind,
-                              .from_status = from,
-                              .to_status = to,
                               .actor = actor,
                               .reason = reason,
                               .members = members,
@@ -202,7 +200,7 @@ static bool reject_not_active(dispatcher_t *d, tally_outbox_batch_t *ob, tally_a
         {"intent_id", m->in.id, false},
         {"run_status", run_status, false},
     };
-    audit_add(ab, m->in.run_id, NULL, "intent", NULL, NULL, d->worker_id, "run_not_active", data,
+    audit_add(ab, m->in.run_id, NULL, "intent", d->worker_id, "run_not_active", data,
               sizeof data / sizeof data[0]);
     c->not_active++;
     return ok;
@@ -242,9 +240,17 @@ static bool record_created(dispatcher_t *d, PGresult *res, const size_t *pos,
         };
         /* One row: the effect's first transition carries the intent it came from (merged
          * from a separate "intent" row: one audit row less per effect, the same facts). */
-        audit_add(ab, m->in.run_id, eid, "transition", NULL,
-                  claimed ? tally_effect_state_name(TALLY_EFFECT_PLANNED) : status, d->worker_id,
-                  why, data, sizeof data / sizeof data[0]);
+        tally_audit_event_t ev = {.run_id = m->in.run_id,
+                                  .effect_id = eid,
+                                  .actor = d->worker_id,
+                                  .reason = why,
+                                  .members = data,
+                                  .n_members = sizeof data / sizeof data[0]};
+        (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, -1,
+                               claimed ? TALLY_EFFECT_PLANNED
+                               : known ? (int)state
+                                       : -1,
+                               &ev);
         if (claimed) {
             /* Claimed in the same statement: the claim's own transition, as deliver.c's. */
             m->dispatch = true;
@@ -259,10 +265,13 @@ static bool record_created(dispatcher_t *d, PGresult *res, const size_t *pos,
                 {"lease_until", PQgetvalue(res, row, 5), false},
                 {"attempt", attempt, true},
             };
-            audit_add(ab, m->in.run_id, eid, "transition",
-                      tally_effect_state_name(TALLY_EFFECT_PLANNED),
-                      tally_effect_state_name(TALLY_EFFECT_DISPATCHING), d->worker_id, NULL, lease,
-                      sizeof lease / sizeof lease[0]);
+            tally_audit_event_t claim = {.run_id = m->in.run_id,
+                                         .effect_id = eid,
+                                         .actor = d->worker_id,
+                                         .members = lease,
+                                         .n_members = sizeof lease / sizeof lease[0]};
+            (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, TALLY_EFFECT_PLANNED,
+                                   TALLY_EFFECT_DISPATCHING, &claim);
             continue;
         }
         if (!planned) {
@@ -355,7 +364,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
                 {"replay_of", eid, false},
                 {"status", v.status, false},
             };
-            audit_add(ab, m->in.run_id, eid, "intent", NULL, NULL, d->worker_id,
+            audit_add(ab, m->in.run_id, eid, "intent", d->worker_id,
                       "replay: same tool, operation key and input hash", data,
                       sizeof data / sizeof data[0]);
             json_decref(extra);
@@ -410,7 +419,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
             {"input_hash", m->input_hash, false},
             {"tool", m->tool->name, false},
         };
-        audit_add(ab, m->in.run_id, other, "conflict", NULL, NULL, d->worker_id, msg, data,
+        audit_add(ab, m->in.run_id, other, "conflict", d->worker_id, msg, data,
                   sizeof data / sizeof data[0]);
         json_decref(extra);
         if (!ok) {
@@ -480,13 +489,11 @@ static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_au
         switch (run) {
         case TALLY_RUN_ACTIVE:
         case TALLY_RUN_COMPLETING:
-            audit_add(ab, m->in.run_id, NULL, "complete_run", NULL, NULL, d->worker_id,
-                      m->in.reason, data, 1);
+            audit_add(ab, m->in.run_id, NULL, "complete_run", d->worker_id, m->in.reason, data, 1);
             moving[n_moving++] = m->in.run_id;
             break;
         case TALLY_RUN_COMPLETED:
-            audit_add(ab, m->in.run_id, NULL, "complete_run", NULL, NULL, d->worker_id,
-                      m->in.reason, data, 1);
+            audit_add(ab, m->in.run_id, NULL, "complete_run", d->worker_id, m->in.reason, data, 1);
             if (!tally_runops_completed_event(m->in.run_id, why, summary, d->source, ob))
                 goto oom;
             break;
@@ -502,12 +509,10 @@ static bool complete_runs(dispatcher_t *d, intake_msg_t **ms, size_t n, tally_au
             goto out;
         for (int row = 0; row < PQntuples(moved); row++) {
             tally_audit_event_t ev = {.run_id = PQgetvalue(moved, row, 0),
-                                      .kind = "transition",
-                                      .from_status = tally_run_state_name(TALLY_RUN_ACTIVE),
-                                      .to_status = tally_run_state_name(TALLY_RUN_COMPLETING),
                                       .actor = d->worker_id,
                                       .reason = "complete_run"};
-            tally_audit_batch_add(ab, &ev);
+            (void)tally_audit_move(ab, TALLY_MACHINE_RUN, TALLY_RUN_ACTIVE, TALLY_RUN_COMPLETING,
+                                   &ev);
         }
         if (!tally_runops_complete(d->pg, moving, n_moving, (int)n_moving, 0, d->worker_id,
                                    d->source, ob, ab, &done, err))

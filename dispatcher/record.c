@@ -207,11 +207,9 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                   .data_text = x->call_record};
         tally_audit_batch_add(ab, &ev);
         ev.kind = "transition";
-        ev.from_status = tally_effect_state_name(TALLY_EFFECT_DISPATCHING);
-        ev.to_status = tally_effect_state_name(dec->state);
         ev.reason = error ? dec->error_message : NULL;
         ev.data_text = tdata;
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, TALLY_EFFECT_DISPATCHING, dec->state, &ev);
         free(tdata);
         if (!retry) {
             effect_view_t v = {.effect_id = call->effect_id,

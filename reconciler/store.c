@@ -247,19 +247,34 @@ static bool queue_outcome(tally_recon_db_t *db, const PGresult *res, int row, co
 }
 
 static void audit(tally_recon_db_t *db, const PGresult *res, int row, const char *kind,
-                  const char *from, const char *to, const char *reason, json_t *data)
+                  const char *reason, json_t *data)
 {
     tally_audit_event_t ev = {
         .run_id = col(res, row, C_RUN_ID),
         .effect_id = col(res, row, C_EFFECT_ID),
         .kind = kind,
-        .from_status = from,
-        .to_status = to,
         .actor = db->actor,
         .reason = reason,
         .data = data,
     };
     tally_audit_batch_add(db->audit, &ev);
+    json_decref(data);
+}
+
+/* The move the effect row @p row made, @p from -> @p to, as its event (audit.h); @p data is
+ * stolen, as audit()'s. */
+static void audit_move(tally_recon_db_t *db, const PGresult *res, int row,
+                       tally_effect_state_t from, tally_effect_state_t to, const char *reason,
+                       json_t *data)
+{
+    tally_audit_event_t ev = {
+        .run_id = col(res, row, C_RUN_ID),
+        .effect_id = col(res, row, C_EFFECT_ID),
+        .actor = db->actor,
+        .reason = reason,
+        .data = data,
+    };
+    (void)tally_audit_move(db->audit, TALLY_MACHINE_EFFECT, (int)from, (int)to, &ev);
     json_decref(data);
 }
 
@@ -318,8 +333,8 @@ int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *er
         json_t *lease = json_pack("{s:s?, s:s?, s:I}", "lease_owner", col(res, i, C__EFFECT),
                                   "lease_until", col(res, i, C__EFFECT + 1), "lease_epoch",
                                   (json_int_t)strtoll(PQgetvalue(res, i, C__EFFECT + 2), NULL, 10));
-        audit(&tx, res, i, "transition", "DISPATCHING", "UNKNOWN", LEASE_EXPIRED_WHY,
-              lease ? json_deep_copy(lease) : NULL);
+        audit_move(&tx, res, i, TALLY_EFFECT_DISPATCHING, TALLY_EFFECT_UNKNOWN, LEASE_EXPIRED_WHY,
+                   lease ? json_deep_copy(lease) : NULL);
         ok = queue_outcome(&tx, res, i, "tally.effect.unknown.v1", lease, err);
     }
     ok = tx_end(&tx, ok, err);
@@ -615,11 +630,11 @@ static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
             .effect_id = it->effect_id,
             .obligation_id = obligation_id,
             .kind = "obligation",
-            .to_status = "PENDING",
             .actor = db->actor,
             .reason = "duplicate: an extra upstream record carries the effect's key",
         };
-        tally_audit_batch_add(db->audit, &ev);
+        (void)tally_audit_move(db->audit, TALLY_MACHINE_OBLIGATION, -1, TALLY_OBLIGATION_PENDING,
+                               &ev);
         ok = ok && queue_message(db, "obligations", "tally.obligation.v1", col(obl, j, 1),
                                  json_pack("{s:s, s:s, s:s, s:s, s:o, s:s}", "obligation_id",
                                            obligation_id, "run_id", col(obl, j, 1), "effect_id",
@@ -628,8 +643,7 @@ static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
                                  err);
     }
     if (ok) {
-        audit(db, res, row, "duplicate", NULL, NULL,
-              "more than one upstream record carries the key",
+        audit(db, res, row, "duplicate", "more than one upstream record carries the key",
               json_pack("{s:O, s:O, s:O}", "records", it->records, "external_refs", refs,
                         "new_obligations", new_obligations));
         ok = queue_outcome(db, res, row, "tally.effect.duplicate.v1",
@@ -695,7 +709,7 @@ static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row
     const char *next_at = col(res, row, C__EFFECT + 1);
     tally_effect_state_t to = to_state(it);
     if (it->checked) {
-        audit(db, res, row, "connector_call", NULL, NULL, it->verdict.message,
+        audit(db, res, row, "connector_call", it->verdict.message,
               check_data(it, to == TALLY_EFFECT_UNKNOWN ? next_at : NULL));
     }
     char buf[600];
@@ -707,7 +721,7 @@ static bool queue_item_events(tally_recon_db_t *db, const PGresult *res, int row
         if (to == TALLY_EFFECT_CONFIRMED) {
             data = json_pack("{s:o}", "external_ref", text_or_null(col(res, row, C_EXTERNAL_REF)));
         }
-        audit(db, res, row, "transition", "UNKNOWN", tally_effect_state_name(to), why, data);
+        audit_move(db, res, row, TALLY_EFFECT_UNKNOWN, to, why, data);
     }
     switch (it->decision.action) {
     case TALLY_RECON_CONFIRM:

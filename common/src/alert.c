@@ -183,12 +183,17 @@ static bool queue_events(const json_t *row, const char *type, const char *status
         .effect_id = json_string_value(json_object_get(row, "effect_id")),
         .obligation_id = json_string_value(json_object_get(row, "obligation_id")),
         .kind = "alert",
-        .to_status = status,
         .actor = actor,
         .reason = reason,
         .data = audit,
     };
-    tally_audit_batch_add(ab, &ae);
+    /* opened (-1: created; re-opened: from RESOLVED) or resolved (from TRIGGERED) */
+    tally_alert_state_t to = TALLY_ALERT__COUNT;
+    (void)tally_alert_state_parse(status, &to);
+    int from = to == TALLY_ALERT_RESOLVED ? TALLY_ALERT_TRIGGERED
+               : reopened                 ? TALLY_ALERT_RESOLVED
+                                          : -1;
+    (void)tally_audit_move(ab, TALLY_MACHINE_ALERT, from, (int)to, &ae);
     json_decref(audit);
     json_decref(ev);
     return true;

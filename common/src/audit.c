@@ -6,6 +6,7 @@
 
 #include "tally/id.h"
 #include "tally/json.h"
+#include "tally/log.h"
 
 /* The batch is kept as its parameter's columns (columns.h): each event serialised once, with no
  * copy of the object kept in between, and never lexed by PostgreSQL but for its data. */
@@ -43,6 +44,25 @@ static char *members_text(const tally_audit_member_t *m, size_t n)
     }
     tally_jtext_end(&j);
     return tally_jtext_take(&j);
+}
+
+bool tally_audit_move(tally_audit_batch_t *b, tally_machine_t m, int from, int to,
+                      const tally_audit_event_t *ev)
+{
+    tally_audit_event_t e = *ev;
+    const char *to_name = tally_machine_state_name(m, to);
+    e.kind = ev->kind != NULL ? ev->kind : "transition";
+    e.from_status = from == -1 ? NULL : tally_machine_state_name(m, from);
+    e.to_status = to_name;
+    bool ok = to_name != NULL && (from == -1 || e.from_status != NULL) &&
+              (from == to || tally_machine_allows(m, from, to));
+    if (!ok)
+        TALLY_ERROR("the %s move %s -> %s is not in the %s machine (schemas/machines.json); "
+                    "the ledger will refuse it",
+                    tally_machine_name(m), e.from_status != NULL ? e.from_status : "(new)",
+                    to_name != NULL ? to_name : "(out of range)", tally_machine_name(m));
+    tally_audit_batch_add(b, &e);
+    return ok;
 }
 
 void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev)

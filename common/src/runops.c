@@ -360,11 +360,10 @@ static bool queue_obligation(const char *oid, const char *run_id, const char *ei
                               .effect_id = eid,
                               .obligation_id = oid,
                               .kind = "obligation",
-                              .to_status = "PENDING",
                               .actor = actor,
                               .reason = reason,
                               .data = audit};
-    tally_audit_batch_add(ab, &ev);
+    (void)tally_audit_move(ab, TALLY_MACHINE_OBLIGATION, -1, TALLY_OBLIGATION_PENDING, &ev);
     json_decref(audit);
     json_t *ce = tally_ce_new("tally.obligation.v1", source, run_id, data, NULL); /* takes data */
     if (ce == NULL) {
@@ -541,12 +540,11 @@ static bool cancel_effects(tally_pg_t *pg, const tally_runop_t *ops, size_t n, r
             }
             tally_audit_event_t ev = {.run_id = run_id,
                                       .effect_id = PQgetvalue(res, row, 0),
-                                      .kind = "transition",
-                                      .from_status = PQgetvalue(res, row, 2),
-                                      .to_status = "CANCELLED",
                                       .actor = actor,
                                       .reason = "cancel_run"};
-            tally_audit_batch_add(ab, &ev);
+            tally_effect_state_t was = TALLY_EFFECT__COUNT;
+            (void)tally_effect_state_parse(PQgetvalue(res, row, 2), &was);
+            (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, (int)was, TALLY_EFFECT_CANCELLED, &ev);
             if (!queue_cancelled_event(res, row, source, ob)) {
                 tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a cancelled event");
                 ok = false;
@@ -715,13 +713,8 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
             tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the run updates");
             goto out;
         }
-        tally_audit_event_t ev = {.run_id = rs->run_id,
-                                  .kind = "transition",
-                                  .from_status = from,
-                                  .to_status = to,
-                                  .actor = actor,
-                                  .reason = rs->reason};
-        tally_audit_batch_add(ab, &ev);
+        tally_audit_event_t ev = {.run_id = rs->run_id, .actor = actor, .reason = rs->reason};
+        (void)tally_audit_move(ab, TALLY_MACHINE_RUN, (int)rs->initial, (int)rs->status, &ev);
     }
     if (json_array_size(updates) > 0) {
         PGresult *res = tally_pg_exec_json(pg, SQL_RUN_STATUS, updates, err);
@@ -791,13 +784,12 @@ bool tally_runops_sweep_confirmed(tally_pg_t *pg, int limit, bool settled, const
         const char *run_id = PQgetvalue(res, row, 2);
         if (strcmp(PQgetvalue(res, row, 0), "run") == 0) {
             tally_audit_event_t ev = {.run_id = run_id,
-                                      .kind = "transition",
-                                      .from_status = PQgetvalue(res, row, 4),
-                                      .to_status = "COMPENSATING",
                                       .actor = actor,
                                       .reason = "an effect was confirmed after the compensation "
                                                 "had ended"};
-            tally_audit_batch_add(ab, &ev);
+            tally_run_state_t was = TALLY_RUN__COUNT;
+            (void)tally_run_state_parse(PQgetvalue(res, row, 4), &was);
+            (void)tally_audit_move(ab, TALLY_MACHINE_RUN, (int)was, TALLY_RUN_COMPENSATING, &ev);
             continue;
         }
         (*created)++;
@@ -1042,7 +1034,9 @@ bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligat
         tally_error_setc(err, TALLY_ERR_OOM, "out of memory listing the obligations");
         return false;
     }
-    const char *to = approve ? "PENDING" : "SKIPPED";
+    tally_obligation_state_t to_state =
+        approve ? TALLY_OBLIGATION_PENDING : TALLY_OBLIGATION_SKIPPED;
+    const char *to = tally_obligation_state_name(to_state);
     const char *params[3] = {text, to, actor};
     PGresult *res = tally_pg_exec(pg, SQL_APPROVE, 3, params, err);
     free(text);
@@ -1054,12 +1048,11 @@ bool tally_runops_approve_obligations(tally_pg_t *pg, const char *const *obligat
                                   .effect_id = PQgetvalue(res, row, 2),
                                   .obligation_id = PQgetvalue(res, row, 0),
                                   .kind = "operator",
-                                  .from_status = "AWAITING_APPROVAL",
-                                  .to_status = to,
                                   .actor = actor,
                                   .reason =
                                       reason != NULL ? reason : (approve ? "approved" : "denied")};
-        tally_audit_batch_add(ab, &ev);
+        (void)tally_audit_move(ab, TALLY_MACHINE_OBLIGATION, TALLY_OBLIGATION_AWAITING_APPROVAL,
+                               to_state, &ev);
     }
     *changed = (size_t)PQntuples(res);
     PQclear(res);
@@ -1138,13 +1131,10 @@ bool tally_runops_complete(tally_pg_t *pg, const char *const *run_ids, size_t n,
     for (int row = 0; ok && row < PQntuples(res); row++) {
         const char *run_id = PQgetvalue(res, row, 0);
         const char *why = PQgetvalue(res, row, 2);
-        tally_audit_event_t ev = {.run_id = run_id,
-                                  .kind = "transition",
-                                  .from_status = PQgetvalue(res, row, 1),
-                                  .to_status = "COMPLETED",
-                                  .actor = actor,
-                                  .reason = why};
-        tally_audit_batch_add(ab, &ev);
+        tally_audit_event_t ev = {.run_id = run_id, .actor = actor, .reason = why};
+        tally_run_state_t was = TALLY_RUN__COUNT;
+        (void)tally_run_state_parse(PQgetvalue(res, row, 1), &was);
+        (void)tally_audit_move(ab, TALLY_MACHINE_RUN, (int)was, TALLY_RUN_COMPLETED, &ev);
         ok = tally_runops_completed_event(run_id, why, PQgetvalue(res, row, 3), source, ob);
         if (!ok) {
             tally_error_setc(err, TALLY_ERR_OOM, "out of memory building a run event");

@@ -59,17 +59,15 @@ SQL_CHECKS = [
 # installed as tally_machine_moves()): the database refuses the others, so one here means an
 # event that lies about the move it records. The machine is the event's subject: an alert's
 # (kind 'alert', or TRIGGERED at either end: an operator closing a page names the alert's
-# effect or obligation too), else its obligation, else its effect, else its run. An alert
-# event raised by a worker names only the state it reached, and an event from a state to
-# itself (a summary re-published, a lease taken over) is no move.
+# effect or obligation too), else its obligation, else its effect, else its run. An event from
+# a state to itself (a summary re-published, a lease taken over) is no move.
 SQL_TRANSITIONS = (
     "every audit transition is a move of its machine",
     "WITH v AS (SELECT seq, kind, from_status, to_status,"
     "   CASE WHEN kind = 'alert' OR 'TRIGGERED' IN (from_status, to_status) THEN 'alert'"
     "     WHEN obligation_id IS NOT NULL THEN 'obligation'"
     "     WHEN effect_id IS NOT NULL THEN 'effect' ELSE 'run' END AS machine"
-    " FROM events WHERE to_status IS NOT NULL AND from_status IS DISTINCT FROM to_status"
-    "   AND NOT (kind = 'alert' AND from_status IS NULL))"
+    " FROM events WHERE to_status IS NOT NULL AND from_status IS DISTINCT FROM to_status)"
     " SELECT v.seq, v.kind, v.machine, v.from_status, v.to_status FROM v"
     " WHERE NOT EXISTS (SELECT 1 FROM tally_machine_moves() m WHERE m.machine = v.machine"
     "   AND m.from_status IS NOT DISTINCT FROM v.from_status AND m.to_status = v.to_status)"

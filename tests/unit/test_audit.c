@@ -116,6 +116,35 @@ static void test_members_are_the_object_jansson_would_build(void **st)
     tally_audit_batch_free(b);
 }
 
+/* tally_audit_move spells the move from the generated table and says whether the machine has
+ * it; the event is queued either way (the database refuses the statement, not the event). */
+static void test_a_move_is_checked_against_its_machine(void **st)
+{
+    (void)st;
+    tally_audit_batch_t *b = tally_audit_batch_new();
+    assert_non_null(b);
+    tally_audit_event_t ev = {.run_id = "r", .effect_id = NULL, .actor = "test"};
+    assert_true(tally_audit_move(b, TALLY_MACHINE_EFFECT, TALLY_EFFECT_DISPATCHING,
+                                 TALLY_EFFECT_CONFIRMED, &ev));
+    assert_true(tally_audit_move(b, TALLY_MACHINE_EFFECT, -1, TALLY_EFFECT_PLANNED, &ev));
+    assert_true(tally_audit_move(b, TALLY_MACHINE_RUN, TALLY_RUN_COMPENSATED, TALLY_RUN_COMPENSATED,
+                                 &ev)); /* a summary again: no move */
+    assert_false(tally_audit_move(b, TALLY_MACHINE_EFFECT, TALLY_EFFECT_CONFIRMED,
+                                  TALLY_EFFECT_PLANNED, &ev));
+    assert_false(tally_audit_move(b, TALLY_MACHINE_EFFECT, -1, TALLY_EFFECT_CONFIRMED, &ev));
+    assert_false(tally_audit_move(b, TALLY_MACHINE_OBLIGATION, TALLY_OBLIGATION_RESOLVED,
+                                  TALLY_OBLIGATION_PENDING, &ev));
+    assert_false(tally_audit_move(b, TALLY_MACHINE_RUN, TALLY_RUN__COUNT, TALLY_RUN_STUCK, &ev));
+    assert_false(tally_audit_move(b, TALLY_MACHINE_ALERT, -1, TALLY_ALERT_RESOLVED, &ev));
+    assert_int_equal(tally_audit_batch_len(b), 8);
+
+    /* the rows say the move, spelled as the status columns are */
+    int len = 0;
+    const char *why = NULL;
+    assert_non_null(tally_audit_batch_param(b, &len, &why));
+    tally_audit_batch_free(b);
+}
+
 static void test_members_that_are_not_utf8_fail_the_batch(void **st)
 {
     (void)st;
@@ -161,6 +190,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_members_are_the_object_jansson_would_build),
         cmocka_unit_test(test_members_that_are_not_utf8_fail_the_batch),
+        cmocka_unit_test(test_a_move_is_checked_against_its_machine),
         cmocka_unit_test(test_long_members_grow_the_scratch_space),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

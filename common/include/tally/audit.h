@@ -9,6 +9,7 @@
 #include "tally/error.h"
 #include "tally/pg.h"
 #include "tally/columns.h"
+#include "tally/ledger.h"
 
 /** @brief A member of an event's data given as text (tally_audit_event_t.members). */
 typedef struct tally_audit_member {
@@ -45,6 +46,19 @@ tally_audit_batch_t *tally_audit_batch_new(void) TALLY_WUR;
 
 /** @brief Queue @p ev (copied). Sticky failure reported by flush. */
 void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev);
+
+/**
+ * @brief Queue the event of a status move of machine @p m (tally/machines.h): @p from -> @p to
+ * as its states (@p from -1: the row's creation), spelled by the generated table into
+ * from_status and to_status; the rest of the event from @p ev (its kind "transition" when NULL;
+ * its from_status and to_status are ignored). Every writer records its moves through this, in
+ * the transaction that makes them (DESIGN §3 rule 3).
+ * @return false, with the move named in an ERROR log line, when the machine lacks the move:
+ * the event is queued all the same, and the database refuses the statement that makes the
+ * move (its trigger names it too). A move from a state to itself is no move, and allowed.
+ */
+bool tally_audit_move(tally_audit_batch_t *b, tally_machine_t m, int from, int to,
+                      const tally_audit_event_t *ev);
 
 size_t tally_audit_batch_len(const tally_audit_batch_t *b);
 
