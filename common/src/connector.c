@@ -19,6 +19,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "tally/backoff.h"
 #include "tally/log.h"
 
 #ifndef TALLY_VERSION
@@ -662,18 +663,18 @@ void tally_connector_wakeup(tally_connector_t *c)
 static void *engine_thread(void *arg)
 {
     tally_connector_t *c = arg;
-    int backoff_ms = 10;
+    int failures = 0;
     while (!atomic_load(&c->stop)) {
         tally_error_t err;
         tally_error_clear(&err);
         if (tally_connector_poll(c, NULL, 0, 1000, c->done, c->done_opaque, &err) < 0) {
             /* curl_multi_* only fail when out of memory or misused: say so and slow down */
             TALLY_ERROR("connector: %s", err.message);
-            struct timespec ts = {0, (long)backoff_ms * 1000000L};
+            long long ms = tally_backoff_step_ms(++failures, 10, 1000);
+            struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
             nanosleep(&ts, NULL);
-            backoff_ms = backoff_ms * 2 > 1000 ? 1000 : backoff_ms * 2;
         } else {
-            backoff_ms = 10;
+            failures = 0;
         }
     }
     return NULL;
