@@ -70,7 +70,7 @@ class ResolveTest(CliCase):
         self.assertEqual(decision[5]["external_ref"], record["id"])
         self.assertEqual(decision[5]["receipt"], record)
         self.assertEqual(decision[5]["previous"]["error_code"], "no_status_check")
-        self.assertEqual(page[:4], ("alert", None, "RESOLVED", "alice"))
+        self.assertEqual(page[:4], ("alert", "TRIGGERED", "RESOLVED", "alice"))
         # The page: RESOLVED in the ledger, its resolve event on <prefix>alerts (published by
         # the relay of the running workers), and the pager told again.
         self.assertEqual(self.query("SELECT status, pager_state FROM alerts"
