@@ -422,6 +422,20 @@ static bool publish_compensated(compensator_t *c, tally_outbox_batch_t *obx,
     return true;
 }
 
+/* An obligation's page: critical, keyed and commanded by its obligation. */
+static tally_alert_t obligation_page(const comp_ob_t *ob, const char *key, const char *summary,
+                                     const char *reason, const char *cmd)
+{
+    return (tally_alert_t){.dedup_key = key,
+                           .severity = "critical",
+                           .summary = summary,
+                           .run_id = ob->run_id,
+                           .effect_id = ob->effect_id,
+                           .obligation_id = ob->obligation_id,
+                           .reason = reason,
+                           .resolve_command = cmd};
+}
+
 /* The page that can always be written: ids and fixed words only. Raised when the full page
  * was refused (alert.h makes its text safe; this is for whatever else could refuse it). */
 static bool queue_minimal_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o)
@@ -435,14 +449,7 @@ static bool queue_minimal_alert(tally_alert_batch_t *alerts, const comp_outcome_
              ob->obligation_id, tally_obligation_state_name(o->to));
     bool ok = key != NULL && cmd != NULL;
     if (ok) {
-        tally_alert_t a = {.dedup_key = key,
-                           .severity = "critical",
-                           .summary = summary,
-                           .run_id = ob->run_id,
-                           .effect_id = ob->effect_id,
-                           .obligation_id = ob->obligation_id,
-                           .reason = "page_refused",
-                           .resolve_command = cmd};
+        tally_alert_t a = obligation_page(ob, key, summary, "page_refused", cmd);
         tally_alert_batch_add(alerts, &a);
     }
     free(key);
@@ -480,16 +487,9 @@ static bool queue_alert(tally_alert_batch_t *alerts, const comp_outcome_t *o, bo
                                 "message", o->message, "attempts", ob->attempts);
     bool ok = key != NULL && cmd != NULL && details != NULL;
     if (ok) {
-        tally_alert_t a = {.dedup_key = key,
-                           .severity = "critical",
-                           .summary = summary,
-                           .run_id = ob->run_id,
-                           .effect_id = ob->effect_id,
-                           .obligation_id = ob->obligation_id,
-                           .reason = o->page,
-                           .runbook = ob->tool != NULL ? ob->tool->runbook : NULL,
-                           .resolve_command = cmd,
-                           .details = details};
+        tally_alert_t a = obligation_page(ob, key, summary, o->page, cmd);
+        a.runbook = ob->tool != NULL ? ob->tool->runbook : NULL;
+        a.details = details;
         tally_alert_batch_add(alerts, &a);
     }
     json_decref(details);

@@ -222,12 +222,7 @@ class TallyCase(unittest.TestCase):
         after its processes stop, so that nothing is written behind the check."""
         if failed:
             return
-        for p in self.procs:
-            if p.alive():
-                try:
-                    p.terminate(timeout=30)
-                except AssertionError:
-                    pass
+        self._terminate_all()
         try:
             if self.db.closed:
                 self.db = psycopg2.connect(self.pg)
@@ -243,13 +238,17 @@ class TallyCase(unittest.TestCase):
                 return  # the database is gone on purpose: nothing to check
             invariants.check_transitions(self)
 
-    def _stop_all(self, failed):
+    def _terminate_all(self):
         for p in self.procs:
             if p.alive():
                 try:
                     p.terminate(timeout=30)
                 except AssertionError:
                     pass
+
+    def _stop_all(self, failed):
+        self._terminate_all()
+        for p in self.procs:
             if failed:
                 sys.stderr.write(f"\n----- log of {p.name} (pid {p.pid}) -----\n")
                 sys.stderr.write(p.log()[-20000:])
