@@ -69,6 +69,7 @@ struct comp_pager {
     atomic_int quit;
     volatile const int *stop;
     char *url;
+    char *url_shown; /* url with its credentials masked (tally_config_mask): for logs, errors */
     char *routing_key;
     char worker_id[256];
     tally_pg_t *pg;
@@ -227,7 +228,7 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
         if (http >= 200 && http < 300) {
             outcome = PAGER_SENT;
         } else if (http != 0) {
-            snprintf(why, sizeof why, "HTTP %ld from %s", http, p->url);
+            snprintf(why, sizeof why, "HTTP %ld from %s", http, p->url_shown);
             /* 4xx other than 429 will not get better by retrying (bad event, bad key) */
             if (http >= 400 && http < 500 && http != 429 && http != 408) {
                 outcome = PAGER_FAILED;
@@ -370,9 +371,10 @@ comp_pager_t *comp_pager_start(const tally_config_t *cfg, const char *worker_id,
     snprintf(p->worker_id, sizeof p->worker_id, "%s", worker_id);
     if (cfg->pager_url != NULL && cfg->pager_url[0] != '\0') {
         p->url = strdup(cfg->pager_url);
+        p->url_shown = tally_config_mask(cfg->pager_url);
         p->routing_key = strdup(cfg->pager_routing_key != NULL ? cfg->pager_routing_key : "");
         p->easy = curl_easy_init();
-        if (p->url == NULL || p->routing_key == NULL || p->easy == NULL) {
+        if (p->url == NULL || p->url_shown == NULL || p->routing_key == NULL || p->easy == NULL) {
             snprintf(errstr, errsz, "cannot set up the pager's HTTP client");
             comp_pager_stop(p);
             return NULL;
@@ -415,6 +417,7 @@ void comp_pager_stop(comp_pager_t *p)
         curl_easy_cleanup(p->easy);
     }
     free(p->url);
+    free(p->url_shown);
     free(p->routing_key);
     free(p);
 }

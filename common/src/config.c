@@ -382,7 +382,28 @@ static void mask_conninfo(const char *s, char **out, size_t *o)
     }
 }
 
-/* URI form: postgresql://user:PASSWORD@host/db?password=PASSWORD&... */
+/* Whether a URL's query parameter named @p name (@p n bytes) is likely a credential: a
+ * password, a token, an API key, a signature, a session. */
+static bool param_is_secret(const char *name, size_t n)
+{
+    static const char *const words[] = {"pass", "pwd", "secret",     "token",  "key",
+                                        "auth", "sig", "credential", "session"};
+    char lower[64];
+    if (n >= sizeof lower)
+        n = sizeof lower - 1;
+    for (size_t i = 0; i < n; i++)
+        lower[i] = (char)tolower((unsigned char)name[i]);
+    lower[n] = '\0';
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++) {
+        if (strstr(lower, words[i]) != NULL)
+            return true;
+    }
+    return false;
+}
+
+/* URI form: scheme://user:PASSWORD@host/path?password=PASSWORD&token=TOKEN&...: the userinfo's
+ * password (a userinfo without one: all of it), every credential-looking query parameter
+ * (param_is_secret) and a fragment become "***". */
 static void mask_uri(const char *s, char **out, size_t *o)
 {
     const char *auth = strstr(s, "://") + 3;
@@ -395,8 +416,11 @@ static void mask_uri(const char *s, char **out, size_t *o)
     const char *p = s;
     if (at != NULL) {
         const char *colon = memchr(auth, ':', (size_t)(at - auth));
-        if (colon != NULL) {
-            buf_add(out, o, s, (size_t)(colon + 1 - s));
+        /* user:PASSWORD@ keeps the user; a userinfo of one part is a token (TOKEN@host), but
+         * for PostgreSQL a role name (postgresql://app@db) */
+        bool pg = strncmp(s, "postgres", 8) == 0;
+        if (colon != NULL || !pg) {
+            buf_add(out, o, s, (size_t)((colon != NULL ? colon + 1 : auth) - s));
             buf_add(out, o, "***", 3);
             p = at;
         }
@@ -410,34 +434,47 @@ static void mask_uri(const char *s, char **out, size_t *o)
     p = query + 1;
     while (*p) {
         size_t n = strcspn(p, "&#");
-        if (n >= 9 && strncmp(p, "password=", 9) == 0) {
-            buf_add(out, o, p, 9);
+        const char *eq = memchr(p, '=', n);
+        if (eq != NULL && param_is_secret(p, (size_t)(eq - p))) {
+            buf_add(out, o, p, (size_t)(eq + 1 - p));
             buf_add(out, o, "***", 3);
         } else {
             buf_add(out, o, p, n);
         }
         p += n;
+        if (*p == '#') { /* a fragment is not sent, and may hold anything: dropped */
+            buf_add(out, o, "#***", 4);
+            return;
+        }
         if (*p)
             buf_add(out, o, p++, 1);
     }
 }
 
-/* A copy of the libpq connection string with any password replaced by "***". The caller
- * frees. A replacement adds at most 3 bytes, and each needs at least 4 bytes of input
- * ("password=" or ":" plus the scheme), so four times the input length is always enough. */
-static char *mask_pg(const char *s)
+/* A copy of @p s with its credentials replaced by "***": a URL's (mask_uri), or a libpq
+ * conninfo's password when @p conninfo. The caller frees. A replacement adds at most 4 bytes,
+ * and each needs at least 2 bytes of input ("k=", ":" before "@", "#"), so three times the
+ * input length is always enough. */
+static char *mask_value(const char *s, bool conninfo)
 {
-    size_t cap = strlen(s) * 4 + 4;
+    size_t cap = strlen(s) * 3 + 8;
     char *out = malloc(cap);
     if (out == NULL)
         return NULL;
     size_t o = 0;
-    if (strncmp(s, "postgresql://", 13) == 0 || strncmp(s, "postgres://", 11) == 0)
+    if (strstr(s, "://") != NULL)
         mask_uri(s, &out, &o);
-    else
+    else if (conninfo)
         mask_conninfo(s, &out, &o);
+    else
+        buf_add(&out, &o, s, strlen(s));
     out[o] = '\0';
     return out;
+}
+
+char *tally_config_mask(const char *value)
+{
+    return value != NULL ? mask_value(value, false) : NULL;
 }
 
 /* Text of a value for the table: quoted when empty, "***" when secret. Caller frees. */
@@ -445,11 +482,9 @@ static char *shown(const char *name, const char *value)
 {
     if (value == NULL || value[0] == '\0')
         return strdup("\"\"");
-    if (strcmp(name, "TALLY_PG") == 0)
-        return mask_pg(value);
     if (name_is_secret(name))
         return strdup("***");
-    return strdup(value);
+    return mask_value(value, strcmp(name, "TALLY_PG") == 0);
 }
 
 static size_t edit_distance(const char *a, const char *b)

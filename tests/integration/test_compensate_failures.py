@@ -126,7 +126,9 @@ class CompensateFailureTest(CompensateCase):
         self.fault("reverse_412", collection="charges", op="reverse", times=1)
         stuck_run, _ = self.charge_run(with_read=False)
         self.compensate(stuck_run)
-        comp = self.compensator(TALLY_PAGER_URL=pager.url, TALLY_PAGER_ROUTING_KEY=ROUTING_KEY)
+        # a pager URL that carries credentials: they reach the pager, never a log or the ledger
+        url = pager.url.replace("http://", "http://ops:pagerpw@") + "?token=PAGERTOKEN&x=1"
+        comp = self.compensator(TALLY_PAGER_URL=url, TALLY_PAGER_ROUTING_KEY=ROUTING_KEY)
         ob = self.wait_obligation(stuck_run, "charge_card", "STUCK")
         key = f"obligation:{ob['obligation_id']}"
         wait_for(lambda: len(pager.bodies()) >= 2, timeout=30, what="the pager retrying")
@@ -135,6 +137,12 @@ class CompensateFailureTest(CompensateCase):
         self.assertEqual(row[0], "pending")
         self.assertGreaterEqual(row[1], 2)
         self.assertIn("HTTP 503", row[2])
+        self.assertIn("ops:***@", row[2])
+        self.assertIn("token=***&x=1", row[2])
+        shown = self.cli("config", env=self.env(TALLY_PAGER_URL=url)).stdout
+        for text in (row[2], comp.log(), shown):
+            self.assertNotIn("pagerpw", text)
+            self.assertNotIn("PAGERTOKEN", text)
         # meanwhile another run is compensated as if nothing happened
         other = new_run_id()
         self.add_effect(other, 1, "create_hold", {"hold_id": uuid.uuid4().hex[:8], "amount": 1})

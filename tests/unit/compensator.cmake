@@ -3,7 +3,7 @@
 # mode, per unsent call and per answer, blast radius, reverse body and If-Match, backoff, what a
 # settled run publishes, PagerDuty bodies. No services.
 set(TALLY_COMPENSATE_COMMON runops.c backoff.c registry.c json.c error.c log.c pg.c metrics.c audit.c columns.c
-    outbox.c cloudevent.c id.c ledger.c)
+    outbox.c cloudevent.c id.c ledger.c config.c)
 tally_unit_test(test_compensate SOURCES ${TALLY_COMPENSATE_COMMON})
 target_sources(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator/policy.c
                                        ${CMAKE_SOURCE_DIR}/compensator/body.c

@@ -268,7 +268,7 @@ static void test_describe_masks_secrets_and_aligns(void **state)
     char *envp[] = {
         "TALLY_PG=postgresql://app:hunter2@db:5432/ledger?sslmode=require&password=hunter3",
         "TALLY_PAGER_ROUTING_KEY=R0UT1NGK3Y",
-        "TALLY_PAGER_URL=https://events.pagerduty.com/v2/enqueue",
+        "TALLY_PAGER_URL=https://ops:pagerpw@events.example.com/v2/enqueue?token=PAGERTOKEN&x=1",
         "TALLY_KAFKA_SASL_PASSWORD=kafkapw",
         "TALLY_KAFKA_SASL_USERNAME=svc-tally",
         "TALLY_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
@@ -293,7 +293,9 @@ static void test_describe_masks_secrets_and_aligns(void **state)
     column_at(line_of(out, "TALLY_PAGER_ROUTING_KEY"), vcol, buf, sizeof buf);
     assert_string_equal(buf, "***");
     column_at(line_of(out, "TALLY_PAGER_URL"), vcol, buf, sizeof buf);
-    assert_string_equal(buf, "https://events.pagerduty.com/v2/enqueue");
+    assert_string_equal(buf, "https://ops:***@events.example.com/v2/enqueue?token=***&x=1");
+    assert_null(strstr(out, "pagerpw"));
+    assert_null(strstr(out, "PAGERTOKEN"));
 
     const char *lease = line_of(out, "TALLY_LEASE_MS");
     column_at(lease, vcol, buf, sizeof buf);
@@ -359,6 +361,34 @@ static void test_describe_masks_conninfo_password(void **state)
     }
 }
 
+/* tally_config_mask: what logs and stored errors show of a URL-valued setting. */
+static void test_mask_url_credentials(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *in, *want;
+    } cases[] = {
+        {"https://events.pagerduty.com/v2/enqueue", "https://events.pagerduty.com/v2/enqueue"},
+        {"https://u:p@h/x", "https://u:***@h/x"},
+        {"https://T0KEN@h/x", "https://***@h/x"},
+        {"https://h/x?api_key=K&a=1&Token=T&sig=S&session_id=I", "https://h/x?api_key=***&a=1"
+                                                                 "&Token=***&sig=***&"
+                                                                 "session_id=***"},
+        {"https://h/x?access_token=T#frag", "https://h/x?access_token=***#***"},
+        {"https://h/p@th?q=1", "https://h/p@th?q=1"}, /* an @ in the path is no userinfo */
+        {"127.0.0.1:9092", "127.0.0.1:9092"},
+        {"", ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *got = tally_config_mask(cases[i].in);
+        assert_non_null(got);
+        if (strcmp(got, cases[i].want) != 0)
+            fail_msg("%s masked as '%s', want '%s'", cases[i].in, got, cases[i].want);
+        free(got);
+    }
+    assert_null(tally_config_mask(NULL));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -370,6 +400,7 @@ int main(void)
         cmocka_unit_test(test_unknown_variables_are_warnings),
         cmocka_unit_test(test_describe_masks_secrets_and_aligns),
         cmocka_unit_test(test_describe_masks_conninfo_password),
+        cmocka_unit_test(test_mask_url_credentials),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

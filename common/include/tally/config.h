@@ -85,4 +85,12 @@ bool tally_config_topic(const tally_config_t *cfg, const char *logical, char *ou
 /** @brief Frees the config and every string it owns. NULL is allowed. */
 void tally_config_free(tally_config_t *cfg);
 
+/**
+ * @brief A copy of a setting's value fit for logs and `tally config`: in a URL, the userinfo's
+ * password, every credential-looking query parameter (password, token, key, secret, auth,
+ * signature, session, ...) and any fragment become "***". Other text is copied as is. NULL out
+ * of memory (or for NULL); the caller frees.
+ */
+char *tally_config_mask(const char *value);
+
 #endif
