@@ -49,6 +49,8 @@ static const param_t params[] = {
         "prefix of every topic name (tally.intents, ...)"),
     STR(metrics_addr, "TALLY_METRICS_ADDR", "127.0.0.1:9464", NULL, NULL,
         "host:port for /metrics, /healthz, /readyz; empty disables, port 0 picks one"),
+    STR(health_addr, "TALLY_HEALTH_ADDR", "", NULL, NULL,
+        "host:port for /healthz and /readyz alone, a listener scrapers cannot starve; empty: none"),
     STR(worker_id, "TALLY_WORKER_ID", "", NULL, "<hostname>:<pid>",
         "this process's name in leases, events and logs"),
     STR(log_level, "TALLY_LOG_LEVEL", "info", "debug|info|warn|error", NULL,

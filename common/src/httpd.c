@@ -12,8 +12,18 @@
 
 #include "tally/log.h"
 
+/* Connections a listener takes in all, and from one client address; an idle connection is
+ * closed after IDLE_S. A client holding all of its share starves only itself: the next
+ * scraper or probe from elsewhere still gets in. The health listener is smaller still. */
+#define METRICS_CONNECTIONS 64
+#define METRICS_PER_CLIENT  8
+#define HEALTH_CONNECTIONS  16
+#define HEALTH_PER_CLIENT   4
+#define IDLE_S              10
+
 struct tally_httpd {
     struct MHD_Daemon *daemon;
+    bool health_only; /* TALLY_HEALTH_ADDR: /healthz and /readyz only */
     tally_metrics_t *metrics;
     tally_health_fn health;
     tally_ready_fn ready;
@@ -87,7 +97,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
         *upload_data_size = 0;
         return respond_text(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed\n", true);
     }
-    if (strcmp(url, "/metrics") == 0) {
+    if (strcmp(url, "/metrics") == 0 && !h->health_only) {
         char *text = tally_metrics_render(h->metrics);
         if (text == NULL) {
             return respond_text(conn, MHD_HTTP_INTERNAL_SERVER_ERROR,
@@ -102,7 +112,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     if (strcmp(url, "/readyz") == 0) {
         return probe(conn, h->ready, h->opaque, "ready");
     }
-    return respond_text(conn, MHD_HTTP_NOT_FOUND, "not found: try /metrics, /healthz, /readyz\n",
+    return respond_text(conn, MHD_HTTP_NOT_FOUND,
+                        h->health_only ? "not found: try /healthz, /readyz\n"
+                                       : "not found: try /metrics, /healthz, /readyz\n",
                         false);
 }
 
@@ -145,8 +157,8 @@ static bool split_addr(const char *addr, char *host, size_t hostsz, char *port, 
     return true;
 }
 
-tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tally_health_fn health,
-                                 tally_ready_fn ready, void *opaque, char *errstr, size_t errsz)
+static tally_httpd_t *start(const char *addr, tally_metrics_t *metrics, tally_health_fn health,
+                            tally_ready_fn ready, void *opaque, char *errstr, size_t errsz)
 {
     char host[256];
     char port[8];
@@ -171,6 +183,7 @@ tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tal
         return NULL;
     }
     h->metrics = metrics;
+    h->health_only = metrics == NULL;
     h->health = health;
     h->ready = ready;
     h->opaque = opaque;
@@ -183,10 +196,13 @@ tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tal
     errno = 0;
     /* The port argument is ignored when MHD_OPTION_SOCK_ADDR is given, which MHD copies
      * into the socket it binds before returning. */
-    h->daemon = MHD_start_daemon(flags, 0, NULL, NULL, handle, h, MHD_OPTION_EXTERNAL_LOGGER,
-                                 mhd_log, NULL, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                                 MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10,
-                                 MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64, MHD_OPTION_END);
+    h->daemon = MHD_start_daemon(
+        flags, 0, NULL, NULL, handle, h, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, NULL,
+        MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)IDLE_S,
+        MHD_OPTION_CONNECTION_LIMIT,
+        (unsigned int)(h->health_only ? HEALTH_CONNECTIONS : METRICS_CONNECTIONS),
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+        (unsigned int)(h->health_only ? HEALTH_PER_CLIENT : METRICS_PER_CLIENT), MHD_OPTION_END);
     int saved = errno;
     freeaddrinfo(ai);
     if (h->daemon == NULL) {
@@ -198,6 +214,23 @@ tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tal
     const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->daemon, MHD_DAEMON_INFO_BIND_PORT);
     h->port = info != NULL ? info->port : atoi(port);
     return h;
+}
+
+tally_httpd_t *tally_httpd_start(const char *addr, tally_metrics_t *metrics, tally_health_fn health,
+                                 tally_ready_fn ready, void *opaque, char *errstr, size_t errsz)
+{
+    if (metrics == NULL) {
+        snprintf(errstr, errsz, "no metrics to serve");
+        return NULL;
+    }
+    return start(addr, metrics, health, ready, opaque, errstr, errsz);
+}
+
+tally_httpd_t *tally_httpd_start_health(const char *addr, tally_health_fn health,
+                                        tally_ready_fn ready, void *opaque, char *errstr,
+                                        size_t errsz)
+{
+    return start(addr, NULL, health, ready, opaque, errstr, errsz);
 }
 
 int tally_httpd_port(const tally_httpd_t *h)

@@ -52,6 +52,7 @@ struct tally_worker {
     tally_metric_t *m_ticks;
     tally_metric_t *m_build;
     tally_httpd_t *httpd;
+    tally_httpd_t *health_httpd; /* TALLY_HEALTH_ADDR, when set */
     tally_relay_t *relay;
     rd_kafka_t *consumer;
     tally_consume_t *consume;
@@ -451,12 +452,23 @@ static int setup_metrics(tally_worker_t *w)
     tally_metric_set(w->m_up, 0);
     tally_metric_add(w->m_ticks, 0); /* exposed as 0 before the first turn */
     tally_metric_set(w->m_build, 1, TALLY_VERSION, w->ops->name);
+    char errstr[512];
+    const char *health = w->cfg->health_addr;
+    if (health != NULL && health[0] != '\0') {
+        w->health_httpd =
+            tally_httpd_start_health(health, health_check, ready_check, w, errstr, sizeof errstr);
+        if (w->health_httpd == NULL) {
+            TALLY_ERROR("TALLY_HEALTH_ADDR: %s", errstr);
+            return 1;
+        }
+        TALLY_INFO("serving /healthz and /readyz alone on port %d (TALLY_HEALTH_ADDR %s)",
+                   tally_httpd_port(w->health_httpd), health);
+    }
     const char *addr = w->cfg->metrics_addr;
     if (addr == NULL || addr[0] == '\0') {
         snprintf(w->metrics_addr, sizeof w->metrics_addr, "disabled");
         return 0;
     }
-    char errstr[512];
     w->httpd =
         tally_httpd_start(addr, w->metrics, health_check, ready_check, w, errstr, sizeof errstr);
     if (w->httpd == NULL) {
@@ -687,6 +699,10 @@ static void close_all(tally_worker_t *w)
         tally_kafka_producer_close(w->producer, 5000);
         w->producer = NULL;
         TALLY_DEBUG("producer closed");
+    }
+    if (w->health_httpd != NULL) {
+        tally_httpd_stop(w->health_httpd);
+        w->health_httpd = NULL;
     }
     if (w->httpd != NULL) {
         tally_httpd_stop(w->httpd);

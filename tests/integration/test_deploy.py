@@ -411,6 +411,7 @@ class KubernetesManifestsTest(unittest.TestCase):
         ("v1", "Namespace"): "V1Namespace",
         ("batch/v1", "Job"): "V1Job",
         ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+        ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
     }
 
     @classmethod
@@ -475,6 +476,8 @@ class KubernetesManifestsTest(unittest.TestCase):
     def test_workers(self):
         grace_ms = int(self.env_cm["data"]["TALLY_SHUTDOWN_GRACE_MS"])
         metrics_port = int(self.env_cm["data"]["TALLY_METRICS_ADDR"].rsplit(":", 1)[1])
+        health_port = int(self.env_cm["data"]["TALLY_HEALTH_ADDR"].rsplit(":", 1)[1])
+        self.assertNotEqual(health_port, metrics_port)
         tools = json.loads(next(d for d in self.by_kind["ConfigMap"]
                                 if d["metadata"]["name"] == "tally-tools")["data"]["tools.json"])
         secret_envs = {t["connector"]["secret_env"] for t in tools["tools"]
@@ -491,10 +494,13 @@ class KubernetesManifestsTest(unittest.TestCase):
                 self.assertEqual(c["command"], [f"tally-{w}"])
                 port = next(p for p in c["ports"] if p["name"] == "metrics")
                 self.assertEqual(port["containerPort"], metrics_port)
+                hport = next(p for p in c["ports"] if p["name"] == "health")
+                self.assertEqual(hport["containerPort"], health_port)
                 self.assertEqual(c["livenessProbe"]["httpGet"]["path"], "/healthz")
                 self.assertEqual(c["readinessProbe"]["httpGet"]["path"], "/readyz")
+                # the probes use the health listener, which the metrics port cannot starve
                 for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-                    self.assertIn(c[probe]["httpGet"]["port"], ("metrics", metrics_port))
+                    self.assertIn(c[probe]["httpGet"]["port"], ("health", health_port))
                 sc = c["securityContext"]
                 self.assertTrue(sc["readOnlyRootFilesystem"])
                 self.assertFalse(sc["allowPrivilegeEscalation"])
@@ -509,6 +515,21 @@ class KubernetesManifestsTest(unittest.TestCase):
                 vol = next(v for v in pod["volumes"] if v["name"] == mounts[tools_dir])
                 self.assertEqual(vol["configMap"]["name"], "tally-tools")
         assert_known_tally_vars(self, self.env_cm["data"], "kubernetes/config.yaml")
+
+    def test_network_policy_admits_only_the_scraper_and_the_probes(self):
+        [pol] = [d for d in self.by_kind["NetworkPolicy"]
+                 if d["metadata"]["name"] == "tally-workers"]
+        spec = pol["spec"]
+        self.assertEqual(spec["policyTypes"], ["Ingress"])
+        [expr] = spec["podSelector"]["matchExpressions"]
+        self.assertEqual((expr["key"], expr["operator"], sorted(expr["values"])),
+                         ("app.kubernetes.io/component", "In", sorted(WORKERS)))
+        ports = {p["port"] for rule in spec["ingress"] for p in rule["ports"]}
+        self.assertEqual(ports, {"metrics", "health"})
+        for rule in spec["ingress"]:
+            self.assertTrue(rule["from"], "every ingress rule names who may connect")
+            if [p["port"] for p in rule["ports"]] == ["metrics"]:
+                self.assertIn("podSelector", rule["from"][0])  # Prometheus' pods, not anyone
 
     def test_every_container_names_image_and_resources(self):
         pods = [(d["metadata"]["name"], d["spec"]["template"]["spec"])

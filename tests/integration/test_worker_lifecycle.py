@@ -5,13 +5,14 @@ a bad environment."""
 import json
 import os
 import re
+import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 
 import tallytest
-from tallytest import SOURCE_DIR, TallyCase, binary, wait_for
+from tallytest import SOURCE_DIR, TallyCase, binary, free_port, wait_for
 
 WORKERS = {
     "tally-dispatcher": ("dispatcher", "intents"),
@@ -94,6 +95,45 @@ class WorkerLifecycleTest(TallyCase):
                 self.assertTrue(any(m.startswith("stopping") for m in msgs), p.log())
                 self.assertTrue(any(m.startswith("stopped") for m in msgs), p.log())
                 self.assertEqual(messages(p.log_lines(), "error"), [], p.log())
+
+    def test_held_metrics_connections_cannot_starve_the_health_listener(self):
+        # 64 idle connections used to fill the metrics listener, and the liveness probe on it
+        # failed: the kubelet restarted a healthy worker. Now one client gets 8 of them, and
+        # the probes have a listener of their own (TALLY_HEALTH_ADDR).
+        health_port = free_port()
+        p = self.start("tally-reconciler", TALLY_HEALTH_ADDR=f"127.0.0.1:{health_port}")
+        wait_for(lambda: f"on port {health_port}" in p.log(), timeout=10,
+                 what="the health listener's log line")
+
+        def get(port, path):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+            except OSError as e:
+                return None, str(e)
+
+        self.assertEqual(get(health_port, "/healthz"), (200, "ok"))
+        self.assertEqual(get(health_port, "/readyz")[0], 200)
+        self.assertEqual(get(health_port, "/metrics")[0], 404)  # scrapers go elsewhere
+        held = []
+        try:
+            for _ in range(64):
+                s = socket.create_connection(("127.0.0.1", p.metrics_port), timeout=3)
+                held.append(s)
+            time.sleep(0.5)
+            # this client has used up its share of the metrics listener...
+            self.assertIsNone(get(p.metrics_port, "/metrics")[0])
+            # ...and the probes do not care
+            for _ in range(5):
+                self.assertEqual(get(health_port, "/healthz"), (200, "ok"))
+            self.assertTrue(p.alive())
+        finally:
+            for s in held:
+                s.close()
+        wait_for(lambda: get(p.metrics_port, "/metrics")[0] == 200, timeout=15,
+                 what="the metrics listener to serve again once the connections are gone")
 
     def test_unsafe_registry_refuses_to_start(self):
         with open(UNSAFE_REGISTRY) as f:

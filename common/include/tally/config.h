@@ -26,6 +26,8 @@ typedef struct tally_config {
     char *topic_prefix;      /**< TALLY_TOPIC_PREFIX: default "tally." */
     char *metrics_addr;      /**< TALLY_METRICS_ADDR: host:port for /metrics, /healthz, /readyz;
                                   "" disables; port 0 picks a free port */
+    char *health_addr;       /**< TALLY_HEALTH_ADDR: host:port for /healthz and /readyz alone;
+                                  "" for none (the metrics address serves them too) */
     char *worker_id;         /**< TALLY_WORKER_ID: default <hostname>:<pid> */
     char *log_level;         /**< TALLY_LOG_LEVEL: debug, info, warn, error */
     char *consumer_group;    /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
