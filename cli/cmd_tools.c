@@ -33,7 +33,10 @@ static void usage_check(FILE *out)
           "\n"
           "Validate tool registries. Every problem is reported, one line each, on stdout:\n"
           "  FILE: tool 'NAME': rule RULE-ID: what is wrong\n"
-          "A valid file prints \"FILE: ok (N tools)\". Without FILE, TALLY_TOOLS is checked.\n"
+          "A valid file prints \"FILE: ok (N tools)\", after a line\n"
+          "  FILE: warning: tool 'NAME': rule RULE-ID: ...\n"
+          "for each thing that is allowed but weak (legacy-signature: Tally-Signature alone).\n"
+          "Without FILE, TALLY_TOOLS is checked.\n"
           "\n"
           "Exit status: 0 every file valid, 1 a problem was found, 2 usage error.\n",
           out);
@@ -126,6 +129,10 @@ static int tools_check(int argc, char **argv, tally_config_t *cfg)
             rc = 1;
             continue;
         }
+        /* a warning is not a problem: the file is valid, and the exit status says so */
+        const tally_problems_t *w = tally_registry_warnings(reg);
+        for (size_t j = 0; w != NULL && j < w->n; j++)
+            printf("%s: warning: %s\n", files[i], w->lines[j]);
         size_t count = tally_registry_count(reg);
         printf("%s: ok (%zu tool%s)\n", files[i], count, count == 1 ? "" : "s");
         tally_registry_free(reg);

@@ -136,16 +136,6 @@ static bool setup(compensator_t *c, tally_worker_t *w)
         TALLY_ERROR("out of memory");
         return false;
     }
-    for (size_t i = 0; i < tally_registry_count(c->reg); i++) {
-        const tally_tool_t *t = tally_registry_at(c->reg, i);
-        if (t->secret_env != NULL && t->secret_env[0] != '\0' && getenv(t->secret_env) == NULL &&
-            (t->compensate.path != NULL || t->contain.path != NULL)) {
-            TALLY_WARN("tool '%s' signs its requests with %s, which is not set: its reverse "
-                       "calls are retried until it is, then go STUCK",
-                       t->name, t->secret_env);
-        }
-    }
-
     raise_fd_limit(c->cfg->max_inflight);
     char errstr[256];
     c->conn = tally_connector_new(c->cfg->max_inflight, 0, errstr, sizeof errstr);

@@ -224,14 +224,6 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
     *state = d;
     declare_metrics(d, tally_worker_metrics(w));
 
-    for (size_t i = 0; i < tally_registry_count(d->reg); i++) {
-        const tally_tool_t *t = tally_registry_at(d->reg, i);
-        if (t->secret_env && t->secret_env[0] && !getenv(t->secret_env))
-            TALLY_WARN("tool '%s' signs its requests with %s, which is not set: its calls "
-                       "will not be sent until it is",
-                       t->name, t->secret_env);
-    }
-
     raise_fd_limit(d->cfg->max_inflight);
     char errstr[256];
     d->conn = tally_connector_new(d->cfg->max_inflight, 0, errstr, sizeof errstr);

@@ -413,6 +413,18 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
             return false;
         }
     }
+    tally_conn_signing_t sign = {.legacy_secret = secret};
+    if (tool->signing.scheme == TALLY_SIGNING_RFC9421) {
+        sign.key_id = tool->signing.key_id;
+        sign.window_s = tool->signing.window_s;
+        sign.key = getenv(tool->signing.secret_env);
+        if (!sign.key || !sign.key[0]) {
+            tally_error_setc(err, TALLY_ERR_SECRET_MISSING,
+                             "tool '%s' signs its requests (RFC 9421) but %s is not set",
+                             tool->name, tool->signing.secret_env);
+            return false;
+        }
+    }
     /* Take the room first (under the lock: calls finishing on the engine's thread free it),
      * then build the request outside the lock. */
     pthread_mutex_lock(&c->mu);
@@ -435,7 +447,8 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     x->url = tally_conn_url(tool, req->op, req->idempotency_key, err);
     if (!x->url)
         goto fail;
-    x->headers = tally_conn_headers(req, secret, (long long)time(NULL), err);
+    x->headers = tally_conn_headers_signed(req, tally_conn_method(tool, req->op), x->url, &sign,
+                                           (long long)time(NULL), err);
     if (!x->headers)
         goto fail;
     if (req->body) {

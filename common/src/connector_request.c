@@ -1,12 +1,14 @@
 /* connector_request.c — what a call sends: its method and URL, its headers (idempotency key,
- * run and effect ids, traceparent, If-Match) and its HMAC signature. Header values are checked
- * here, so an argument can never inject a header. */
+ * run and effect ids, traceparent, If-Match) and its signatures: RFC 9421 HTTP Message
+ * Signatures with an RFC 9530 Content-Digest, and the legacy Tally-Signature. Header values
+ * are checked here, so an argument can never inject a header. */
 #include "tally/connector.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/params.h>
 
@@ -61,6 +63,164 @@ bool tally_conn_signature(const char *secret, long long t, const char *body, siz
         snprintf(hex + 2 * i, 3, "%02x", mac[i]);
     int n = snprintf(out, outsz, "t=%lld,v1=%s", t, hex);
     return n > 0 && (size_t)n < outsz;
+}
+
+/* HMAC-SHA256 of @p data with @p key into @p mac (32 bytes). */
+static bool hmac_sha256(const char *key, const void *data, size_t len, unsigned char mac[32])
+{
+    size_t outl = 0;
+    bool ok = false;
+    EVP_MAC *m = EVP_MAC_fetch(NULL, "HMAC", NULL);
+    EVP_MAC_CTX *ctx = m ? EVP_MAC_CTX_new(m) : NULL;
+    if (ctx) {
+        OSSL_PARAM params[] = {
+            OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0),
+            OSSL_PARAM_construct_end(),
+        };
+        unsigned char buf[EVP_MAX_MD_SIZE];
+        ok = EVP_MAC_init(ctx, (const unsigned char *)key, strlen(key), params) == 1 &&
+             (len == 0 || EVP_MAC_update(ctx, data, len) == 1) &&
+             EVP_MAC_final(ctx, buf, &outl, sizeof buf) == 1 && outl == 32;
+        if (ok)
+            memcpy(mac, buf, 32);
+        OPENSSL_cleanse(buf, sizeof buf);
+    }
+    EVP_MAC_CTX_free(ctx);
+    EVP_MAC_free(m);
+    return ok;
+}
+
+char *tally_conn_content_digest(const char *body, size_t body_len)
+{
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    if (EVP_Digest(body_len ? body : "", body_len, md, &mdlen, EVP_sha256(), NULL) != 1 ||
+        mdlen != 32)
+        return NULL;
+    char b64[48]; /* 4 * ceil(32 / 3) = 44, and the NUL */
+    EVP_EncodeBlock((unsigned char *)b64, md, 32);
+    char *out = NULL;
+    if (asprintf(&out, "sha-256=:%s:", b64) < 0)
+        return NULL;
+    return out;
+}
+
+bool tally_conn_sig_hmac(const char *key, const char *base, char *out, size_t outsz)
+{
+    unsigned char mac[32];
+    if (outsz < 45 || !hmac_sha256(key, base, strlen(base), mac))
+        return false;
+    EVP_EncodeBlock((unsigned char *)out, mac, 32);
+    return true;
+}
+
+/* A growing text with a sticky failure flag, checked once at the end. */
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+    bool failed;
+} sbuf_t;
+
+static void sb_put(sbuf_t *b, const char *s, size_t n)
+{
+    if (b->failed)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *grown = realloc(b->p, cap);
+        if (!grown) {
+            b->failed = true;
+            return;
+        }
+        b->p = grown;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void sb_str(sbuf_t *b, const char *s)
+{
+    sb_put(b, s, strlen(s));
+}
+
+/* RFC 9421 §2.1: a field's value with leading and trailing spaces and tabs removed. */
+static void sb_field_value(sbuf_t *b, const char *v)
+{
+    size_t n = strlen(v);
+    while (n && (v[n - 1] == ' ' || v[n - 1] == '\t'))
+        n--;
+    size_t i = 0;
+    while (i < n && (v[i] == ' ' || v[i] == '\t'))
+        i++;
+    sb_put(b, v + i, n - i);
+}
+
+/* The key id goes into an sf-string: printable ASCII, no '"' or '\\' (so no escaping). */
+static bool sf_string_plain(const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        if (*p < 0x20 || *p > 0x7e || *p == '"' || *p == '\\')
+            return false;
+    return true;
+}
+
+char *tally_conn_sig_base(const tally_conn_request_t *req, const char *method, const char *url,
+                          const char *content_digest, const tally_conn_sig_params_t *params,
+                          char **input)
+{
+    *input = NULL;
+    if (!params->key_id || !sf_string_plain(params->key_id))
+        return NULL;
+    struct {
+        const char *name;
+        const char *value;
+    } comp[] = {
+        {"@method", method},
+        {"@target-uri", url},
+        {"content-digest", content_digest},
+        {"idempotency-key", req->idempotency_key},
+        {"tally-run-id", req->run_id},
+        {"tally-effect-id", req->effect_id},
+        {"if-match", req->if_match},
+    };
+    sbuf_t base = {0}, list = {0};
+    sb_str(&list, "(");
+    bool first = true;
+    for (size_t i = 0; i < sizeof comp / sizeof comp[0]; i++) {
+        if (!comp[i].value)
+            continue;
+        sb_str(&base, "\"");
+        sb_str(&base, comp[i].name);
+        sb_str(&base, "\": ");
+        sb_field_value(&base, comp[i].value);
+        sb_str(&base, "\n");
+        if (!first)
+            sb_str(&list, " ");
+        first = false;
+        sb_str(&list, "\"");
+        sb_str(&list, comp[i].name);
+        sb_str(&list, "\"");
+    }
+    char tail[64 + 64];
+    snprintf(tail, sizeof tail, ");created=%lld;expires=%lld;keyid=\"", params->created,
+             params->expires);
+    sb_str(&list, tail);
+    sb_str(&list, params->key_id);
+    sb_str(&list, "\";alg=\"hmac-sha256\"");
+    sb_str(&base, "\"@signature-params\": ");
+    if (!list.failed)
+        sb_str(&base, list.p);
+    if (base.failed || list.failed) {
+        free(base.p);
+        free(list.p);
+        return NULL;
+    }
+    *input = list.p;
+    return base.p;
 }
 
 static const tally_endpoint_t *conn_endpoint(const tally_tool_t *tool, tally_conn_op_t op)
@@ -164,6 +324,62 @@ bool tally_conn_no_replay(const tally_tool_t *tool, tally_conn_op_t op)
 struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const char *secret,
                                       long long now, tally_error_t *err)
 {
+    tally_conn_signing_t sign = {.legacy_secret = secret};
+    return tally_conn_headers_signed(req, NULL, NULL, &sign, now, err);
+}
+
+/* Content-Digest, Signature-Input and Signature (RFC 9421, label "tally") onto @p list. */
+static bool add_rfc9421(struct curl_slist **list, const tally_conn_request_t *req,
+                        const char *method, const char *url, const tally_conn_signing_t *sign,
+                        long long now, tally_error_t *err)
+{
+    char *digest = NULL, *input = NULL, *base = NULL, *hv = NULL;
+    bool ok = false;
+    if (req->body && !(digest = tally_conn_content_digest(req->body, req->body_len))) {
+        tally_error_setc(err, TALLY_ERR_SIGNATURE, "computing the Content-Digest failed");
+        goto done;
+    }
+    tally_conn_sig_params_t params = {
+        .key_id = sign->key_id ? sign->key_id : "",
+        .created = now,
+        .expires = now + (sign->window_s > 0 ? sign->window_s : 300),
+    };
+    base = tally_conn_sig_base(req, method, url, digest, &params, &input);
+    char sig[64];
+    if (!base || !tally_conn_sig_hmac(sign->key, base, sig, sizeof sig)) {
+        tally_error_setc(err, TALLY_ERR_SIGNATURE,
+                         "computing the RFC 9421 signature failed (key id, memory or OpenSSL)");
+        goto done;
+    }
+    if (!add_header(list, "Content-Digest", digest, err))
+        goto done;
+    if (asprintf(&hv, "tally=%s", input) < 0) {
+        hv = NULL;
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building headers");
+        goto done;
+    }
+    if (!add_header(list, "Signature-Input", hv, err))
+        goto done;
+    free(hv);
+    if (asprintf(&hv, "tally=:%s:", sig) < 0) {
+        hv = NULL;
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building headers");
+        goto done;
+    }
+    ok = add_header(list, "Signature", hv, err);
+done:
+    free(digest);
+    free(input);
+    free(base);
+    free(hv);
+    return ok;
+}
+
+struct curl_slist *tally_conn_headers_signed(const tally_conn_request_t *req, const char *method,
+                                             const char *url, const tally_conn_signing_t *sign,
+                                             long long now, tally_error_t *err)
+{
+    const char *secret = sign ? sign->legacy_secret : NULL;
     struct curl_slist *list = NULL;
     bool ok = add_header(&list, "Idempotency-Key", req->idempotency_key, err) &&
               add_header(&list, "Tally-Run-Id", req->run_id, err) &&
@@ -191,6 +407,15 @@ struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const cha
             ok = false;
         } else {
             ok = add_header(&list, "Tally-Signature", sig, err);
+        }
+    }
+    if (ok && sign && sign->key) {
+        if (!method || !url) {
+            tally_error_setc(err, TALLY_ERR_SIGNATURE,
+                             "an RFC 9421 signature needs the request's method and URL");
+            ok = false;
+        } else {
+            ok = add_rfc9421(&list, req, method, url, sign, now, err);
         }
     }
     if (!ok) {

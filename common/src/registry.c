@@ -17,6 +17,7 @@
 struct tally_registry {
     tally_tool_t *tools;
     size_t n;
+    tally_problems_t warnings; /* accepted but weaker contracts (tally_registry_warnings) */
 };
 
 /* Upper bound of the millisecond settings the brief leaves open-ended: one day keeps every
@@ -242,6 +243,7 @@ static bool json_pointer_valid(const char *s)
 
 typedef struct vctx {
     tally_problems_t *problems;
+    tally_problems_t *warnings; /* the registry's own list; NULL until it exists */
     size_t found;    /* problems found; counted even when recording one ran out of memory */
     char label[128]; /* "tool 'charge_card'", "tool #3" or "registry" */
 } vctx_t;
@@ -258,6 +260,22 @@ static void problem(vctx_t *v, const char *rule, const char *fmt, ...)
     va_end(ap);
     v->found++;
     tally_problems_add(v->problems, "%s: rule %s: %s", v->label, rule, msg);
+}
+
+/* A warning: the contract is accepted, but weaker than it should be. */
+static void warning(vctx_t *v, const char *rule, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void warning(vctx_t *v, const char *rule, const char *fmt, ...)
+{
+    if (v->warnings == NULL)
+        return;
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    tally_problems_add(v->warnings, "%s: rule %s: %s", v->label, rule, msg);
 }
 
 /* strdup that records running out of memory as a problem. */
@@ -293,6 +311,8 @@ static void tool_free(tally_tool_t *t)
     endpoint_free(&t->contain);
     free(t->receipt_ref);
     free(t->secret_env);
+    free(t->signing.key_id);
+    free(t->signing.secret_env);
     free(t->runbook);
     memset(t, 0, sizeof *t);
 }
@@ -506,6 +526,60 @@ static void base_url_field(vctx_t *v, const json_t *conn, tally_tool_t *t)
     free(url);
 }
 
+/* A key id is sent as a structured-field string: printable ASCII without '"' or '\\'; kept
+ * to a token-like alphabet so it reads the same in logs and configuration. */
+static bool key_id_valid(const char *s)
+{
+    size_t n = strlen(s);
+    return n > 0 && n <= 64 &&
+           strspn(s, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-") == n;
+}
+
+/* connector.signing: {"scheme": "rfc9421", "key_id", "secret_env", "window_s"}. */
+static void signing_field(vctx_t *v, const json_t *conn, tally_tool_t *t)
+{
+    char got[80];
+    const json_t *sig = json_object_get(conn, "signing");
+    if (sig == NULL)
+        return;
+    if (!json_is_object(sig)) {
+        problem(v, "signing",
+                "connector.signing must be an object {\"scheme\": \"rfc9421\", \"key_id\", "
+                "\"secret_env\"}");
+        return;
+    }
+    bool ok = true;
+    const char *scheme = json_string_value(json_object_get(sig, "scheme"));
+    if (scheme == NULL || strcmp(scheme, "rfc9421") != 0) {
+        problem(v, "signing", "connector.signing.scheme must be \"rfc9421\" (got %s)",
+                shown_json(json_object_get(sig, "scheme"), got, sizeof got));
+        ok = false;
+    }
+    const json_t *kid = json_object_get(sig, "key_id");
+    if (!json_is_string(kid) || !key_id_valid(json_string_value(kid))) {
+        problem(v, "signing",
+                "connector.signing.key_id must be 1 to 64 characters of [A-Za-z0-9._:-] (got %s)",
+                shown_json(kid, got, sizeof got));
+        ok = false;
+    }
+    const json_t *env = json_object_get(sig, "secret_env");
+    const char *es = json_string_value(env);
+    if (es == NULL || !env_name_valid(es, strlen(es))) {
+        problem(v, "signing",
+                "connector.signing.secret_env must be an environment variable name "
+                "([A-Za-z_][A-Za-z0-9_]*) (got %s)",
+                shown_json(env, got, sizeof got));
+        ok = false;
+    }
+    int window = int_field(v, sig, "window_s", "connector.signing.window_s", 300, 1, 3600, NULL);
+    if (!ok)
+        return;
+    t->signing.scheme = TALLY_SIGNING_RFC9421;
+    t->signing.key_id = vdup(v, json_string_value(kid));
+    t->signing.secret_env = vdup(v, es);
+    t->signing.window_s = window;
+}
+
 static void connector_fields(vctx_t *v, const json_t *conn, tally_tool_t *t, ep_state_t *status,
                              ep_state_t *compensate)
 {
@@ -551,6 +625,12 @@ static void connector_fields(vctx_t *v, const json_t *conn, tally_tool_t *t, ep_
         else
             t->secret_env = vdup(v, s);
     }
+    signing_field(v, conn, t);
+    if (t->secret_env != NULL && t->signing.scheme == TALLY_SIGNING_NONE)
+        warning(v, "legacy-signature",
+                "connector.secret_env alone signs with the legacy Tally-Signature, which covers "
+                "only the timestamp and the body (not the method, URL or idempotency key); add "
+                "connector.signing {\"scheme\": \"rfc9421\", ...} (docs/connectors.md)");
 }
 
 static void operation_key_field(vctx_t *v, const json_t *obj, tally_tool_t *t)
@@ -767,6 +847,7 @@ void tally_registry_free(tally_registry_t *reg)
     for (size_t i = 0; i < reg->n; i++)
         tool_free(&reg->tools[i]);
     free(reg->tools);
+    tally_problems_clear(&reg->warnings);
     free(reg);
 }
 
@@ -791,6 +872,7 @@ tally_registry_t *tally_registry_load_json(const json_t *doc, tally_problems_t *
         return NULL;
     }
     reg->n = n;
+    v.warnings = &reg->warnings;
     for (size_t i = 0; i < n; i++)
         tool_load(&v, json_array_get(tools, i), i, reg->tools, &reg->tools[i]);
     if (v.found > 0) {
@@ -821,6 +903,12 @@ tally_registry_t *tally_registry_load_file(const char *path, tally_problems_t *p
     tally_registry_t *reg = tally_registry_load_json(doc, problems);
     json_decref(doc);
     return reg;
+}
+
+const tally_problems_t *tally_registry_warnings(const tally_registry_t *reg)
+{
+    static const tally_problems_t none = {0};
+    return reg != NULL ? &reg->warnings : &none;
 }
 
 const tally_tool_t *tally_registry_find(const tally_registry_t *reg, const char *name)

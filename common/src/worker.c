@@ -432,6 +432,23 @@ static int setup_registry(tally_worker_t *w)
     }
     tally_problems_clear(&problems);
     TALLY_DEBUG("tool registry %s: %zu tools", path, tally_registry_count(w->reg));
+    const tally_problems_t *warnings = tally_registry_warnings(w->reg);
+    for (size_t i = 0; warnings != NULL && i < warnings->n; i++)
+        TALLY_WARN("%s: %s", path, warnings->lines[i]);
+    /* A signing key that is not set: every request to the tool is refused until it is (the
+     * connector says so per call; this says it once, at start). */
+    for (size_t i = 0; i < tally_registry_count(w->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(w->reg, i);
+        const char *keys[2] = {t->secret_env, t->signing.scheme == TALLY_SIGNING_RFC9421
+                                                  ? t->signing.secret_env
+                                                  : NULL};
+        for (size_t k = 0; k < 2; k++) {
+            if (keys[k] != NULL && keys[k][0] != '\0' && getenv(keys[k]) == NULL)
+                TALLY_WARN("tool '%s' signs its requests (%s) with %s, which is not set: "
+                           "requests to it are refused until it is",
+                           t->name, k == 0 ? "Tally-Signature" : "RFC 9421", keys[k]);
+        }
+    }
     return 0;
 }
 

@@ -7,6 +7,7 @@
  * while the pool goes on serving. One timer thread resumes each at its deadline, and SIGTERM
  * resumes them all, so shutdown never waits for a hang to run out. */
 #include "fake_faults.h"
+#include "fake_sig9421.h"
 #include "fake_store.h"
 
 #include <errno.h>
@@ -32,6 +33,8 @@
 #define SIGNATURE_TOLERANCE 300
 #define MAX_SECRETS         16
 #define POOL_THREADS        2
+#define MAX_RFC9421_KEYS    4
+#define MAX_CAPTURED        256
 
 typedef struct secret {
     const char *env;
@@ -44,6 +47,12 @@ typedef struct server {
     fake_faults_t *ff;
     secret_t secrets[MAX_SECRETS];
     size_t nsecrets;
+    fake_sig_key_t keys[MAX_RFC9421_KEYS]; /* --rfc9421-key: every one is accepted */
+    size_t nkeys;
+    /* With RFC 9421 keys: the last MAX_CAPTURED tool requests as received (method, raw URI,
+     * every header, body) and the verifier's verdict, for GET /_control/signed. */
+    pthread_mutex_t captured_mu;
+    json_t *captured;
     bool verbose;
 } server_t;
 
@@ -54,6 +63,8 @@ static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain"
 /* One request: its body, gathered over the upload calls, and, while it waits in a fault,
  * what it has done so far. */
 typedef struct request {
+    char *raw_uri; /* the request target as sent, query included (uri_logged) */
+    bool begun;    /* on_request has seen the headers */
     char *body;
     size_t len, cap;
     bool too_large;
@@ -387,6 +398,54 @@ static const char *check_signature(const server_t *srv, const char *hdr, const c
     return match ? NULL : "Tally-Signature does not match";
 }
 
+static const char *conn_header(void *ctx, const char *name)
+{
+    return MHD_lookup_connection_value((struct MHD_Connection *)ctx, MHD_HEADER_KIND, name);
+}
+
+static enum MHD_Result collect_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                      const char *value)
+{
+    (void)kind;
+    json_t *h = cls;
+    json_t *prev = json_object_get(h, key);
+    if (prev && json_is_string(prev)) { /* repeated field: combined as RFC 9110 says */
+        char *both = NULL;
+        if (asprintf(&both, "%s, %s", json_string_value(prev), value ? value : "") >= 0) {
+            json_object_set_new(h, key, json_string(both));
+            free(both);
+        }
+    } else {
+        json_object_set_new(h, key, json_string(value ? value : ""));
+    }
+    return MHD_YES;
+}
+
+/* Keeps what the RFC 9421 verifier saw, so a test can replay it (altered) or hand it to an
+ * independent verifier. The body goes as base64: it is bytes, not text. */
+static void capture(server_t *srv, struct MHD_Connection *conn, const request_t *rq,
+                    const char *method, const char *why)
+{
+    json_t *h = json_object();
+    MHD_get_connection_values(conn, MHD_HEADER_KIND, collect_header, h);
+    size_t blen = 4 * ((rq->len + 2) / 3) + 1;
+    char *b64 = malloc(blen);
+    if (b64)
+        EVP_EncodeBlock((unsigned char *)b64, (const unsigned char *)(rq->body ? rq->body : ""),
+                        (int)rq->len);
+    json_t *e =
+        json_pack("{s:s, s:s, s:o, s:s?, s:s?}", "method", method, "uri",
+                  rq->raw_uri ? rq->raw_uri : "", "headers", h, "body_b64", b64, "refused", why);
+    free(b64);
+    if (!e)
+        return;
+    pthread_mutex_lock(&srv->captured_mu);
+    if (json_array_size(srv->captured) >= MAX_CAPTURED)
+        json_array_remove(srv->captured, 0);
+    json_array_append_new(srv->captured, e);
+    pthread_mutex_unlock(&srv->captured_mu);
+}
+
 /* ---- the tool API ------------------------------------------------------------------------ */
 
 /* "/<collection>", "/<collection>/reverse" or "/<collection>/contain"; collection [a-z_]+.
@@ -584,6 +643,16 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
     const char *sig_error = NULL;
     if (srv->nsecrets)
         sig_error = check_signature(srv, header(conn, "Tally-Signature"), rq->body, rq->len);
+    char why9421[256];
+    if (srv->nkeys) {
+        fake_sig_request_t sr = {
+            method, rq->raw_uri ? rq->raw_uri : url, rq->body, rq->len, conn_header, conn};
+        const char *e = fake_sig9421_verify(srv->keys, srv->nkeys, &sr, (long long)time(NULL),
+                                            why9421, sizeof why9421);
+        capture(srv, conn, rq, method, e);
+        if (!sig_error)
+            sig_error = e;
+    }
     fake_request_info_t info = {
         .method = method,
         .path = url,
@@ -594,7 +663,7 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         .effect_id = header(conn, "Tally-Effect-Id"),
         .traceparent = header(conn, "traceparent"),
         .if_match = header(conn, "If-Match"),
-        .signature_ok = srv->nsecrets ? sig_error == NULL : -1,
+        .signature_ok = srv->nsecrets || srv->nkeys ? sig_error == NULL : -1,
     };
     uint64_t seq = fake_store_log_begin(srv->st, &info);
     fake_reply_t r = {0};
@@ -721,11 +790,22 @@ static enum MHD_Result handle_control(server_t *srv, struct MHD_Connection *conn
             return send_error(conn, 405, "method not allowed", "GET");
         return send_text(conn, 200, fake_store_requests(srv->st));
     }
+    if (strcmp(url, "/_control/signed") == 0) {
+        if (!get)
+            return send_error(conn, 405, "method not allowed", "GET");
+        pthread_mutex_lock(&srv->captured_mu);
+        json_t *copy = json_deep_copy(srv->captured);
+        pthread_mutex_unlock(&srv->captured_mu);
+        return send_json(conn, 200, json_pack("{s:o}", "requests", copy ? copy : json_array()));
+    }
     if (strcmp(url, "/_control/reset") == 0) {
         if (!post)
             return send_error(conn, 405, "method not allowed", "POST");
         fake_faults_clear(srv->ff);
         fake_store_reset(srv->st);
+        pthread_mutex_lock(&srv->captured_mu);
+        json_array_clear(srv->captured);
+        pthread_mutex_unlock(&srv->captured_mu);
         return send_json(conn, 200, json_pack("{s:b}", "reset", 1));
     }
     return send_error(conn, 404, "no such control endpoint", NULL);
@@ -740,12 +820,15 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     server_t *srv = cls;
     request_t *rq = *con_cls;
     (void)version;
-    if (!rq) {
-        rq = calloc(1, sizeof *rq);
-        if (!rq)
-            return MHD_NO;
-        clock_gettime(CLOCK_MONOTONIC, &rq->started);
-        *con_cls = rq;
+    if (!rq || !rq->begun) {
+        if (!rq) {
+            rq = calloc(1, sizeof *rq);
+            if (!rq)
+                return MHD_NO;
+            clock_gettime(CLOCK_MONOTONIC, &rq->started);
+            *con_cls = rq;
+        }
+        rq->begun = true;
         return MHD_YES;
     }
     if (*upload_data_size) {
@@ -782,6 +865,20 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     return handle_tool(srv, conn, rq, method, url, collection, suffix);
 }
 
+/* MHD's URI log callback: the first to see a request, with its target as sent (MHD hands
+ * on_request the path only, the query already decoded). Its result becomes *con_cls. */
+static void *uri_logged(void *cls, const char *uri, struct MHD_Connection *conn)
+{
+    (void)cls;
+    (void)conn;
+    request_t *rq = calloc(1, sizeof *rq);
+    if (!rq)
+        return NULL;
+    clock_gettime(CLOCK_MONOTONIC, &rq->started);
+    rq->raw_uri = strdup(uri ? uri : "");
+    return rq;
+}
+
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
@@ -793,6 +890,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
         unpark(rq);
         json_decref(rq->json);
         fake_reply_clear(&rq->reply);
+        free(rq->raw_uri);
         free(rq->body);
         free(rq);
         *con_cls = NULL;
@@ -811,6 +909,9 @@ static void usage(FILE *out)
             "  --port-file PATH    write the bound port there (atomically) once ready\n"
             "  --secret-env VAR    require Tally-Signature made with the secret in $VAR\n"
             "                      (repeatable; any configured secret is accepted)\n"
+            "  --rfc9421-key ID=VAR  require an RFC 9421 signature (label \"tally\",\n"
+            "                      hmac-sha256) by key id ID with the key in $VAR (repeatable:\n"
+            "                      every configured key id is accepted, for rotations)\n"
             "  --verbose           log one JSON line per request on stderr\n");
 }
 
@@ -873,6 +974,7 @@ int main(int argc, char **argv)
         {"listen", required_argument, NULL, 'l'},
         {"port-file", required_argument, NULL, 'p'},
         {"secret-env", required_argument, NULL, 's'},
+        {"rfc9421-key", required_argument, NULL, 'k'},
         {"verbose", no_argument, NULL, 'v'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
@@ -880,7 +982,9 @@ int main(int argc, char **argv)
     static server_t srv;
     const char *listen_arg = "127.0.0.1:0", *port_file = NULL;
     int c;
-    while ((c = getopt_long(argc, argv, "l:p:s:vh", opts, NULL)) != -1) {
+    srv.captured = json_array();
+    pthread_mutex_init(&srv.captured_mu, NULL);
+    while ((c = getopt_long(argc, argv, "l:p:s:k:vh", opts, NULL)) != -1) {
         switch (c) {
         case 'l':
             listen_arg = optarg;
@@ -898,6 +1002,22 @@ int main(int argc, char **argv)
                 srv.secrets[srv.nsecrets++] = (secret_t){optarg, v, strlen(v)};
             else
                 fprintf(stderr, "tally-fake-tool: $%s is not set; not required\n", optarg);
+            break;
+        }
+        case 'k': {
+            char *eq = strchr(optarg, '=');
+            if (!eq || eq == optarg || !eq[1] || srv.nkeys == MAX_RFC9421_KEYS) {
+                fprintf(stderr, "tally-fake-tool: --rfc9421-key wants ID=ENVVAR (at most %d)\n",
+                        MAX_RFC9421_KEYS);
+                return 2;
+            }
+            *eq = '\0';
+            const char *v = getenv(eq + 1);
+            if (!v || !*v) {
+                fprintf(stderr, "tally-fake-tool: $%s (key %s) is not set\n", eq + 1, optarg);
+                return 2;
+            }
+            srv.keys[srv.nkeys++] = (fake_sig_key_t){optarg, v, strlen(v)};
             break;
         }
         case 'v':
@@ -952,7 +1072,8 @@ int main(int argc, char **argv)
         flags, 0, NULL, NULL, &on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&sa,
         MHD_OPTION_CONNECTION_LIMIT, limit, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)300,
         MHD_OPTION_LISTEN_BACKLOG_SIZE, (unsigned)4096, MHD_OPTION_THREAD_POOL_SIZE,
-        (unsigned)POOL_THREADS, MHD_OPTION_NOTIFY_COMPLETED, &on_completed, NULL, MHD_OPTION_END);
+        (unsigned)POOL_THREADS, MHD_OPTION_NOTIFY_COMPLETED, &on_completed, NULL,
+        MHD_OPTION_URI_LOG_CALLBACK, &uri_logged, NULL, MHD_OPTION_END);
     if (!d) {
         int err = errno;
         waits_stop();

@@ -288,6 +288,214 @@ static void test_headers(void **state)
     assert_false(err.retriable);
 }
 
+/* RFC 9421 vectors. The expected values were computed independently of this code with
+ * /usr/bin/python3 (hashlib, hmac, base64), building the signature base by hand from
+ * RFC 9421 §2.5: one line `"<component>": <value>` per covered component, then
+ * `"@signature-params": <inner list with parameters>`, lines joined by "\n" without a
+ * trailing one; the signature is base64(HMAC-SHA256(key, base)). The script:
+ *   body = b'{"amount":100,"currency":"EUR"}'
+ *   dig = "sha-256=:" + base64.b64encode(hashlib.sha256(body).digest()).decode() + ":"
+ *   comps = [("@method", "POST"), ("@target-uri", "http://127.0.0.1:9/charges"),
+ *            ("content-digest", dig), ("idempotency-key", "charge_card:t1:pay_42"),
+ *            ("tally-run-id", "run-1"), ("tally-effect-id", EFFECT)]
+ *   params = "(" + " ".join('"%s"' % n for n, _ in comps) + ");created=1700000000;"
+ *            'expires=1700000300;keyid="k-2026-11";alg="hmac-sha256"'
+ *   base = "".join('"%s": %s\n' % c for c in comps) + '"@signature-params": ' + params
+ *   base64.b64encode(hmac.new(b"whsec_test", base.encode(), hashlib.sha256).digest()) */
+#define VEC_EFFECT "6f1c1a52-5f5e-4a53-9d43-0c6d1d3a2b11"
+#define VEC_DIGEST "sha-256=:9Q02wXOUY+Vx2o6Sn96zvDXFv4YFHGU9amHe7csQlE4=:"
+#define VEC_PARAMS_TAIL                                                                            \
+    ";created=1700000000;expires=1700000300;keyid=\"k-2026-11\";alg=\"hmac-sha256\""
+
+static void test_rfc9421_vector(void **state)
+{
+    (void)state;
+    tally_tool_t tool = demo_tool();
+    const char *body = "{\"amount\":100,\"currency\":\"EUR\"}";
+    char *digest = tally_conn_content_digest(body, strlen(body));
+    assert_string_equal(digest, VEC_DIGEST);
+    tally_conn_request_t req = {
+        .tool = &tool,
+        .op = TALLY_CONN_EXECUTE,
+        .idempotency_key = "charge_card:t1:pay_42",
+        .run_id = "run-1",
+        .effect_id = VEC_EFFECT,
+        .traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        .body = body,
+        .body_len = strlen(body),
+    };
+    tally_conn_sig_params_t p = {"k-2026-11", 1700000000LL, 1700000300LL};
+    char *input = NULL;
+    char *base =
+        tally_conn_sig_base(&req, "POST", "http://127.0.0.1:9/charges", digest, &p, &input);
+    const char *want_input = "(\"@method\" \"@target-uri\" \"content-digest\" \"idempotency-key\" "
+                             "\"tally-run-id\" \"tally-effect-id\")" VEC_PARAMS_TAIL;
+    assert_string_equal(input, want_input);
+    char want_base[1024];
+    snprintf(want_base, sizeof want_base,
+             "\"@method\": POST\n"
+             "\"@target-uri\": http://127.0.0.1:9/charges\n"
+             "\"content-digest\": " VEC_DIGEST "\n"
+             "\"idempotency-key\": charge_card:t1:pay_42\n"
+             "\"tally-run-id\": run-1\n"
+             "\"tally-effect-id\": " VEC_EFFECT "\n"
+             "\"@signature-params\": %s",
+             want_input);
+    assert_string_equal(base, want_base);
+    char sig[64];
+    assert_true(tally_conn_sig_hmac("whsec_test", base, sig, sizeof sig));
+    assert_string_equal(sig, "k7Gs+FWjrqvmTS+WECOeFjL6PE8kUCMdHHgNp0ehPWo=");
+    char small[16];
+    assert_false(tally_conn_sig_hmac("whsec_test", base, small, sizeof small));
+    free(base);
+    free(input);
+
+    /* Every header on the wire, through the same path the engine uses. */
+    tally_conn_signing_t sign = {.key_id = "k-2026-11", .key = "whsec_test", .window_s = 300};
+    tally_error_t err;
+    struct curl_slist *h = tally_conn_headers_signed(&req, "POST", "http://127.0.0.1:9/charges",
+                                                     &sign, 1700000000LL, &err);
+    assert_non_null(h);
+    assert_true(has_header(h, "Content-Digest: " VEC_DIGEST));
+    assert_true(has_header(h, "Signature-Input: tally=(\"@method\" \"@target-uri\" "
+                              "\"content-digest\" \"idempotency-key\" \"tally-run-id\" "
+                              "\"tally-effect-id\")" VEC_PARAMS_TAIL));
+    assert_true(has_header(h, "Signature: tally=:k7Gs+FWjrqvmTS+WECOeFjL6PE8kUCMdHHgNp0ehPWo=:"));
+    assert_true(has_header(h, "Idempotency-Key: charge_card:t1:pay_42"));
+    assert_false(has_header_prefix(h, "Tally-Signature")); /* no legacy secret configured */
+    curl_slist_free_all(h);
+
+    /* Both at once (a receiver moving from the legacy scheme): both headers. */
+    sign.legacy_secret = "whsec_test";
+    h = tally_conn_headers_signed(&req, "POST", "http://127.0.0.1:9/charges", &sign, 1700000000LL,
+                                  &err);
+    assert_non_null(h);
+    assert_true(has_header(h, "Tally-Signature: t=1700000000,v1="
+                              "7b1d5cfbd71e00e6b466b43e4c055c9d97b08c3c50955fb2e4b324bc1153ce6b"));
+    assert_true(has_header(h, "Signature: tally=:k7Gs+FWjrqvmTS+WECOeFjL6PE8kUCMdHHgNp0ehPWo=:"));
+    curl_slist_free_all(h);
+
+    /* If-Match (compensate) is covered when sent. */
+    req.if_match = "3";
+    sign.legacy_secret = NULL;
+    h = tally_conn_headers_signed(&req, "POST", "http://127.0.0.1:9/refunds", &sign, 1700000000LL,
+                                  &err);
+    assert_non_null(h);
+    assert_true(has_header_prefix(h, "Signature-Input: tally=(\"@method\" \"@target-uri\" "
+                                     "\"content-digest\" \"idempotency-key\" \"tally-run-id\" "
+                                     "\"tally-effect-id\" \"if-match\");created="));
+    curl_slist_free_all(h);
+
+    /* A key id that cannot be an sf-string is refused, not escaped into something else. */
+    sign.key_id = "bad\"id";
+    h = tally_conn_headers_signed(&req, "POST", "http://127.0.0.1:9/refunds", &sign, 1, &err);
+    assert_null(h);
+    assert_int_equal(err.errc, TALLY_ERR_SIGNATURE);
+    free(digest);
+}
+
+/* The worked example of docs/connectors.md ("Signatures: RFC 9421"), so the page stays a
+ * usable test vector; values from the same Python script with that request. */
+static void test_rfc9421_doc_example(void **state)
+{
+    (void)state;
+    tally_tool_t tool = demo_tool();
+    const char *body = "{\"amount\":1200,\"currency\":\"EUR\",\"payment_id\":\"pay_42\","
+                       "\"tenant_id\":\"t1\"}";
+    tally_conn_request_t req = {
+        .tool = &tool,
+        .op = TALLY_CONN_EXECUTE,
+        .idempotency_key = "charge_card:t1:pay_42",
+        .run_id = "run-42",
+        .effect_id = "6e1f3c2a-9b8d-4c7e-a1f0-2d3c4b5a6978",
+        .body = body,
+        .body_len = strlen(body),
+    };
+    tally_conn_signing_t sign = {
+        .key_id = "billing-2026-11", .key = "whsec_example", .window_s = 300};
+    tally_error_t err;
+    struct curl_slist *h = tally_conn_headers_signed(
+        &req, "POST", "https://billing.internal/charges", &sign, 1714564800LL, &err);
+    assert_non_null(h);
+    assert_true(
+        has_header(h, "Content-Digest: sha-256=:/tvFIa6QclG/xLLkazdfJqGq3Sq4PCsBwCAfV1+iitQ=:"));
+    assert_true(has_header(h, "Signature-Input: tally=(\"@method\" \"@target-uri\" "
+                              "\"content-digest\" \"idempotency-key\" \"tally-run-id\" "
+                              "\"tally-effect-id\");created=1714564800;expires=1714565100;"
+                              "keyid=\"billing-2026-11\";alg=\"hmac-sha256\""));
+    assert_true(has_header(h, "Signature: tally=:04gJy9I9tAq0xd+NOtpK1/hHhygN88uB62qM/jHQXng=:"));
+    curl_slist_free_all(h);
+}
+
+/* The status GET: no body, so no Content-Digest and no "content-digest" component; the key
+ * is covered twice, in the query of @target-uri and as idempotency-key. Expected signature
+ * from the same script with the components below. */
+static void test_rfc9421_status_get(void **state)
+{
+    (void)state;
+    tally_tool_t tool = demo_tool();
+    tally_conn_request_t req = {
+        .tool = &tool,
+        .op = TALLY_CONN_STATUS,
+        .idempotency_key = "charge_card:t1:pay_42",
+        .run_id = "run-1",
+        .effect_id = VEC_EFFECT,
+    };
+    tally_error_t err;
+    char *url = tally_conn_url(&tool, TALLY_CONN_STATUS, req.idempotency_key, &err);
+    assert_string_equal(url,
+                        "http://127.0.0.1:9/charges?idempotency_key=charge_card%3At1%3Apay_42");
+    tally_conn_signing_t sign = {.key_id = "k-2026-11", .key = "whsec_test", .window_s = 300};
+    struct curl_slist *h = tally_conn_headers_signed(&req, tally_conn_method(&tool, req.op), url,
+                                                     &sign, 1700000000LL, &err);
+    assert_non_null(h);
+    assert_false(has_header_prefix(h, "Content-Digest"));
+    assert_true(
+        has_header(h, "Signature-Input: tally=(\"@method\" \"@target-uri\" "
+                      "\"idempotency-key\" \"tally-run-id\" \"tally-effect-id\")" VEC_PARAMS_TAIL));
+    assert_true(has_header(h, "Signature: tally=:QPbAy4zBB2z2eqqKrfZPza53BTwNsTnwXsEh9CJ+ax0=:"));
+    curl_slist_free_all(h);
+    /* Without the method and URL there is nothing to sign: refused, never sent unsigned. */
+    h = tally_conn_headers_signed(&req, NULL, NULL, &sign, 1700000000LL, &err);
+    assert_null(h);
+    assert_int_equal(err.errc, TALLY_ERR_SIGNATURE);
+    free(url);
+}
+
+/* A long non-ASCII key goes into the base whole (621 bytes of base, no fixed buffer cuts
+ * it); the expected signature comes from the same script with
+ * key = "clé:" + "é" * 200 and components @method, @target-uri, idempotency-key. Leading
+ * and trailing spaces of a value are not part of it (RFC 9421 §2.1). */
+static void test_rfc9421_bytes_whole(void **state)
+{
+    (void)state;
+    tally_tool_t tool = demo_tool();
+    char key[512] = "cl\xc3\xa9:";
+    for (int i = 0; i < 200; i++)
+        strcat(key, "\xc3\xa9");
+    tally_conn_request_t req = {.tool = &tool, .op = TALLY_CONN_STATUS, .idempotency_key = key};
+    tally_conn_sig_params_t p = {"k-2026-11", 1700000000LL, 1700000300LL};
+    char *input = NULL;
+    char *base = tally_conn_sig_base(&req, "POST", "http://127.0.0.1:9/charges", NULL, &p, &input);
+    assert_non_null(base);
+    assert_int_equal(strlen(base), 621);
+    assert_non_null(strstr(base, key));
+    char sig[64];
+    assert_true(tally_conn_sig_hmac("whsec_test", base, sig, sizeof sig));
+    assert_string_equal(sig, "B9vcTsYz4mgPddKNpLfICbbRsK2gOGhNblJfU42/kEs=");
+    free(base);
+    free(input);
+
+    char padded[600];
+    snprintf(padded, sizeof padded, "  %s\t", key);
+    req.idempotency_key = padded;
+    base = tally_conn_sig_base(&req, "POST", "http://127.0.0.1:9/charges", NULL, &p, &input);
+    assert_true(tally_conn_sig_hmac("whsec_test", base, sig, sizeof sig));
+    assert_string_equal(sig, "B9vcTsYz4mgPddKNpLfICbbRsK2gOGhNblJfU42/kEs=");
+    free(base);
+    free(input);
+}
+
 static void test_url(void **state)
 {
     (void)state;
@@ -942,6 +1150,10 @@ int main(void)
         cmocka_unit_test(test_retry_after_passed_through),
         cmocka_unit_test(test_signature_vector),
         cmocka_unit_test(test_headers),
+        cmocka_unit_test(test_rfc9421_vector),
+        cmocka_unit_test(test_rfc9421_doc_example),
+        cmocka_unit_test(test_rfc9421_status_get),
+        cmocka_unit_test(test_rfc9421_bytes_whole),
         cmocka_unit_test(test_url),
         cmocka_unit_test(test_receipt_and_ref),
         cmocka_unit_test(test_receipt_text),

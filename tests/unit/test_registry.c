@@ -220,6 +220,20 @@ static const rule_case_t rule_cases[] = {
     {"read", "connector.secret_env", "\"billing-secret\"", NULL, "secret-env", "billing-secret"},
     {"read", "connector.secret_env", "\"\"", NULL, "secret-env", NULL},
     {"read", "connector.secret_env", "true", NULL, "secret-env", NULL},
+    {"read", "connector.signing", "\"rfc9421\"", NULL, "signing", "must be an object"},
+    {"read", "connector.signing",
+     "{\"scheme\": \"jws\", \"key_id\": \"k1\", \"secret_env\": \"K\"}", NULL, "signing",
+     "\"jws\""},
+    {"read", "connector.signing", "{\"scheme\": \"rfc9421\", \"secret_env\": \"K\"}", NULL,
+     "signing", "key_id"},
+    {"read", "connector.signing",
+     "{\"scheme\": \"rfc9421\", \"key_id\": \"a\\\"b\", \"secret_env\": \"K\"}", NULL, "signing",
+     "key_id"},
+    {"read", "connector.signing", "{\"scheme\": \"rfc9421\", \"key_id\": \"k1\"}", NULL, "signing",
+     "secret_env"},
+    {"read", "connector.signing",
+     "{\"scheme\": \"rfc9421\", \"key_id\": \"k1\", \"secret_env\": \"K\", \"window_s\": 0}", NULL,
+     "numeric-range", "connector.signing.window_s"},
 };
 
 static void test_each_rule_refused(void **state)
@@ -373,6 +387,52 @@ static void test_explicit_values_kept(void **state)
     assert_int_equal(t->max_concurrency, 10000);
     assert_true(t->requires_approval);
     tally_registry_free(reg);
+}
+
+/* connector.signing selects RFC 9421; secret_env alone is accepted with a warning. */
+static void test_signing(void **state)
+{
+    (void)state;
+    json_t *tool = base_tool("charge_card", "read");
+    set_path(tool, "connector.signing",
+             "{\"scheme\": \"rfc9421\", \"key_id\": \"billing-2026-11\", \"secret_env\": "
+             "\"BILLING_SIG_KEY\"}");
+    tally_registry_t *reg = load_one_ok(tool);
+    const tally_tool_t *t = tally_registry_find(reg, "charge_card");
+    assert_int_equal(t->signing.scheme, TALLY_SIGNING_RFC9421);
+    assert_string_equal(t->signing.key_id, "billing-2026-11");
+    assert_string_equal(t->signing.secret_env, "BILLING_SIG_KEY");
+    assert_int_equal(t->signing.window_s, 300);
+    assert_null(t->secret_env);
+    assert_int_equal(tally_registry_warnings(reg)->n, 0);
+    tally_registry_free(reg);
+
+    /* Legacy only: valid, unchanged, and one warning naming the rule and what is uncovered. */
+    tool = base_tool("charge_card", "read");
+    set_path(tool, "connector.secret_env", "\"BILLING_HMAC_SECRET\"");
+    reg = load_one_ok(tool);
+    t = tally_registry_find(reg, "charge_card");
+    assert_int_equal(t->signing.scheme, TALLY_SIGNING_NONE);
+    assert_string_equal(t->secret_env, "BILLING_HMAC_SECRET");
+    const tally_problems_t *w = tally_registry_warnings(reg);
+    assert_int_equal(w->n, 1);
+    assert_non_null(strstr(w->lines[0], "tool 'charge_card': rule legacy-signature:"));
+    assert_non_null(strstr(w->lines[0], "idempotency key"));
+    tally_registry_free(reg);
+
+    /* Both: the legacy header kept for a receiver in transition, no warning. */
+    tool = base_tool("charge_card", "read");
+    set_path(tool, "connector.secret_env", "\"BILLING_HMAC_SECRET\"");
+    set_path(tool, "connector.signing",
+             "{\"scheme\": \"rfc9421\", \"key_id\": \"k2\", \"secret_env\": \"K\", "
+             "\"window_s\": 60}");
+    reg = load_one_ok(tool);
+    t = tally_registry_find(reg, "charge_card");
+    assert_int_equal(t->signing.window_s, 60);
+    assert_string_equal(t->secret_env, "BILLING_HMAC_SECRET");
+    assert_int_equal(tally_registry_warnings(reg)->n, 0);
+    tally_registry_free(reg);
+    assert_int_equal(tally_registry_warnings(NULL)->n, 0);
 }
 
 static void test_destructive_forced_to_require_approval(void **state)
@@ -773,6 +833,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_each_rule_refused),
+        cmocka_unit_test(test_signing),
         cmocka_unit_test(test_registry_shape),
         cmocka_unit_test(test_duplicate_names),
         cmocka_unit_test(test_several_problems_reported_together),

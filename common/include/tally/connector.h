@@ -189,6 +189,48 @@ bool tally_conn_signature(const char *secret, long long t, const char *body, siz
                           char *out, size_t outsz) TALLY_WUR;
 
 /**
+ * @brief RFC 9530 Content-Digest of @p body: "sha-256=:<base64 of SHA-256>:".
+ * @returns malloc'd value, or NULL when out of memory or OpenSSL fails.
+ */
+char *tally_conn_content_digest(const char *body, size_t body_len) TALLY_WUR;
+
+/** @brief What an RFC 9421 signature (label "tally", alg "hmac-sha256") is made with. */
+typedef struct tally_conn_sig_params {
+    const char *key_id; /**< keyid parameter; printable ASCII without '"' or '\\' */
+    long long created;  /**< unix seconds */
+    long long expires;  /**< unix seconds */
+} tally_conn_sig_params_t;
+
+/**
+ * @brief The RFC 9421 §2.5 signature base of a request and its Signature-Input member value.
+ * Covered, in this order and only when present: "@method", "@target-uri", "content-digest"
+ * (when @p content_digest is not NULL), "idempotency-key", "tally-run-id", "tally-effect-id",
+ * "if-match" (the values of @p req, leading and trailing spaces and tabs removed as §2.1
+ * says); then the "@signature-params" line. Values are copied whole, never cut.
+ * @param input receives the malloc'd inner list with parameters,
+ * `("@method" ...);created=..;expires=..;keyid="..";alg="hmac-sha256"`.
+ * @returns the malloc'd base (lines joined by "\n", no trailing newline), or NULL when out
+ * of memory or when the key id cannot be a structured-field string.
+ */
+char *tally_conn_sig_base(const tally_conn_request_t *req, const char *method, const char *url,
+                          const char *content_digest, const tally_conn_sig_params_t *params,
+                          char **input) TALLY_WUR;
+
+/**
+ * @brief Base64 of HMAC-SHA256(@p key, @p base) in @p out (44 characters and a NUL).
+ * @returns false when @p outsz is too small or OpenSSL fails.
+ */
+bool tally_conn_sig_hmac(const char *key, const char *base, char *out, size_t outsz) TALLY_WUR;
+
+/** @brief How to sign one request; every member may be NULL (no such signature). */
+typedef struct tally_conn_signing {
+    const char *legacy_secret; /**< Tally-Signature (t=,v1=) with this secret */
+    const char *key_id;        /**< RFC 9421 key id, with @p key */
+    const char *key;           /**< RFC 9421 HMAC key; NULL for no RFC 9421 signature */
+    int window_s;              /**< expires = created + window_s */
+} tally_conn_signing_t;
+
+/**
  * @brief The URL of @p op for @p tool: base_url + path, and for status
  * "?idempotency_key=<percent-encoded key>" (or "&..." when the path has a query).
  * @returns malloc'd URL, or NULL with the reason in @p err (the tool has no such endpoint).
@@ -206,6 +248,15 @@ char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *i
  */
 struct curl_slist *tally_conn_headers(const tally_conn_request_t *req, const char *secret,
                                       long long now, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief tally_conn_headers with every signature @p sign asks for: Tally-Signature (legacy)
+ * and, with an RFC 9421 key, Content-Digest (when there is a body), Signature-Input and
+ * Signature (label "tally") over @p method and @p url as sent (tally_conn_sig_base).
+ */
+struct curl_slist *tally_conn_headers_signed(const tally_conn_request_t *req, const char *method,
+                                             const char *url, const tally_conn_signing_t *sign,
+                                             long long now, tally_error_t *err) TALLY_WUR;
 
 /**
  * @brief true when curl may not send a call's request a second time on its own (see the
@@ -235,11 +286,12 @@ tally_connector_t *tally_connector_new(int max_inflight, size_t max_body, char *
                                        size_t errsz) TALLY_WUR;
 
 /**
- * @brief Start one call (timeout = tool->timeout_ms). The signing secret is read from the
- * environment variable tool->secret_env at submit time.
+ * @brief Start one call (timeout = tool->timeout_ms). The signing secrets are read from the
+ * environment variables tool->secret_env (Tally-Signature) and tool->signing.secret_env
+ * (RFC 9421) at submit time.
  * @returns false with @p err when the call could not be started, and nothing was sent:
- * TALLY_ERR_CAPACITY (global or per-tool cap reached; retriable), TALLY_ERR_SECRET_MISSING (the
- * tool's secret_env is unset or empty; retriable once an operator sets it),
+ * TALLY_ERR_CAPACITY (global or per-tool cap reached; retriable), TALLY_ERR_SECRET_MISSING (a
+ * secret variable of the tool is unset or empty; retriable once an operator sets it),
  * TALLY_ERR_INVALID_HEADER, TALLY_ERR_NO_ENDPOINT, TALLY_ERR_SIGNATURE, TALLY_ERR_CURL or
  * TALLY_ERR_OOM.
  */

@@ -29,6 +29,20 @@ typedef struct tally_endpoint {
     char *path;   /**< appended to base_url */
 } tally_endpoint_t;
 
+/** @brief How requests to a tool are signed (connector.signing). */
+typedef enum {
+    TALLY_SIGNING_NONE = 0, /**< no connector.signing (connector.secret_env may still be set) */
+    TALLY_SIGNING_RFC9421,  /**< RFC 9421 HMAC-SHA256 with a key id, plus RFC 9530 digest */
+} tally_signing_scheme_t;
+
+/** @brief connector.signing: {"scheme": "rfc9421", "key_id", "secret_env", "window_s"}. */
+typedef struct tally_signing {
+    tally_signing_scheme_t scheme;
+    char *key_id;     /**< the key id sent (the receiver may accept two during a rotation) */
+    char *secret_env; /**< env var holding the HMAC key */
+    int window_s;     /**< expires = created + window_s; default 300 */
+} tally_signing_t;
+
 /** @brief A validated tool contract. All strings are owned by the registry. */
 typedef struct tally_tool {
     char *name;
@@ -43,7 +57,8 @@ typedef struct tally_tool {
     tally_endpoint_t contain; /**< append_only containment action (connector.contain), optional */
     int timeout_ms;           /**< default 5000 */
     char *receipt_ref;        /**< JSON pointer into the receipt, default "/id" */
-    char *secret_env;         /**< env var holding the HMAC secret, or NULL */
+    char *secret_env;         /**< legacy Tally-Signature secret's env var, or NULL */
+    tally_signing_t signing;  /**< RFC 9421 signing; scheme NONE when not declared */
     tally_comp_mode_t comp_mode;
     char *runbook;          /**< may be NULL */
     int max_attempts;       /**< default 5 */
@@ -72,6 +87,13 @@ tally_registry_t *tally_registry_load_file(const char *path, tally_problems_t *p
 
 /** @brief The same for a parsed document (borrowed). */
 tally_registry_t *tally_registry_load_json(const json_t *doc, tally_problems_t *problems) TALLY_WUR;
+
+/**
+ * @brief Warnings about a valid registry (weaker but accepted contracts, e.g. rule
+ * legacy-signature: connector.secret_env without connector.signing), in the problems' form.
+ * Borrowed; lives as long as the registry.
+ */
+const tally_problems_t *tally_registry_warnings(const tally_registry_t *reg);
 
 /** @brief The tool named @p name, or NULL. Borrowed; lives as long as the registry. */
 const tally_tool_t *tally_registry_find(const tally_registry_t *reg, const char *name);
