@@ -29,44 +29,10 @@ const char *tally_conn_op_name(tally_conn_op_t op)
     return "?";
 }
 
-bool tally_conn_signature(const char *secret, long long t, const char *body, size_t body_len,
-                          char *out, size_t outsz)
-{
-    char ts[32];
-    int tn = snprintf(ts, sizeof ts, "%lld.", t);
-    if (tn < 0 || (size_t)tn >= sizeof ts)
-        return false;
-    unsigned char mac[EVP_MAX_MD_SIZE];
-    unsigned int maclen = 0;
-    bool ok = false;
-    /* HMAC over "<t>." followed by the body, fed in two pieces so the body is not copied. */
-    EVP_MAC *m = EVP_MAC_fetch(NULL, "HMAC", NULL);
-    EVP_MAC_CTX *ctx = m ? EVP_MAC_CTX_new(m) : NULL;
-    if (ctx) {
-        OSSL_PARAM params[] = {
-            OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0),
-            OSSL_PARAM_construct_end(),
-        };
-        size_t outl = 0;
-        ok = EVP_MAC_init(ctx, (const unsigned char *)secret, strlen(secret), params) == 1 &&
-             EVP_MAC_update(ctx, (const unsigned char *)ts, (size_t)tn) == 1 &&
-             (body_len == 0 || EVP_MAC_update(ctx, (const unsigned char *)body, body_len) == 1) &&
-             EVP_MAC_final(ctx, mac, &outl, sizeof mac) == 1;
-        maclen = (unsigned int)outl;
-    }
-    EVP_MAC_CTX_free(ctx);
-    EVP_MAC_free(m);
-    if (!ok || maclen != 32)
-        return false;
-    char hex[65];
-    for (unsigned i = 0; i < maclen; i++)
-        snprintf(hex + 2 * i, 3, "%02x", mac[i]);
-    int n = snprintf(out, outsz, "t=%lld,v1=%s", t, hex);
-    return n > 0 && (size_t)n < outsz;
-}
-
-/* HMAC-SHA256 of @p data with @p key into @p mac (32 bytes). */
-static bool hmac_sha256(const char *key, const void *data, size_t len, unsigned char mac[32])
+/* HMAC-SHA256 with @p key of @p a followed by @p b (either may be empty), into @p mac (32
+ * bytes): two pieces, so that the legacy scheme's "<t>." and body need no copy. */
+static bool hmac_sha256(const char *key, const void *a, size_t alen, const void *b, size_t blen,
+                        unsigned char mac[32])
 {
     size_t outl = 0;
     bool ok = false;
@@ -79,7 +45,8 @@ static bool hmac_sha256(const char *key, const void *data, size_t len, unsigned 
         };
         unsigned char buf[EVP_MAX_MD_SIZE];
         ok = EVP_MAC_init(ctx, (const unsigned char *)key, strlen(key), params) == 1 &&
-             (len == 0 || EVP_MAC_update(ctx, data, len) == 1) &&
+             (alen == 0 || EVP_MAC_update(ctx, a, alen) == 1) &&
+             (blen == 0 || EVP_MAC_update(ctx, b, blen) == 1) &&
              EVP_MAC_final(ctx, buf, &outl, sizeof buf) == 1 && outl == 32;
         if (ok)
             memcpy(mac, buf, 32);
@@ -88,6 +55,22 @@ static bool hmac_sha256(const char *key, const void *data, size_t len, unsigned 
     EVP_MAC_CTX_free(ctx);
     EVP_MAC_free(m);
     return ok;
+}
+
+bool tally_conn_signature(const char *secret, long long t, const char *body, size_t body_len,
+                          char *out, size_t outsz)
+{
+    char ts[32];
+    int tn = snprintf(ts, sizeof ts, "%lld.", t);
+    unsigned char mac[32];
+    if (tn < 0 || (size_t)tn >= sizeof ts ||
+        !hmac_sha256(secret, ts, (size_t)tn, body, body_len, mac))
+        return false;
+    char hex[65];
+    for (unsigned i = 0; i < sizeof mac; i++)
+        snprintf(hex + 2 * i, 3, "%02x", mac[i]);
+    int n = snprintf(out, outsz, "t=%lld,v1=%s", t, hex);
+    return n > 0 && (size_t)n < outsz;
 }
 
 char *tally_conn_content_digest(const char *body, size_t body_len)
@@ -108,47 +91,14 @@ char *tally_conn_content_digest(const char *body, size_t body_len)
 bool tally_conn_sig_hmac(const char *key, const char *base, char *out, size_t outsz)
 {
     unsigned char mac[32];
-    if (outsz < 45 || !hmac_sha256(key, base, strlen(base), mac))
+    if (outsz < 45 || !hmac_sha256(key, base, strlen(base), NULL, 0, mac))
         return false;
     EVP_EncodeBlock((unsigned char *)out, mac, 32);
     return true;
 }
 
-/* A growing text with a sticky failure flag, checked once at the end. */
-typedef struct sbuf {
-    char *p;
-    size_t len, cap;
-    bool failed;
-} sbuf_t;
-
-static void sb_put(sbuf_t *b, const char *s, size_t n)
-{
-    if (b->failed)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *grown = realloc(b->p, cap);
-        if (!grown) {
-            b->failed = true;
-            return;
-        }
-        b->p = grown;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void sb_str(sbuf_t *b, const char *s)
-{
-    sb_put(b, s, strlen(s));
-}
-
 /* RFC 9421 §2.1: a field's value with leading and trailing spaces and tabs removed. */
-static void sb_field_value(sbuf_t *b, const char *v)
+static void sb_field_value(tally_strbuf_t *b, const char *v)
 {
     size_t n = strlen(v);
     while (n && (v[n - 1] == ' ' || v[n - 1] == '\t'))
@@ -156,7 +106,7 @@ static void sb_field_value(sbuf_t *b, const char *v)
     size_t i = 0;
     while (i < n && (v[i] == ' ' || v[i] == '\t'))
         i++;
-    sb_put(b, v + i, n - i);
+    tally_strbuf_put(b, v + i, n - i);
 }
 
 /* The key id goes into an sf-string: printable ASCII, no '"' or '\\' (so no escaping). */
@@ -187,40 +137,42 @@ char *tally_conn_sig_base(const tally_conn_request_t *req, const char *method, c
         {"tally-effect-id", req->effect_id},
         {"if-match", req->if_match},
     };
-    sbuf_t base = {0}, list = {0};
-    sb_str(&list, "(");
+    tally_strbuf_t base = {0}, list = {0};
+    tally_strbuf_puts(&list, "(");
     bool first = true;
     for (size_t i = 0; i < sizeof comp / sizeof comp[0]; i++) {
         if (!comp[i].value)
             continue;
-        sb_str(&base, "\"");
-        sb_str(&base, comp[i].name);
-        sb_str(&base, "\": ");
+        tally_strbuf_puts(&base, "\"");
+        tally_strbuf_puts(&base, comp[i].name);
+        tally_strbuf_puts(&base, "\": ");
         sb_field_value(&base, comp[i].value);
-        sb_str(&base, "\n");
+        tally_strbuf_puts(&base, "\n");
         if (!first)
-            sb_str(&list, " ");
+            tally_strbuf_puts(&list, " ");
         first = false;
-        sb_str(&list, "\"");
-        sb_str(&list, comp[i].name);
-        sb_str(&list, "\"");
+        tally_strbuf_puts(&list, "\"");
+        tally_strbuf_puts(&list, comp[i].name);
+        tally_strbuf_puts(&list, "\"");
     }
     char tail[64 + 64];
     snprintf(tail, sizeof tail, ");created=%lld;expires=%lld;keyid=\"", params->created,
              params->expires);
-    sb_str(&list, tail);
-    sb_str(&list, params->key_id);
-    sb_str(&list, "\";alg=\"hmac-sha256\"");
-    sb_str(&base, "\"@signature-params\": ");
+    tally_strbuf_puts(&list, tail);
+    tally_strbuf_puts(&list, params->key_id);
+    tally_strbuf_puts(&list, "\";alg=\"hmac-sha256\"");
+    tally_strbuf_puts(&base, "\"@signature-params\": ");
     if (!list.failed)
-        sb_str(&base, list.p);
-    if (base.failed || list.failed) {
-        free(base.p);
-        free(list.p);
+        tally_strbuf_puts(&base, list.s);
+    char *params_text = tally_strbuf_take(&list);
+    char *base_text = tally_strbuf_take(&base);
+    if (params_text == NULL || base_text == NULL) {
+        free(params_text);
+        free(base_text);
         return NULL;
     }
-    *input = list.p;
-    return base.p;
+    *input = params_text;
+    return base_text;
 }
 
 static const tally_endpoint_t *conn_endpoint(const tally_tool_t *tool, tally_conn_op_t op)

@@ -121,41 +121,6 @@ void tally_problems_clear(tally_problems_t *p)
 
 /* ---------------------------------------------------------------- small helpers */
 
-/* A growable string with a sticky failure flag, checked once at the end. */
-typedef struct sbuf {
-    char *s;
-    size_t len, cap;
-    bool failed;
-} sbuf_t;
-
-static void sb_put(sbuf_t *b, const char *s, size_t n)
-{
-    if (b->failed)
-        return;
-    if (!tally_text_reserve(&b->s, &b->cap, b->len + n + 1, 64)) {
-        b->failed = true;
-        return;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = '\0';
-}
-
-static void sb_puts(sbuf_t *b, const char *s)
-{
-    sb_put(b, s, strlen(s));
-}
-
-/* Returns the built string (caller frees), or NULL when any append failed. */
-static char *sb_finish(sbuf_t *b)
-{
-    if (b->failed || b->s == NULL) {
-        free(b->s);
-        return b->failed ? NULL : strdup("");
-    }
-    return b->s;
-}
-
 /* A copy of @p s fit for one line of a message: at most @p bufsz - 4 bytes, control
  * characters and quotes replaced by '?', "..." when cut. Returns @p buf (bufsz >= 8). */
 static const char *shown(const char *s, char *buf, size_t bufsz)
@@ -419,16 +384,16 @@ static ep_state_t endpoint_field(vctx_t *v, const json_t *conn, const char *key,
  */
 static char *expand_env(vctx_t *v, const char *raw)
 {
-    sbuf_t b = {0};
+    tally_strbuf_t b = {0};
     const char *p = raw;
     char shown1[80];
     while (*p != '\0') {
         const char *open = strstr(p, "${");
         if (open == NULL) {
-            sb_puts(&b, p);
+            tally_strbuf_puts(&b, p);
             break;
         }
-        sb_put(&b, p, (size_t)(open - p));
+        tally_strbuf_put(&b, p, (size_t)(open - p));
         const char *name = open + 2;
         const char *close = strchr(name, '}');
         if (close == NULL) {
@@ -453,7 +418,7 @@ static char *expand_env(vctx_t *v, const char *raw)
         var[name_len] = '\0';
         const char *value = getenv(var);
         if (has_default && (value == NULL || value[0] == '\0')) {
-            sb_put(&b, sep + 2, (size_t)(close - (sep + 2)));
+            tally_strbuf_put(&b, sep + 2, (size_t)(close - (sep + 2)));
         } else if (value == NULL) {
             problem(v, "base-url-env",
                     "connector.base_url uses ${%s}, which is not set in the environment and has no "
@@ -462,11 +427,11 @@ static char *expand_env(vctx_t *v, const char *raw)
             free(b.s);
             return NULL;
         } else {
-            sb_puts(&b, value);
+            tally_strbuf_puts(&b, value);
         }
         p = close + 1;
     }
-    char *out = sb_finish(&b);
+    char *out = tally_strbuf_take(&b);
     if (out == NULL)
         problem(v, "internal", "out of memory");
     return out;
@@ -992,8 +957,8 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
                          tool->name);
         return NULL;
     }
-    sbuf_t b = {0};
-    sb_puts(&b, tool->name);
+    tally_strbuf_t b = {0};
+    tally_strbuf_puts(&b, tool->name);
     for (size_t i = 0; i < tool->n_operation_key; i++) {
         const char *field = tool->operation_key[i];
         const json_t *x = json_object_get(args, field);
@@ -1029,10 +994,10 @@ char *tally_registry_operation_key(const tally_tool_t *tool, const json_t *args,
             free(b.s);
             return NULL;
         }
-        sb_puts(&b, ":");
-        sb_puts(&b, text);
+        tally_strbuf_puts(&b, ":");
+        tally_strbuf_puts(&b, text);
     }
-    char *key = sb_finish(&b);
+    char *key = tally_strbuf_take(&b);
     if (key == NULL) {
         tally_error_setc(err, TALLY_ERR_OOM, "out of memory building an operation key");
     } else if (strlen(key) > TALLY_LIMIT_OPERATION_KEY) {

@@ -1,6 +1,7 @@
 /* text.c — text cut on character boundaries, made valid UTF-8, and the limits table. */
 #include "tally/text.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,4 +175,47 @@ char *tally_text_dup(const char *s, size_t max)
         return NULL;
     copy_valid(out, sz, s, len);
     return out;
+}
+
+void tally_strbuf_put(tally_strbuf_t *b, const char *s, size_t n)
+{
+    if (b->failed)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 64;
+        while (cap < b->len + n + 1) {
+            if (cap > SIZE_MAX / 2) {
+                b->failed = true;
+                return;
+            }
+            cap *= 2;
+        }
+        char *grown = realloc(b->s, cap);
+        if (grown == NULL) {
+            b->failed = true;
+            return;
+        }
+        b->s = grown;
+        b->cap = cap;
+    }
+    memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
+
+void tally_strbuf_puts(tally_strbuf_t *b, const char *s)
+{
+    tally_strbuf_put(b, s, strlen(s));
+}
+
+char *tally_strbuf_take(tally_strbuf_t *b)
+{
+    char *s = b->s;
+    bool failed = b->failed;
+    *b = (tally_strbuf_t){0};
+    if (failed) {
+        free(s);
+        return NULL;
+    }
+    return s != NULL ? s : strdup("");
 }

@@ -214,6 +214,29 @@ static void test_limits_table_matches_the_schemas(void **state)
     }
 }
 
+/* tally_strbuf: grows, says "" for nothing put, and hands the text over once. */
+static void test_strbuf_grows_and_hands_over(void **state)
+{
+    (void)state;
+    tally_strbuf_t b = {0};
+    char *empty = tally_strbuf_take(&b);
+    assert_string_equal(empty, "");
+    free(empty);
+    for (int i = 0; i < 1000; i++)
+        tally_strbuf_puts(&b, "ab");
+    tally_strbuf_put(&b, "xyz", 1);
+    assert_int_equal(b.len, 2001);
+    char *s = tally_strbuf_take(&b);
+    assert_non_null(s);
+    assert_int_equal(strlen(s), 2001);
+    assert_int_equal(s[2000], 'x');
+    assert_null(b.s);
+    free(s);
+    b.failed = true; /* as after an append that ran out of memory */
+    tally_strbuf_puts(&b, "lost");
+    assert_null(tally_strbuf_take(&b));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -223,6 +246,7 @@ int main(void)
         cmocka_unit_test(test_prefix_and_dup),
         cmocka_unit_test(test_limits_table_matches_the_readme),
         cmocka_unit_test(test_limits_table_matches_the_schemas),
+        cmocka_unit_test(test_strbuf_grows_and_hands_over),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -78,4 +78,21 @@ bool tally_vfmt(char *out, size_t outsz, const char *fmt, va_list ap)
  */
 char *tally_text_dup(const char *s, size_t max) __attribute__((warn_unused_result));
 
+/** @brief A growing string with a sticky failure flag, checked once at the end. Zero-init it. */
+typedef struct tally_strbuf {
+    char *s; /**< NUL-terminated once anything was put; NULL before */
+    size_t len, cap;
+    bool failed; /**< an append ran out of memory: everything after it was dropped */
+} tally_strbuf_t;
+
+/** @brief Append @p n bytes of @p s (nothing once failed). */
+void tally_strbuf_put(tally_strbuf_t *b, const char *s, size_t n);
+
+/** @brief Append the string @p s. */
+void tally_strbuf_puts(tally_strbuf_t *b, const char *s);
+
+/** @brief The built string (the caller frees; "" when nothing was put), or NULL when an append
+ * failed or out of memory; @p b is empty afterwards either way. */
+char *tally_strbuf_take(tally_strbuf_t *b) TALLY_WUR;
+
 #endif
