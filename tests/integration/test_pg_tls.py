@@ -116,7 +116,9 @@ class PostgresTLSTest(DispatchCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.dispatcher(TALLY_PG=pg)
         rec = self.start("tally-reconciler", TALLY_PG=pg)
-        self.assertEqual(rec.http_get("/readyz")[0], 200)
+        # ready: started and connected to PostgreSQL, which here means over TLS
+        wait_for(lambda: rec.http_get("/readyz")[0] == 200, timeout=30,
+                 what="the reconciler ready over TLS")
         run = run_id()
         self.publish(self.intent(run, 1, "charge_card",
                                  {"tenant_id": "t1", "payment_id": f"{run}-p", "amount": 5}))
