@@ -115,7 +115,8 @@ class WorkerLifecycleTest(TallyCase):
                 return None, str(e)
 
         self.assertEqual(get(health_port, "/healthz"), (200, "ok"))
-        self.assertEqual(get(health_port, "/readyz")[0], 200)
+        wait_for(lambda: get(health_port, "/readyz")[0] == 200, timeout=30,
+                 what="/readyz on the health listener")
         self.assertEqual(get(health_port, "/metrics")[0], 404)  # scrapers go elsewhere
         held = []
         try:
