@@ -30,63 +30,10 @@
 /* jansson's own parser stops at 2048 levels; a deeper built value is refused, not overflowed. */
 #define CANON_MAX_DEPTH 2048
 
-/* A growable buffer; any failure sets `failed`, later appends do nothing, and the caller
- * checks once at the end (pgbouncer's pktbuf). */
-typedef struct jbuf {
-    char *data;
-    size_t len;
-    size_t cap;
-    bool failed;
-} jbuf_t;
-
-bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first)
-{
-    if (need <= *cap)
-        return true;
-    size_t c = *cap ? *cap : first;
-    while (c < need)
-        c = c > SIZE_MAX / 2 ? need : c * 2;
-    char *grown = realloc(*buf, c);
-    if (grown == NULL)
-        return false;
-    *buf = grown;
-    *cap = c;
-    return true;
-}
-
-static void jbuf_reserve(jbuf_t *b, size_t more)
-{
-    if (b->failed)
-        return;
-    if (more > SIZE_MAX - b->len - 1 ||
-        !tally_text_reserve(&b->data, &b->cap, b->len + more + 1, 64))
-        b->failed = true;
-}
-
-static void jbuf_put(jbuf_t *b, const char *s, size_t n)
-{
-    jbuf_reserve(b, n);
-    if (b->failed)
-        return;
-    memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-}
-
-static void jbuf_putc(jbuf_t *b, char c)
-{
-    jbuf_put(b, &c, 1);
-}
-
-static void jbuf_puts(jbuf_t *b, const char *s)
-{
-    jbuf_put(b, s, strlen(s));
-}
-
-static void put_string(jbuf_t *b, const char *s, size_t len)
+static void put_string(tally_strbuf_t *b, const char *s, size_t len)
 {
     static const char hex[] = "0123456789abcdef";
-    jbuf_putc(b, '"');
+    tally_strbuf_putc(b, '"');
     size_t run = 0; /* start of the pending run of bytes that need no escape */
     for (size_t i = 0; i < len; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -123,13 +70,13 @@ static void put_string(jbuf_t *b, const char *s, size_t len)
             break;
         }
         if (esc != NULL) {
-            jbuf_put(b, s + run, i - run);
-            jbuf_puts(b, esc);
+            tally_strbuf_put(b, s + run, i - run);
+            tally_strbuf_puts(b, esc);
             run = i + 1;
         }
     }
-    jbuf_put(b, s + run, len - run);
-    jbuf_putc(b, '"');
+    tally_strbuf_put(b, s + run, len - run);
+    tally_strbuf_putc(b, '"');
 }
 
 /* The shortest round-tripping text of a finite double, with ".0" added when it would
@@ -176,7 +123,7 @@ static int member_cmp(const void *a, const void *b)
     return (x->keylen > y->keylen) - (x->keylen < y->keylen);
 }
 
-static void put_value(jbuf_t *b, const json_t *v, int depth)
+static void put_value(tally_strbuf_t *b, const json_t *v, int depth)
 {
     if (b->failed)
         return;
@@ -205,26 +152,26 @@ static void put_value(jbuf_t *b, const json_t *v, int depth)
         }
         if (n > 1)
             qsort(m, n, sizeof *m, member_cmp);
-        jbuf_putc(b, '{');
+        tally_strbuf_putc(b, '{');
         for (i = 0; i < n; i++) {
             if (i > 0)
-                jbuf_putc(b, ',');
+                tally_strbuf_putc(b, ',');
             put_string(b, m[i].key, m[i].keylen);
-            jbuf_putc(b, ':');
+            tally_strbuf_putc(b, ':');
             put_value(b, m[i].value, depth + 1);
         }
-        jbuf_putc(b, '}');
+        tally_strbuf_putc(b, '}');
         free(m);
         return;
     }
     case JSON_ARRAY: {
-        jbuf_putc(b, '[');
+        tally_strbuf_putc(b, '[');
         for (size_t i = 0; i < json_array_size(v); i++) {
             if (i > 0)
-                jbuf_putc(b, ',');
+                tally_strbuf_putc(b, ',');
             put_value(b, json_array_get(v, i), depth + 1);
         }
-        jbuf_putc(b, ']');
+        tally_strbuf_putc(b, ']');
         return;
     }
     case JSON_STRING:
@@ -233,7 +180,7 @@ static void put_value(jbuf_t *b, const json_t *v, int depth)
     case JSON_INTEGER: {
         char num[32];
         snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        jbuf_puts(b, num);
+        tally_strbuf_puts(b, num);
         return;
     }
     case JSON_REAL: {
@@ -242,17 +189,17 @@ static void put_value(jbuf_t *b, const json_t *v, int depth)
             b->failed = true;
             return;
         }
-        jbuf_puts(b, num);
+        tally_strbuf_puts(b, num);
         return;
     }
     case JSON_TRUE:
-        jbuf_puts(b, "true");
+        tally_strbuf_puts(b, "true");
         return;
     case JSON_FALSE:
-        jbuf_puts(b, "false");
+        tally_strbuf_puts(b, "false");
         return;
     case JSON_NULL:
-        jbuf_puts(b, "null");
+        tally_strbuf_puts(b, "null");
         return;
     }
     b->failed = true;
@@ -260,14 +207,9 @@ static void put_value(jbuf_t *b, const json_t *v, int depth)
 
 char *tally_json_canonical(const json_t *v)
 {
-    jbuf_t b = {0};
+    tally_strbuf_t b = {0};
     put_value(&b, v, 0);
-    jbuf_reserve(&b, 0); /* an empty result still needs its NUL */
-    if (b.failed) {
-        free(b.data);
-        return NULL;
-    }
-    return b.data;
+    return tally_strbuf_take(&b);
 }
 
 bool tally_sha256_hex(const void *data, size_t len, char out[65])

@@ -177,35 +177,19 @@ char *tally_text_dup(const char *s, size_t max)
     return out;
 }
 
-void tally_strbuf_put(tally_strbuf_t *b, const char *s, size_t n)
+bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first)
 {
-    if (b->failed)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->len + n + 1) {
-            if (cap > SIZE_MAX / 2) {
-                b->failed = true;
-                return;
-            }
-            cap *= 2;
-        }
-        char *grown = realloc(b->s, cap);
-        if (grown == NULL) {
-            b->failed = true;
-            return;
-        }
-        b->s = grown;
-        b->cap = cap;
-    }
-    memcpy(b->s + b->len, s, n);
-    b->len += n;
-    b->s[b->len] = '\0';
-}
-
-void tally_strbuf_puts(tally_strbuf_t *b, const char *s)
-{
-    tally_strbuf_put(b, s, strlen(s));
+    if (need <= *cap)
+        return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need)
+        c = c > SIZE_MAX / 2 ? need : c * 2;
+    char *grown = realloc(*buf, c);
+    if (grown == NULL)
+        return false;
+    *buf = grown;
+    *cap = c;
+    return true;
 }
 
 char *tally_strbuf_take(tally_strbuf_t *b)

@@ -7,6 +7,7 @@
 #include <jansson.h>
 
 #include "tally/error.h"
+#include "tally/text.h"
 
 /** Flags for every json_loads of outside input: duplicate keys are an error. */
 #define TALLY_JSON_LOAD_FLAGS (JSON_REJECT_DUPLICATES)
@@ -26,14 +27,6 @@ bool tally_sha256_hex(const void *data, size_t len, char out[65]) TALLY_WUR;
 
 /** @brief The input hash: SHA-256 of tally_json_canonical(@p args). */
 bool tally_input_hash(const json_t *args, char out[65]) TALLY_WUR;
-
-/**
- * @brief Grow the text buffer *@p buf of *@p cap bytes (realloc) to hold at least @p need
- * bytes, doubling from its capacity, or from @p first when it has none. The one growth rule of
- * every text builder (JSON text, batch columns, registry messages). false, the buffer
- * left as it was, when out of memory.
- */
-bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first) TALLY_WUR;
 
 /** @brief true when @p s[0..len) is well-formed UTF-8 (no overlongs, surrogates, > U+10FFFF). */
 bool tally_utf8_valid(const char *s, size_t len);

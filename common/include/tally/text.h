@@ -6,6 +6,8 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 #include "tally/error.h"
 
@@ -78,6 +80,14 @@ bool tally_vfmt(char *out, size_t outsz, const char *fmt, va_list ap)
  */
 char *tally_text_dup(const char *s, size_t max) __attribute__((warn_unused_result));
 
+/**
+ * @brief Grow the text buffer *@p buf of *@p cap bytes (realloc) to hold at least @p need
+ * bytes, doubling from its capacity, or from @p first when it has none. The one growth rule of
+ * every text builder (JSON text, batch columns, registry messages). false, the buffer
+ * left as it was, when out of memory.
+ */
+bool tally_text_reserve(char **buf, size_t *cap, size_t need, size_t first) TALLY_WUR;
+
 /** @brief A growing string with a sticky failure flag, checked once at the end. Zero-init it. */
 typedef struct tally_strbuf {
     char *s; /**< NUL-terminated once anything was put; NULL before */
@@ -85,11 +95,32 @@ typedef struct tally_strbuf {
     bool failed; /**< an append ran out of memory: everything after it was dropped */
 } tally_strbuf_t;
 
-/** @brief Append @p n bytes of @p s (nothing once failed). */
-void tally_strbuf_put(tally_strbuf_t *b, const char *s, size_t n);
+/** @brief Append @p n bytes of @p s (nothing once failed). Inline: canonical JSON puts
+ * characters one at a time on every intent. */
+static inline void tally_strbuf_put(tally_strbuf_t *b, const char *s, size_t n)
+{
+    if (b->failed)
+        return;
+    if (n > SIZE_MAX - b->len - 1 || !tally_text_reserve(&b->s, &b->cap, b->len + n + 1, 64)) {
+        b->failed = true;
+        return;
+    }
+    memcpy(b->s + b->len, s, n);
+    b->len += n;
+    b->s[b->len] = '\0';
+}
 
 /** @brief Append the string @p s. */
-void tally_strbuf_puts(tally_strbuf_t *b, const char *s);
+static inline void tally_strbuf_puts(tally_strbuf_t *b, const char *s)
+{
+    tally_strbuf_put(b, s, strlen(s));
+}
+
+/** @brief Append the character @p c. */
+static inline void tally_strbuf_putc(tally_strbuf_t *b, char c)
+{
+    tally_strbuf_put(b, &c, 1);
+}
 
 /** @brief The built string (the caller frees; "" when nothing was put), or NULL when an append
  * failed or out of memory; @p b is empty afterwards either way. */
