@@ -61,6 +61,11 @@ static const param_t params[] = {
     STR(pager_routing_key, "TALLY_PAGER_ROUTING_KEY", "", NULL, NULL, "PagerDuty routing key"),
     STR(reply_prefix, "TALLY_REPLY_TOPIC_PREFIX", "", NULL, "<TALLY_TOPIC_PREFIX>replies.",
         "reply topics named by intents must start with this (docs/agent-protocol.md)"),
+    STR(master_key, "TALLY_MASTER_KEY", "", NULL, NULL,
+        "master keys sealing tenant keys: ID:BASE64-32-BYTES[,ID:...], first seals "
+        "(docs/security.md)"),
+    STR(master_key_file, "TALLY_MASTER_KEY_FILE", "", NULL, NULL,
+        "a file holding TALLY_MASTER_KEY's value instead (one line); wins over the variable"),
     INT(batch_size, "TALLY_BATCH_SIZE", "500", 1, "messages / rows per poll batch"),
     INT(lease_ms, "TALLY_LEASE_MS", "30000", 1, "how long a claim is held (database clock)"),
     INT(poll_ms, "TALLY_POLL_MS", "1000", 1, "longest idle wait before looking for work again"),

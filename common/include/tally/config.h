@@ -35,6 +35,8 @@ typedef struct tally_config {
     char *pager_routing_key; /**< TALLY_PAGER_ROUTING_KEY */
     char *reply_prefix;      /**< TALLY_REPLY_TOPIC_PREFIX: reply topics must start with it;
                                   "" means "<topic_prefix>replies." (tally_config_reply_prefix) */
+    char *master_key;        /**< TALLY_MASTER_KEY: "ID:BASE64[,ID:BASE64]" master keys (seal.h) */
+    char *master_key_file;   /**< TALLY_MASTER_KEY_FILE: the same, read from a file */
     int batch_size;          /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
     int lease_ms;            /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
     int poll_ms;             /**< TALLY_POLL_MS: longest idle wait before sweeping again */
