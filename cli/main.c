@@ -41,6 +41,7 @@ static const cli_verb_t verbs[] = {
     {"deny", tally_cmd_deny, "reject an effect or obligation awaiting approval"},
     {"compensate", tally_cmd_compensate, "undo a run, last step first (--dry-run: the plan)"},
     {"cancel", tally_cmd_cancel, "stop a run's pending effects (--compensate: undo the rest)"},
+    {"forget", tally_cmd_forget, "erase a tenant's sealed personal data by destroying its key"},
     {"dev", tally_cmd_dev, "run the embedded stack: PostgreSQL, mock Kafka and the workers"},
     {"config", tally_cmd_config, "show every setting: variable, default, current value, help"},
     {"version", cmd_version, "print the version of tally and of its libraries"},
