@@ -28,6 +28,7 @@ int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg);       /* cmd_res
 int tally_cmd_compensate(int argc, char **argv, tally_config_t *cfg); /* cmd_run.c */
 int tally_cmd_cancel(int argc, char **argv, tally_config_t *cfg);     /* cmd_run.c */
 int tally_cmd_forget(int argc, char **argv, tally_config_t *cfg);     /* cmd_forget.c */
+int tally_cmd_prune(int argc, char **argv, tally_config_t *cfg);      /* cmd_prune.c */
 
 /** The OS user, for --actor defaults. Never NULL. */
 const char *tally_cli_default_actor(void);

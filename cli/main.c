@@ -42,6 +42,7 @@ static const cli_verb_t verbs[] = {
     {"compensate", tally_cmd_compensate, "undo a run, last step first (--dry-run: the plan)"},
     {"cancel", tally_cmd_cancel, "stop a run's pending effects (--compensate: undo the rest)"},
     {"forget", tally_cmd_forget, "erase a tenant's sealed personal data by destroying its key"},
+    {"prune", tally_cmd_prune, "remove the payloads of runs settled before a date, keep the rest"},
     {"dev", tally_cmd_dev, "run the embedded stack: PostgreSQL, mock Kafka and the workers"},
     {"config", tally_cmd_config, "show every setting: variable, default, current value, help"},
     {"version", cmd_version, "print the version of tally and of its libraries"},
