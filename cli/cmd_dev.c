@@ -62,6 +62,13 @@ static void dev_usage(FILE *out)
             "                    holds one, never removed) instead of a temporary directory\n"
             "  --keep            do not remove the temporary directory at stop\n"
             "  -h, --help        this text\n\n"
+            "Database roles: the cluster's superuser is tally (administration only); the\n"
+            "ledger is owned by " DEV_OWNER_ROLE " (LOGIN CREATEROLE), which migrates it and\n"
+            "creates the runtime roles; each worker connects as its own role, and the printed\n"
+            "TALLY_PG as the operator's. The env file adds TALLY_PG_ADMIN, TALLY_PG_OWNER,\n"
+            "TALLY_PG_READER, TALLY_PG_DISPATCHER, TALLY_PG_RECONCILER, TALLY_PG_COMPENSATOR.\n"
+            "With --pg every process connects as the given role (the workers with\n"
+            "TALLY_ALLOW_OWNER_ROLE=1).\n\n"
             "The workers get TALLY_PG, TALLY_KAFKA_BROKERS, TALLY_TOPIC_PREFIX, their own\n"
             "TALLY_METRICS_ADDR, and TALLY_SESSION_TIMEOUT_MS=6000,\n"
             "TALLY_KAFKA_HEARTBEAT_INTERVAL_MS=500 and TALLY_KAFKA_FETCH_WAIT_MAX_MS=10 (the\n"
@@ -104,6 +111,9 @@ static void shell_quote(const char *v, bool always, char *out, size_t outsz)
 
 /* ---- the environment it prints ---------------------------------------------------------- */
 
+/* TALLY_PG is the operator's role: what an on-call engineer in a dev shell runs tally as. The
+ * other connections of our own cluster follow, for scripts and tests (docs/operations.md,
+ * "Database roles"); with --pg there is only the given one. */
 static bool exports_format(const dev_stack_t *s, char *out, size_t outsz)
 {
     char pg[sizeof(s->conninfo) * 4 + 8], brokers[sizeof(s->brokers) * 4 + 8], prefix[1024];
@@ -114,7 +124,30 @@ static bool exports_format(const dev_stack_t *s, char *out, size_t outsz)
                      "export TALLY_PG=%s\nexport TALLY_KAFKA_BROKERS=%s\n"
                      "export TALLY_TOPIC_PREFIX=%s\n",
                      pg, brokers, prefix);
-    return n > 0 && (size_t)n < outsz;
+    if (n <= 0 || (size_t)n >= outsz)
+        return false;
+    if (s->pg_given != NULL)
+        return true;
+    const struct {
+        const char *name;
+        const char *conninfo;
+    } more[] = {
+        {"TALLY_PG_ADMIN", s->conn_admin},
+        {"TALLY_PG_OWNER", s->conn_owner},
+        {"TALLY_PG_READER", s->conn_role[TALLY_ROLE_READER]},
+        {"TALLY_PG_DISPATCHER", s->conn_role[TALLY_ROLE_DISPATCHER]},
+        {"TALLY_PG_RECONCILER", s->conn_role[TALLY_ROLE_RECONCILER]},
+        {"TALLY_PG_COMPENSATOR", s->conn_role[TALLY_ROLE_COMPENSATOR]},
+    };
+    for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) {
+        shell_quote(more[i].conninfo, true, pg, sizeof(pg));
+        size_t used = (size_t)n;
+        int m = snprintf(out + used, outsz - used, "export %s=%s\n", more[i].name, pg);
+        if (m <= 0 || (size_t)m >= outsz - used)
+            return false;
+        n += m;
+    }
+    return true;
 }
 
 static bool env_file_write(const char *path, const char *text, char *errstr, size_t errsz)
@@ -164,6 +197,10 @@ static void banner(const dev_stack_t *s)
             fprintf(stderr, ", version %d", s->pg_major);
         fprintf(stderr, "%s)\n", s->as_postgres ? ", running as user postgres" : "");
         fprintf(stderr, "              data %s, server log %s/postgres.log\n", s->pgdata, s->dir);
+        fprintf(stderr,
+                "  roles       TALLY_PG is %s (operator); owner " DEV_OWNER_ROLE
+                ", superuser tally; each worker its own (env file)\n",
+                tally_role_name(s->cfg, TALLY_ROLE_OPERATOR));
     }
     fprintf(stderr, "  Kafka       %s  (librdkafka mock cluster in this process, %d broker)\n",
             s->brokers, DEV_MOCK_BROKERS);
@@ -346,7 +383,13 @@ int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg)
         goto out;
 
     if (s->pg_given != NULL) {
+        /* one role for everything, the given one: it migrates, so it owns the ledger, and the
+         * workers are told TALLY_ALLOW_OWNER_ROLE=1 */
         snprintf(s->conninfo, sizeof(s->conninfo), "%s", s->pg_given);
+        snprintf(s->conn_admin, sizeof(s->conn_admin), "%s", s->pg_given);
+        snprintf(s->conn_owner, sizeof(s->conn_owner), "%s", s->pg_given);
+        for (int r = 0; r < TALLY_ROLE_COUNT; r++)
+            snprintf(s->conn_role[r], sizeof(s->conn_role[r]), "%s", s->pg_given);
     } else if (!dev_pg_up(s, errstr, sizeof(errstr))) {
         goto out;
     }

@@ -16,6 +16,7 @@
 #include <librdkafka/rdkafka_mock.h>
 
 #include "tally/config.h"
+#include "tally/roles.h"
 
 enum {
     DEV_MOCK_BROKERS = 1, /**< brokers of the mock cluster */
@@ -62,7 +63,13 @@ typedef struct dev_stack {
     int pg_ngroups;
     pid_t pg_pid;
     int pg_port;
-    char conninfo[PATH_MAX + 128]; /* TALLY_PG as printed */
+    char conninfo[PATH_MAX + 128]; /* TALLY_PG as printed: the operator's role */
+    /* our own cluster's other connections (with --pg, each is the given conninfo): the
+     * superuser on the maintenance database, the owner that migrates, and each runtime role
+     * (roles.h order) */
+    char conn_admin[PATH_MAX + 128];
+    char conn_owner[PATH_MAX + 128];
+    char conn_role[TALLY_ROLE_COUNT][PATH_MAX + 128];
     int schema_before, schema_after;
 
     /* the mock Kafka cluster (dev_kafka.c) */
@@ -128,12 +135,17 @@ bool dev_run_logged(const dev_stack_t *s, char *const *argv, const char *log_pat
 
 /* ---- dev_pg.c: the throwaway cluster and the ledger --------------------------------------- */
 
-/** Find the server programs, make (or reuse) the cluster's directory, initdb, start the server
- * in its own session, create the database tally, and fill s->conninfo. */
+/** The role `tally dev` migrates as: it owns the ledger and creates the runtime roles. */
+#define DEV_OWNER_ROLE "tally_owner"
+
+/** Find the server programs, make (or reuse) the cluster's directory, initdb (its superuser,
+ * tally, administers), start the server in its own session, create the owner role
+ * DEV_OWNER_ROLE (LOGIN CREATEROLE, no superuser) and the database tally owned by it, and fill
+ * s->conninfo and the other connections. */
 bool dev_pg_up(dev_stack_t *s, char *errstr, size_t errsz);
 
-/** Migrate the ledger at s->conninfo. @returns 0, 1 (the migration failed) or 3 (PostgreSQL
- * could not be reached), with errstr. */
+/** Migrate the ledger as the owner (s->conn_owner), creating and granting the runtime roles.
+ * @returns 0, 1 (the migration failed) or 3 (PostgreSQL could not be reached), with errstr. */
 int dev_ledger_migrate(dev_stack_t *s, char *errstr, size_t errsz);
 
 /** @p pid (reaped with @p status) was our server: say so, with its log. */

@@ -256,9 +256,10 @@ static bool pg_initdb(dev_stack_t *s, char *errstr, size_t errsz)
     return true;
 }
 
-static void pg_conninfo(const dev_stack_t *s, const char *dbname, char *out, size_t outsz)
+static void pg_conninfo(const dev_stack_t *s, const char *user, const char *dbname, char *out,
+                        size_t outsz)
 {
-    snprintf(out, outsz, "host=127.0.0.1 port=%d user=tally dbname=%s", s->pg_port, dbname);
+    snprintf(out, outsz, "host=127.0.0.1 port=%d user=%s dbname=%s", s->pg_port, user, dbname);
 }
 
 /* Start the server in its own session and wait until it accepts connections. */
@@ -354,9 +355,7 @@ static bool pg_start(dev_stack_t *s, char *errstr, size_t errsz)
 
 static bool pg_create_database(dev_stack_t *s, char *errstr, size_t errsz)
 {
-    char admin[256];
-    pg_conninfo(s, "postgres", admin, sizeof(admin));
-    tally_pg_t *pg = tally_pg_new(admin, "tally-dev");
+    tally_pg_t *pg = tally_pg_new(s->conn_admin, "tally-dev");
     if (pg == NULL) {
         dev_err(errstr, errsz, "out of memory");
         return false;
@@ -366,17 +365,28 @@ static bool pg_create_database(dev_stack_t *s, char *errstr, size_t errsz)
     bool ok = tally_pg_connect(pg, 10000, &dev_signals, &err);
     PGresult *res = NULL;
     if (ok) {
+        const char *params[] = {DEV_OWNER_ROLE};
+        res = tally_pg_exec(pg, "SELECT 1 FROM pg_roles WHERE rolname = $1", 1, params, &err);
+        ok = res != NULL;
+    }
+    /* CREATE ROLE and CREATE DATABASE take no parameters; the names are constants. The owner
+     * is no superuser: it migrates, and creates the runtime roles, as on a managed server. */
+    if (ok && PQntuples(res) == 0)
+        ok = tally_pg_run(pg, "CREATE ROLE " DEV_OWNER_ROLE " LOGIN CREATEROLE", 0, NULL, &err);
+    PQclear(res);
+    res = NULL;
+    if (ok) {
         const char *params[] = {"tally"};
         res = tally_pg_exec(pg, "SELECT 1 FROM pg_database WHERE datname = $1", 1, params, &err);
         ok = res != NULL;
     }
-    /* CREATE DATABASE takes no parameters; the name is a constant */
     if (ok && PQntuples(res) == 0)
-        ok = tally_pg_run(pg, "CREATE DATABASE tally", 0, NULL, &err);
+        ok = tally_pg_run(pg, "CREATE DATABASE tally OWNER " DEV_OWNER_ROLE, 0, NULL, &err);
     PQclear(res);
     tally_pg_free(pg);
     if (!ok)
-        dev_err(errstr, errsz, "cannot create database tally: %s", err.message);
+        dev_err(errstr, errsz, "cannot create the role " DEV_OWNER_ROLE " and database tally: %s",
+                err.message);
     return ok;
 }
 
@@ -416,7 +426,7 @@ void dev_pg_stop(dev_stack_t *s)
 
 int dev_ledger_migrate(dev_stack_t *s, char *errstr, size_t errsz)
 {
-    tally_pg_t *pg = tally_pg_new(s->conninfo, "tally-dev");
+    tally_pg_t *pg = tally_pg_new(s->conn_owner, "tally-dev");
     if (pg == NULL) {
         dev_err(errstr, errsz, "out of memory");
         return 1;
@@ -425,9 +435,9 @@ int dev_ledger_migrate(dev_stack_t *s, char *errstr, size_t errsz)
     tally_error_clear(&err);
     int rc = 0;
     if (!tally_pg_connect(pg, 10000, &dev_signals, &err)) {
-        dev_err(errstr, errsz, "%s (conninfo: %s)", err.message, s->conninfo);
+        dev_err(errstr, errsz, "%s (conninfo: %s)", err.message, s->conn_owner);
         rc = 3;
-    } else if (!tally_migrate_apply(pg, &s->schema_before, &s->schema_after, &err)) {
+    } else if (!tally_migrate_apply(pg, s->cfg, &s->schema_before, &s->schema_after, NULL, &err)) {
         dev_err(errstr, errsz, "migrating the ledger failed: %s%s%s", err.message,
                 err.errc != TALLY_ERR_NONE ? " — " : "",
                 err.errc != TALLY_ERR_NONE ? err.code : "");
@@ -443,11 +453,15 @@ bool dev_pg_up(dev_stack_t *s, char *errstr, size_t errsz)
         !make_dir(s, errstr, errsz))
         return false;
     dev_say("starting PostgreSQL from %s in %s", s->bindir, s->dir);
-    if (!pg_initdb(s, errstr, errsz) || !pg_start(s, errstr, errsz) ||
-        !pg_create_database(s, errstr, errsz))
+    if (!pg_initdb(s, errstr, errsz) || !pg_start(s, errstr, errsz))
         return false;
-    pg_conninfo(s, "tally", s->conninfo, sizeof(s->conninfo));
-    return true;
+    pg_conninfo(s, "tally", "postgres", s->conn_admin, sizeof(s->conn_admin));
+    pg_conninfo(s, DEV_OWNER_ROLE, "tally", s->conn_owner, sizeof(s->conn_owner));
+    for (int r = 0; r < TALLY_ROLE_COUNT; r++)
+        pg_conninfo(s, tally_role_name(s->cfg, (tally_role_t)r), "tally", s->conn_role[r],
+                    sizeof(s->conn_role[r]));
+    snprintf(s->conninfo, sizeof(s->conninfo), "%s", s->conn_role[TALLY_ROLE_OPERATOR]);
+    return pg_create_database(s, errstr, errsz);
 }
 
 bool dev_pg_reaped(dev_stack_t *s, pid_t pid, int status)

@@ -22,6 +22,10 @@ enum {
     DEV_WORKER_STOP_GRACE_MS = 20000,
 };
 
+/* in roles.h's order: worker i runs as role i */
+_Static_assert(TALLY_ROLE_DISPATCHER == 0 && TALLY_ROLE_RECONCILER == 1 &&
+                   TALLY_ROLE_COMPENSATOR == 2,
+               "dev_worker_names follows tally_role_t");
 static const char *const dev_worker_names[DEV_N_WORKERS] = {"tally-dispatcher", "tally-reconciler",
                                                             "tally-compensator"};
 
@@ -183,8 +187,11 @@ bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz)
         }
         char addr[64];
         snprintf(addr, sizeof(addr), "127.0.0.1:%d", w->metrics_port);
+        /* each worker as its own role; one given conninfo (--pg) owns the ledger, and the
+         * workers may only run as it when told so */
         const char *const set[][2] = {
-            {"TALLY_PG", s->conninfo},
+            {"TALLY_PG", s->conn_role[i]},
+            {"TALLY_ALLOW_OWNER_ROLE", s->pg_given != NULL ? "1" : "0"},
             {"TALLY_KAFKA_BROKERS", s->brokers},
             {"TALLY_TOPIC_PREFIX", s->cfg->topic_prefix},
             {"TALLY_TOOLS", s->tools},

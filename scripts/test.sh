@@ -100,12 +100,13 @@ if [[ ! -s "$stackdir/env" ]]; then
     exit 1
 fi
 
+# The maintenance database as the superuser: tests CREATE DATABASE their own from it, owned by
+# the stack's owner role, and run every process under its own role (tallytest.py).
 # shellcheck disable=SC1091,SC2153  # the env file tally dev wrote defines these
-tally_pg=$(. "$stackdir/env" && printf '%s' "$TALLY_PG")
+tally_pg=$(. "$stackdir/env" && printf '%s' "$TALLY_PG_ADMIN")
 # shellcheck disable=SC1091
 tally_kafka=$(. "$stackdir/env" && printf '%s' "$TALLY_KAFKA_BROKERS")
-# The maintenance database: tests CREATE DATABASE their own from it (user tally is superuser).
-export TALLY_TEST_PG="${tally_pg/dbname=tally/dbname=postgres}"
+export TALLY_TEST_PG="$tally_pg"
 export TALLY_TEST_KAFKA="$tally_kafka"
 
 status=0

@@ -66,6 +66,28 @@ static const param_t params[] = {
         "(docs/security.md)"),
     STR(master_key_file, "TALLY_MASTER_KEY_FILE", "", NULL, NULL,
         "a file holding TALLY_MASTER_KEY's value instead (one line); wins over the variable"),
+    STR(role_dispatcher, "TALLY_ROLE_DISPATCHER", "tally_dispatcher", NULL, NULL,
+        "the dispatcher's database role: `tally migrate` creates it and grants it (roles.h)"),
+    STR(role_reconciler, "TALLY_ROLE_RECONCILER", "tally_reconciler", NULL, NULL,
+        "the reconciler's database role"),
+    STR(role_compensator, "TALLY_ROLE_COMPENSATOR", "tally_compensator", NULL, NULL,
+        "the compensator's database role"),
+    STR(role_operator, "TALLY_ROLE_OPERATOR", "tally_operator", NULL, NULL,
+        "the database role of the tally verbs that change the ledger (resolve, approve, ...)"),
+    STR(role_reader, "TALLY_ROLE_READER", "tally_reader", NULL, NULL,
+        "the read-only database role (status, doctor, dashboards)"),
+    STR(role_password[0], "TALLY_ROLE_PASSWORD_DISPATCHER", "", NULL, NULL,
+        "`tally migrate` sets it as the dispatcher role's password; empty: left as it is"),
+    STR(role_password[1], "TALLY_ROLE_PASSWORD_RECONCILER", "", NULL, NULL,
+        "the same for the reconciler's role"),
+    STR(role_password[2], "TALLY_ROLE_PASSWORD_COMPENSATOR", "", NULL, NULL,
+        "the same for the compensator's role"),
+    STR(role_password[3], "TALLY_ROLE_PASSWORD_OPERATOR", "", NULL, NULL,
+        "the same for the operator's role"),
+    STR(role_password[4], "TALLY_ROLE_PASSWORD_READER", "", NULL, NULL,
+        "the same for the reader's role"),
+    STR(allow_owner_role, "TALLY_ALLOW_OWNER_ROLE", "0", "0|1", NULL,
+        "1: a worker may run as a superuser or the ledger's owner, warned at every start"),
     INT(batch_size, "TALLY_BATCH_SIZE", "500", 1, "messages / rows per poll batch"),
     INT(lease_ms, "TALLY_LEASE_MS", "30000", 1, "how long a claim is held (database clock)"),
     INT(poll_ms, "TALLY_POLL_MS", "1000", 1, "longest idle wait before looking for work again"),
@@ -102,6 +124,22 @@ static const struct {
     {"group.id", "set TALLY_CONSUMER_GROUP instead"},
     {"enable.auto.offset.store", "tally stores offsets itself, only after the PostgreSQL commit"},
 };
+
+/* Not settings: connections `tally dev --env-file` exports for scripts and tests beside
+ * TALLY_PG (each role's), read by no tally process; a shell that sourced the file is no typo. */
+static const char *const dev_exports[] = {
+    "TALLY_PG_ADMIN",      "TALLY_PG_OWNER",      "TALLY_PG_READER",
+    "TALLY_PG_DISPATCHER", "TALLY_PG_RECONCILER", "TALLY_PG_COMPENSATOR",
+};
+
+static bool is_dev_export(const char *env, size_t namelen)
+{
+    for (size_t i = 0; i < sizeof dev_exports / sizeof dev_exports[0]; i++) {
+        if (strlen(dev_exports[i]) == namelen && strncmp(dev_exports[i], env, namelen) == 0)
+            return true;
+    }
+    return false;
+}
 
 static char **str_field(tally_config_t *cfg, const param_t *p)
 {
@@ -322,6 +360,8 @@ bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr,
         else if (namelen > strlen(KAFKA_PREFIX) &&
                  strncmp(entry, KAFKA_PREFIX, strlen(KAFKA_PREFIX)) == 0)
             ok = set_kafka_prop(cfg, entry, namelen, value, errstr, errsz);
+        else if (is_dev_export(entry, namelen))
+            ok = true;
         else if (!(ok = add_unknown(cfg, entry, namelen)))
             snprintf(errstr, errsz, "%.*s: out of memory", (int)namelen, entry); /* lint: slice */
         if (!ok)

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "tally/log.h"
+#include "tally/roles.h"
 
 /* TALLY_MACHINES_SQL and TALLY_MACHINES_SHA256, generated from schemas/machines.json. */
 #include "machines_sql.inc"
@@ -108,7 +109,8 @@ static bool install_machines(tally_pg_t *pg, tally_error_t *err)
                         1, params, err);
 }
 
-bool tally_migrate_apply(tally_pg_t *pg, int *before, int *after, tally_error_t *err)
+bool tally_migrate_apply(tally_pg_t *pg, const tally_config_t *cfg, int *before, int *after,
+                         tally_roles_report_t *roles, tally_error_t *err)
 {
     const int latest = tally_migrate_latest();
     int found = 0;
@@ -147,6 +149,9 @@ bool tally_migrate_apply(tally_pg_t *pg, int *before, int *after, tally_error_t 
         applied = m->version;
     }
     if (!install_machines(pg, err))
+        goto fail;
+    /* every run grants again, so a table a migration added gets its grants */
+    if (!tally_roles_ensure(pg, cfg, roles, err))
         goto fail;
     if (!tally_pg_commit(pg, err))
         return false;

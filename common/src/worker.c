@@ -24,6 +24,7 @@
 #include "tally/log.h"
 #include "tally/migrate.h"
 #include "tally/relay.h"
+#include "tally/roles.h"
 
 /* The stop flag is handed out as `volatile const int *`; that is only sound where
  * sig_atomic_t is int, as on every platform tally builds for. */
@@ -502,6 +503,39 @@ static int setup_metrics(tally_worker_t *w)
     return 0;
 }
 
+/* A worker runs as its own role (roles.h), never as one that could rewrite the audit trail or
+ * alter the ledger; TALLY_ALLOW_OWNER_ROLE=1 is for deployments that cannot create roles, and
+ * says so at every start. */
+static int check_role(tally_worker_t *w)
+{
+    tally_error_t err;
+    tally_error_clear(&err);
+    tally_session_role_t who;
+    if (!tally_roles_session(w->pg, &who, &err)) {
+        TALLY_ERROR("cannot tell which database role this connection runs as: %s", err.message);
+        return 1;
+    }
+    char why[300];
+    if (!tally_roles_privileged(&who, why, sizeof why)) {
+        TALLY_DEBUG("connected to PostgreSQL as role \"%s\"", who.user);
+        return 0;
+    }
+    if (strcmp(w->cfg->allow_owner_role, "1") == 0) {
+        TALLY_WARN("rule owner-role: running with more privilege than a %s needs, because "
+                   "TALLY_ALLOW_OWNER_ROLE=1: %s; give it its own role (`tally migrate` creates "
+                   "one per component) as soon as the deployment can",
+                   w->ops->name, why);
+        return 0;
+    }
+    TALLY_ERROR(
+        "rule owner-role: refusing to start: TALLY_PG connects as a role the %s must not run "
+        "as: %s. Connect as the %s's own role (`tally migrate` creates and grants it; "
+        "docs/operations.md, \"Database roles\"), or set TALLY_ALLOW_OWNER_ROLE=1 where "
+        "no other role can be had",
+        w->ops->name, why, w->ops->name);
+    return 2;
+}
+
 static int setup_pg(tally_worker_t *w, int *schema)
 {
     char app[80];
@@ -554,7 +588,7 @@ static int setup_pg(tally_worker_t *w, int *schema)
         return 1;
     }
     *schema = version;
-    return 0;
+    return check_role(w);
 }
 
 static int setup_relay(tally_worker_t *w)

@@ -3,8 +3,14 @@ PostgreSQL and the embedded Kafka (librdkafka's mock cluster over localhost TCP)
 
 Each test case gets its own database and its own topic prefix, so test modules can run in
 parallel against one stack. scripts/test.sh starts that stack once (`tally dev --no-workers`)
-and exports TALLY_TEST_PG (a conninfo for the maintenance database) and TALLY_TEST_KAFKA.
-A module run on its own starts a stack for itself and stops it at exit.
+and exports TALLY_TEST_PG (a conninfo for the maintenance database, as the superuser) and
+TALLY_TEST_KAFKA. A module run on its own starts a stack for itself and stops it at exit.
+
+Every process runs under its own database role, as in production (docs/operations.md,
+"Database roles"): the test's database is owned by the stack's owner role, which runs
+`tally migrate`; each worker connects as its role, and `tally VERB` as the operator when the
+verb changes the ledger, as the reader otherwise. Only the test itself (self.db, query, force)
+connects as the superuser, to look and to break things on purpose.
 """
 
 import atexit
@@ -31,6 +37,19 @@ SOURCE_DIR = os.environ.get(
 BUILD_DIR = os.environ.get("TALLY_BUILD_DIR", os.path.join(SOURCE_DIR, "build"))
 
 TOPICS = ("intents", "outcomes", "obligations", "alerts", "dlq")
+
+# The roles `tally dev` and `tally migrate` create (their default names).
+OWNER_ROLE = "tally_owner"
+ROLES = {"dispatcher": "tally_dispatcher", "reconciler": "tally_reconciler",
+         "compensator": "tally_compensator", "operator": "tally_operator",
+         "reader": "tally_reader"}
+# The role each program runs as; a tally verb not named here runs as the reader, so a verb
+# that changes the ledger and was forgotten here fails loudly.
+PROGRAM_ROLES = {"tally-dispatcher": "dispatcher", "tally-reconciler": "reconciler",
+                 "tally-compensator": "compensator"}
+OPERATOR_VERBS = {"resolve", "approve", "deny", "compensate", "cancel", "forget", "prune",
+                  "run"}
+OWNER_VERBS = {"migrate"}
 
 
 def binary(name):
@@ -98,7 +117,7 @@ class Stack:
             if line.startswith("export "):
                 k, _, v = line[len("export "):].partition("=")
                 values[k] = _unquote(v)
-        self.pg = values["TALLY_PG"]
+        self.pg = values["TALLY_PG_ADMIN"]
         self.kafka = values["TALLY_KAFKA_BROKERS"]
 
     def stop(self):
@@ -195,7 +214,7 @@ class TallyCase(unittest.TestCase):
         try:
             admin.autocommit = True
             with admin.cursor() as cur:
-                cur.execute(f'CREATE DATABASE "{self.dbname}"')
+                cur.execute(f'CREATE DATABASE "{self.dbname}" OWNER {OWNER_ROLE}')
         finally:
             admin.close()
         self.pg = psycopg2.extensions.make_dsn(self.stack.pg, dbname=self.dbname)
@@ -270,11 +289,21 @@ class TallyCase(unittest.TestCase):
 
     # --- processes -------------------------------------------------------------------
 
+    def pg_as(self, role):
+        """A conninfo for the test's database as @role: "owner", a component ("dispatcher",
+        "operator", ...), or "admin" (the superuser, as self.db)."""
+        if role == "admin":
+            return self.pg
+        user = OWNER_ROLE if role == "owner" else ROLES[role]
+        return psycopg2.extensions.make_dsn(self.pg, user=user)
+
     def env(self, **extra):
-        """The environment a tally process of this test runs with."""
+        """The environment a tally process of this test runs with. TALLY_PG is the operator's
+        conninfo; cli() and start() put the verb's or the program's role in its place unless
+        the caller set TALLY_PG itself."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
         env.update({
-            "TALLY_PG": self.pg,
+            "TALLY_PG": self.pg_as("operator"),
             "TALLY_KAFKA_BROKERS": self.stack.kafka,
             "TALLY_TOPIC_PREFIX": self.prefix,
             "TALLY_TOOLS": self.tools_file,
@@ -288,15 +317,35 @@ class TallyCase(unittest.TestCase):
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
+    def _as_role(self, env, role):
+        """@env with TALLY_PG as @role, unless the caller chose another TALLY_PG."""
+        if env.get("TALLY_PG") == self.pg_as("operator"):
+            env = dict(env, TALLY_PG=self.pg_as(role))
+        return env
+
+    @staticmethod
+    def verb_role(args):
+        """The role `tally ARGS...` runs as: the owner migrates, the operator changes the
+        ledger, the reader does the rest (an unknown verb too: a forgotten mapping fails)."""
+        verb = next((a for a in args if not a.startswith("-")), "")
+        if verb in OWNER_VERBS:
+            return "owner"
+        return "operator" if verb in OPERATOR_VERBS else "reader"
+
     def cli(self, *args, input=None, env=None, timeout=120):
-        """Run `tally ARGS...`; returns the CompletedProcess (text)."""
+        """Run `tally ARGS...` under its verb's role (verb_role); returns the CompletedProcess
+        (text)."""
+        env = self._as_role(env or self.env(), self.verb_role(args))
         return subprocess.run([binary("tally"), *args], input=input, capture_output=True,
-                              text=True, env=env or self.env(), timeout=timeout)
+                              text=True, env=env, timeout=timeout)
 
     def start(self, name, *args, wait_ready=True, **extra_env):
-        """Start a binary (tally-dispatcher, tally-fake-tool, ...) with this test's env."""
+        """Start a binary (tally-dispatcher, tally-fake-tool, ...) with this test's env; a
+        worker connects as its own role."""
         port = free_port()
         env = self.env(TALLY_METRICS_ADDR=f"127.0.0.1:{port}", **extra_env)
+        if name in PROGRAM_ROLES:
+            env = self._as_role(env, PROGRAM_ROLES[name])
         p = Proc(name, [binary(name), *args], env, self.tmp)
         p.metrics_port = port
         self.procs.append(p)
@@ -326,7 +375,7 @@ class TallyCase(unittest.TestCase):
 
     def force(self, sql, params=None):
         """Run @sql with the ledger's triggers off (session_replication_role = replica; the
-        test's role is a superuser): a move the state machines refuse, made on purpose to see
+        test's own connection is the superuser's, no tally process's): a move the state machines refuse, made on purpose to see
         how the workers take a ledger someone broke by hand. The NOTIFY triggers are off too.
         Record such a move in the audit trail, if at all, with kind 'test_reset' and the
         states in data: it is no move of any machine."""

@@ -243,7 +243,24 @@ class DevTest(unittest.TestCase):
         values = stack.wait_up()
         self.assertIn("TALLY_PG", values)
         self.assertIn("TALLY_KAFKA_BROKERS", values)
-        self.assertRegex(values["TALLY_PG"], r"^host=127\.0\.0\.1 port=\d+ user=tally dbname=tally$")
+        # TALLY_PG is the operator's role; the other roles' connections follow
+        self.assertRegex(values["TALLY_PG"],
+                         r"^host=127\.0\.0\.1 port=\d+ user=tally_operator dbname=tally$")
+        self.assertRegex(values["TALLY_PG_ADMIN"],
+                         r"^host=127\.0\.0\.1 port=\d+ user=tally dbname=postgres$")
+        for name, user in (("OWNER", "tally_owner"), ("READER", "tally_reader"),
+                           ("DISPATCHER", "tally_dispatcher"),
+                           ("RECONCILER", "tally_reconciler"),
+                           ("COMPENSATOR", "tally_compensator")):
+            self.assertRegex(values[f"TALLY_PG_{name}"],
+                             rf"^host=127\.0\.0\.1 port=\d+ user={user} dbname=tally$")
+        # the owner is no superuser, and owns the ledger
+        out = run("psql", values["TALLY_PG_ADMIN"], "-XAtc",
+                  "SELECT rolsuper, rolcreaterole FROM pg_roles WHERE rolname = 'tally_owner'")
+        self.assertEqual(out.stdout.strip(), "f|t", out.stderr)
+        out = run("psql", values["TALLY_PG"], "-XAtc",
+                  "SELECT tableowner FROM pg_tables WHERE tablename = 'events'")
+        self.assertEqual(out.stdout.strip(), "tally_owner", out.stderr)
         self.assertRegex(values["TALLY_KAFKA_BROKERS"], r"^127\.0\.0\.1:\d+")
         # the same lines on stdout, for `eval`
         self.assertIn(f"export TALLY_KAFKA_BROKERS={values['TALLY_KAFKA_BROKERS']}",
@@ -301,6 +318,17 @@ class DevTest(unittest.TestCase):
         workers = wait_for(lambda: (lambda w: w if len(w) == len(WORKERS) else None)(
             self.worker_children(stack)), timeout=30, what="the three workers")
         self.assertEqual(sorted(workers), sorted(WORKERS))
+
+        # each worker connects as its own role
+        def sessions():
+            out = run("psql", values["TALLY_PG_ADMIN"], "-XAtc",
+                      "SELECT DISTINCT application_name || ' ' || usename FROM pg_stat_activity"
+                      " WHERE application_name LIKE 'tally-%'")
+            got = set(out.stdout.split("\n")) - {""}
+            return got if len(got) >= len(WORKERS) else None
+        got = wait_for(sessions, timeout=30, what="the workers' sessions")
+        for w in WORKERS:
+            self.assertIn(f"{w} {w.replace('-', '_')}", got)
 
         # the banner names each worker's metrics URL, and it answers
         banner = stack.stderr()

@@ -33,13 +33,18 @@ class MigrateTest(TallyCase):
         latest = latest_version()
         first = self.cli("migrate")
         self.assertEqual(first.returncode, 0, first.stderr)
-        self.assertEqual(first.stdout.strip(), f"database at version {latest} (was 0)")
+        self.assertEqual(first.stdout.splitlines()[0], f"database at version {latest} (was 0)")
+        # then one line per runtime role: created by this first run, granted
+        self.assertRegex(first.stdout, r"role tally_dispatcher +dispatcher +(created|existed), "
+                                       r"granted on \d+ tables")
         rows = self.migrations()
         self.assertEqual([r[0] for r in rows], list(range(1, latest + 1)))
 
         second = self.cli("migrate")
         self.assertEqual(second.returncode, 0, second.stderr)
-        self.assertEqual(second.stdout.strip(), f"database at version {latest}, nothing to do")
+        self.assertEqual(second.stdout.splitlines()[0],
+                         f"database at version {latest}, nothing to do")
+        self.assertRegex(second.stdout, r"role tally_reader +reader +existed")
         self.assertEqual(self.migrations(), rows, "a second migrate must not touch the history")
 
         third = self.cli("migrate")
@@ -118,13 +123,14 @@ class MigrateTest(TallyCase):
 
     def test_concurrent_migrates_apply_each_version_once(self):
         latest = latest_version()
-        procs = [subprocess.Popen([binary("tally"), "migrate"], env=self.env(),
+        procs = [subprocess.Popen([binary("tally"), "migrate"],
+                                  env=self.env(TALLY_PG=self.pg_as("owner")),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(3)]
         results = [(p.wait(120), *p.communicate()) for p in procs]
         for rc, stdout, stderr in results:
             self.assertEqual(rc, 0, stderr)
-        outputs = sorted(r[1].strip() for r in results)
+        outputs = sorted(r[1].splitlines()[0] for r in results)
         self.assertEqual(outputs.count(f"database at version {latest} (was 0)"), 1, outputs)
         self.assertEqual(outputs.count(f"database at version {latest}, nothing to do"), 2,
                          outputs)

@@ -37,6 +37,15 @@ typedef struct tally_config {
                                   "" means "<topic_prefix>replies." (tally_config_reply_prefix) */
     char *master_key;        /**< TALLY_MASTER_KEY: "ID:BASE64[,ID:BASE64]" master keys (seal.h) */
     char *master_key_file;   /**< TALLY_MASTER_KEY_FILE: the same, read from a file */
+    char *role_dispatcher;   /**< TALLY_ROLE_DISPATCHER: the dispatcher's database role */
+    char *role_reconciler;   /**< TALLY_ROLE_RECONCILER */
+    char *role_compensator;  /**< TALLY_ROLE_COMPENSATOR */
+    char *role_operator;     /**< TALLY_ROLE_OPERATOR: the CLI verbs that change the ledger */
+    char *role_reader;       /**< TALLY_ROLE_READER: read-only (status, doctor, dashboards) */
+    char *role_password[5];  /**< TALLY_ROLE_PASSWORD_<ROLE>, in tally_role_t order: set by
+                                  `tally migrate` as the role's password when not "" */
+    char *allow_owner_role;  /**< TALLY_ALLOW_OWNER_ROLE: "1" lets a worker run as a superuser
+                                  or the ledger's owner, warned at every start; "0" refuses */
     int batch_size;          /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
     int lease_ms;            /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
     int poll_ms;             /**< TALLY_POLL_MS: longest idle wait before sweeping again */
