@@ -17,6 +17,7 @@
 #include "format.h"
 #include "tally/audit.h"
 #include "tally/machines.h"
+#include "tally/seal.h"
 #include "tally/text.h"
 
 static const char USAGE[] =
@@ -63,12 +64,17 @@ typedef struct forget_op {
 /* A wait on a row a worker holds must not hang an operator's terminal. */
 static const char SQL_LOCK_TIMEOUT[] = "SET LOCAL lock_timeout = '10s'";
 
-/* Every key the tenant ever had, locked: a dispatcher sealing under one of them (its foreign
- * key takes a share lock on the row) waits until this transaction ends. */
+/* Every key the tenant ever had, locked, after the tenant's advisory lock (TALLY_SQL_TENANT_LOCK,
+ * seal.h): a dispatcher sealing under one of its keys holds that lock shared until its batch
+ * commits, so the check below sees every effect sealed before, and none is sealed after. */
 static const char SQL_KEYS_LOCK[] =
-    "SELECT key_id::text, forgotten_at IS NULL, date_trunc('second', forgotten_at)::text,"
-    "  forgotten_by"
-    " FROM tenant_keys WHERE tenant = $1 ORDER BY created_at, key_id FOR UPDATE";
+    "WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(" TALLY_SQL_TENANT_LOCK(
+        "$1") ") AS ok)"
+              " SELECT key_id::text, forgotten_at IS NULL, date_trunc('second', "
+              "forgotten_at)::text,"
+              "  forgotten_by"
+              " FROM tenant_keys, l WHERE tenant = $1 ORDER BY created_at, key_id FOR UPDATE OF "
+              "tenant_keys";
 
 /* What of the tenant is still open, by machine and state ($2, $3: the open states of the
  * effect and obligation machines, in their order). An effect is the tenant's when its intent

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <openssl/crypto.h>
 #include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
@@ -125,6 +127,7 @@ static bool setup(compensator_t *c, tally_worker_t *w)
     c->w = w;
     c->cfg = tally_worker_config(w);
     c->reg = tally_worker_registry(w);
+    c->keys = tally_worker_keyring(w);
     c->pg = tally_worker_pg(w);
     c->worker_id = tally_worker_id(w);
     c->rand_state = (unsigned)time(NULL) ^ (unsigned)getpid();
@@ -188,6 +191,12 @@ void comp_ob_free(void *p)
     free(ob->intent_id);
     json_decref(ob->receipt);
     json_decref(ob->blast_radius);
+    tally_redactor_free(ob->red);
+    if (ob->args_plain != NULL) {
+        OPENSSL_cleanse(ob->args_plain, strlen(ob->args_plain));
+        free(ob->args_plain);
+    }
+    json_decref(ob->receipt_plain);
     free(ob);
 }
 
@@ -264,15 +273,24 @@ static void record_move(compensator_t *c, comp_ob_t *ob, const comp_move_t *mv)
 /* Start the compensate or containment call. */
 static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
 {
-    json_t *args = json_loads(ob->args_canonical, 0, NULL);
-    json_t *body = comp_reverse_body(ob->external_ref, ob->receipt, args, ob->reason);
+    comp_move_t mv;
+    if (ob->sealed_err.errc != TALLY_ERR_NONE) {
+        /* its sensitive fields do not open: the tool cannot be sent what it needs */
+        comp_policy_in_t in = policy_in(c, ob);
+        comp_policy_unsent(&in, &ob->dec, op, false, &ob->sealed_err, &mv);
+        record_move(c, ob, &mv);
+        return;
+    }
+    /* the tool gets the real values: a sensitive tool's args and receipt opened */
+    json_t *args = json_loads(ob->args_plain ? ob->args_plain : ob->args_canonical, 0, NULL);
+    json_t *body = comp_reverse_body(
+        ob->external_ref, ob->receipt_plain ? ob->receipt_plain : ob->receipt, args, ob->reason);
     if (body != NULL && op == TALLY_CONN_CONTAIN && ob->blast_radius != NULL) {
         json_object_set(body, "blast_radius", ob->blast_radius);
     }
     char *text = body != NULL ? json_dumps(body, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
     json_decref(body);
     json_decref(args);
-    comp_move_t mv;
     if (text == NULL) {
         comp_policy_no_body(&mv);
         record_move(c, ob, &mv);
@@ -375,13 +393,36 @@ static int lease_and_act(compensator_t *c)
 static json_t *call_record(const comp_ob_t *ob, const tally_conn_result_t *res,
                            const tally_conn_verdict_t *v, const char *key, const char *if_match)
 {
-    json_t *excerpt = tally_conn_excerpt(res->body, res->body_len, 2048);
+    json_t *excerpt = NULL;
+    if (ob->red != NULL) {
+        char *scrubbed = tally_sensitive_scrub_body(ob->red, ob->tool, res->body, res->body_len);
+        excerpt = tally_conn_excerpt(scrubbed ? scrubbed : "(redacted)",
+                                     scrubbed ? strlen(scrubbed) : 10, 2048);
+        free(scrubbed);
+    } else {
+        excerpt = tally_conn_excerpt(res->body, res->body_len, 2048);
+    }
     return json_pack(
         "{s:s, s:s, s:s, s:s, s:s?, s:i, s:b, s:s, s:s, s:s, s:f, s:i, s:o}", "op",
         tally_conn_op_name(res->op), "method", res->method, "url", res->url, "idempotency_key", key,
         "if_match", if_match, "http_status", (int)res->http_status, "sent", res->sent, "verdict",
         tally_verdict_name(v->verdict), "code", v->code, "message", v->message, "seconds",
         res->seconds, "attempt", ob->attempts, "response", excerpt != NULL ? excerpt : json_null());
+}
+
+/* The tool's answer as a receipt the ledger keeps: a sensitive tool's redacted and scrubbed. */
+static json_t *answer_receipt(const comp_ob_t *ob, const tally_conn_result_t *res)
+{
+    json_t *receipt = tally_conn_receipt(res);
+    if (receipt == NULL || ob->red == NULL)
+        return receipt;
+    if (tally_redactor_apply(ob->red, receipt, ob->tool->sensitive_receipt,
+                             ob->tool->n_sensitive_receipt) < 0 ||
+        !tally_redactor_scrub_json(ob->red, receipt)) {
+        json_decref(receipt);
+        return json_pack("{s:s}", "redacted", "the answer could not be redacted (out of memory)");
+    }
+    return receipt;
 }
 
 /* The connector's completion callback: classify the answer, decide, queue the outcome. */
@@ -392,6 +433,11 @@ static void on_done(const tally_conn_result_t *res, void *opaque)
     TALLY_CRASHPOINT("compensate.after_reverse_answer");
     tally_conn_verdict_t v;
     tally_conn_classify_compensate(res, &v);
+    if (ob->red != NULL) {
+        char *msg = tally_redactor_scrub(ob->red, v.message, strlen(v.message));
+        tally_text_copy(v.message, sizeof v.message, msg ? msg : "(redacted)");
+        free(msg);
+    }
     tally_metric_observe(c->m_reverse, res->seconds, ob->tool_name);
     bool contain = res->op == TALLY_CONN_CONTAIN;
     char key[64], if_match[COMP_IF_MATCH_SIZE];
@@ -410,7 +456,7 @@ static void on_done(const tally_conn_result_t *res, void *opaque)
     comp_move_t mv;
     comp_policy_answer(&in, &ob->dec, res->op, &v, &mv);
     if (mv.containment != COMP_CONTAIN_NONE && ob->blast_radius != NULL) {
-        json_t *receipt = mv.containment == COMP_CONTAIN_DONE ? tally_conn_receipt(res) : NULL;
+        json_t *receipt = mv.containment == COMP_CONTAIN_DONE ? answer_receipt(ob, res) : NULL;
         json_object_set_new(ob->blast_radius, "containment",
                             json_pack("{s:s, s:s, s:s, s:i, s:s, s:s, s:o}", "status",
                                       containment_status(mv.containment), "method", res->method,
@@ -420,7 +466,7 @@ static void on_done(const tally_conn_result_t *res, void *opaque)
     }
     comp_outcome_t *o = queue(c, ob, &mv);
     if (o != NULL && mv.to == TALLY_OBLIGATION_RESOLVED) {
-        o->reverse_receipt = tally_conn_receipt(res);
+        o->reverse_receipt = answer_receipt(ob, res);
     }
     if (o != NULL) {
         o->call = call;

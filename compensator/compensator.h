@@ -30,6 +30,7 @@
 #include "tally/metrics.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
+#include "tally/seal.h"
 #include "tally/runops.h"
 #include "tally/text.h"
 #include "tally/worker.h"
@@ -72,6 +73,12 @@ typedef struct comp_ob {
     tally_comp_decision_t dec;
     json_t *blast_radius; /**< what cannot be undone (owned; NULL otherwise) */
     double started;       /**< monotonic seconds when the call was submitted */
+    /* a sensitive tool's (seal.h): the tool gets the real values, everything else the
+     * redacted ones above */
+    tally_redactor_t *red;    /**< its tenant key and the values to keep out of answers */
+    char *args_plain;         /**< the sealed args opened, or NULL */
+    json_t *receipt_plain;    /**< the effect's sealed receipt opened (owned), or NULL */
+    tally_error_t sealed_err; /**< why they would not open; errc NONE when they did */
 } comp_ob_t;
 
 /** A decided move of one obligation, waiting to be written. */
@@ -94,6 +101,7 @@ typedef struct compensator {
     tally_worker_t *w;
     const tally_config_t *cfg;
     const tally_registry_t *reg;
+    const tally_keyring_t *keys; /**< master keys (seal.h) */
     tally_pg_t *pg;
     tally_consume_t *cs; /**< wake-ups on <prefix>obligations (the worker's); NULL: none */
     tally_connector_t *conn;

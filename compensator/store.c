@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/crypto.h>
+
 #include "tally/alert.h"
 #include "tally/audit.h"
 #include "tally/cloudevent.h"
@@ -76,7 +78,14 @@ static const char SQL_LEASE[] =
     "   to_char(coalesce((SELECT max(ev.occurred_at) FROM events ev"
     "       WHERE ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
     "         AND ev.to_status = 'CONFIRMED'), e.updated_at)"
-    "     AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')";
+    "     AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"
+    /* a sensitive tool's effect: its tenant key, sealed args and (when the obligation reverses
+     * the effect's own record) its sealed receipt (seal.h) */
+    "   e.seal_key::text,"
+    "   (SELECT k.master_key_id FROM tenant_keys k WHERE k.key_id = e.seal_key),"
+    "   (SELECT k.wrapped FROM tenant_keys k WHERE k.key_id = e.seal_key), e.args_sealed,"
+    "   CASE WHEN o.receipt IS NULL OR o.external_ref IS NOT DISTINCT FROM e.external_ref"
+    "     THEN e.receipt_sealed END";
 
 /* Every outcome of a batch in one statement, each a compare-and-set on (status, lease_epoch).
  * Each row carries its place in the batch (ord), which RETURNING gives back for the rows won. */
@@ -148,6 +157,11 @@ enum {
     L_INTENT_ID,
     L_EFFECT_ATTEMPTS,
     L_CONFIRMED_AT,
+    L_SEAL_KEY,
+    L_MASTER_KEY_ID,
+    L_WRAPPED,
+    L_ARGS_SEALED,
+    L_RECEIPT_SEALED,
 };
 
 /* ---------------------------------------------------------------------------------------- */
@@ -156,6 +170,40 @@ enum {
 static char *dup_or_null(PGresult *res, int row, int col)
 {
     return PQgetisnull(res, row, col) ? NULL : strdup(PQgetvalue(res, row, col));
+}
+
+/* A sensitive tool's obligation: the tenant key, the args and the effect's receipt opened for
+ * the reverse call; when they do not open, sealed_err says why (the call is not made). */
+static void open_sealed(const compensator_t *c, comp_ob_t *ob, PGresult *res, int row)
+{
+    const char *v[5];
+    for (int i = 0; i < 5; i++)
+        v[i] = PQgetisnull(res, row, L_SEAL_KEY + i) ? NULL : PQgetvalue(res, row, L_SEAL_KEY + i);
+    tally_sealed_row_t sr = {.effect_id = ob->effect_id,
+                             .key_id = v[0],
+                             .master_id = v[1],
+                             .wrapped = v[2],
+                             .args_sealed = v[3]};
+    size_t len = 0;
+    if (!tally_sensitive_open(c->keys, ob->tool, &sr, &ob->red, &ob->args_plain, &len,
+                              &ob->sealed_err))
+        return;
+    if (v[4] == NULL)
+        return;
+    char aad[64], *plain = NULL;
+    snprintf(aad, sizeof aad, "%s/receipt", ob->effect_id);
+    if (!tally_unseal(&ob->red->key, aad, v[4], &plain, &len, &ob->sealed_err))
+        return;
+    ob->receipt_plain = json_loadb(plain, len, 0, NULL);
+    /* the receipt's values are kept out of the answers too */
+    json_t *copy = ob->receipt_plain ? json_deep_copy(ob->receipt_plain) : NULL;
+    if (copy == NULL || tally_redactor_apply(ob->red, copy, ob->tool->sensitive_receipt,
+                                             ob->tool->n_sensitive_receipt) < 0)
+        tally_error_setc(&ob->sealed_err, TALLY_ERR_SEALED,
+                         "the sealed receipt of effect %s does not read", ob->effect_id);
+    json_decref(copy);
+    OPENSSL_cleanse(plain, len);
+    free(plain);
 }
 
 /* The state a leased row came from, parsed here once: PENDING, or RUNNING for an expired lease
@@ -199,6 +247,8 @@ static comp_ob_t *ob_from_row(compensator_t *c, PGresult *res, int row)
     ob->effect_attempts = atoi(PQgetvalue(res, row, L_EFFECT_ATTEMPTS));
     ob->confirmed_at = dup_or_null(res, row, L_CONFIRMED_AT);
     ob->tool = tally_registry_find(c->reg, ob->tool_name);
+    if (ob->tool != NULL && tally_tool_sensitive(ob->tool))
+        open_sealed(c, ob, res, row);
     if (ob->run_id == NULL || ob->reason == NULL || ob->step == NULL || ob->tool_name == NULL ||
         ob->operation_key == NULL || ob->args_canonical == NULL) {
         comp_ob_free(ob);

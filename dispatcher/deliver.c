@@ -9,6 +9,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "dispatcher.h"
 #include "tally/crashpoint.h"
 #include "tally/cloudevent.h"
@@ -42,7 +44,7 @@ static const char SQL_CLAIM[] =
     "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.step_quoted, e.tool, "
     "e.operation_key,"
     "     e.args_canonical, e.traceparent, e.intent_id, e.lease_epoch, e.attempts,"
-    "     e.lease_until),"
+    "     e.lease_until, e.seal_key, e.args_sealed),"
     " ev AS (INSERT INTO events (event_id, run_id, effect_id, kind, from_status, to_status,"
     "   actor, data)"
     /* event ids time-ordered like audit.c's (UUID version 7 layout): appends to the event_id
@@ -56,7 +58,10 @@ static const char SQL_CLAIM[] =
     "     AS hex) ts)"
     " SELECT effect_id::text, run_id, step, " TALLY_SQL_STEP_IS_NUMBER(
         "u") ", tool, operation_key,"
-             "   args_canonical, traceparent, intent_id, lease_epoch, attempts FROM u";
+             "   args_canonical, traceparent, intent_id, lease_epoch, attempts,"
+             /* a sensitive tool's effect: its tenant key, to open the sealed args */
+             "   u.seal_key::text, k.master_key_id, k.wrapped, u.args_sealed"
+             " FROM u LEFT JOIN tenant_keys k ON k.key_id = u.seal_key";
 
 /* ---------------------------------------------------------------------------------------- */
 /* Calls                                                                                    */
@@ -70,6 +75,7 @@ void dispatch_call_free(void *p)
     free(call->step);
     free(call->operation_key);
     free(call->intent_id);
+    call_sensitive_clear(call);
     free(call);
 }
 
@@ -135,13 +141,22 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     x->seconds = res->seconds;
     tally_conn_classify_execute(res, &x->v);
     if (x->v.verdict == TALLY_VERDICT_CONFIRMED) {
-        if (!tally_conn_receipt_text(res, call->tool, &x->receipt_text, &x->external_ref)) {
+        if (!tally_conn_receipt_text(res, call->tool, &x->receipt_text, &x->external_ref) ||
+            (call->red != NULL && !tally_sensitive_receipt(call->red, call->tool, call->effect_id,
+                                                           &x->receipt_text, &x->receipt_sealed))) {
             x->v.verdict = TALLY_VERDICT_UNKNOWN;
             snprintf(x->v.code, sizeof x->v.code, "receipt_lost");
             snprintf(x->v.message, sizeof x->v.message,
                      "HTTP %ld but the receipt could not be kept (out of memory)",
                      res->http_status);
         }
+    }
+    char *scrubbed = NULL; /* a sensitive tool's answer, as the audit trail may keep it */
+    if (call->red != NULL) {
+        char *msg = tally_redactor_scrub(call->red, x->v.message, strlen(x->v.message));
+        tally_text_copy(x->v.message, sizeof x->v.message, msg ? msg : "(redacted)");
+        free(msg);
+        scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len);
     }
     decide(x);
     size_t ref_over = 0;
@@ -177,7 +192,12 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         tally_jtext_str(&rec, "transport_error", x->v.message);
     if (res->retry_after_ms >= 0)
         tally_jtext_int(&rec, "retry_after_ms", res->retry_after_ms);
-    tally_conn_excerpt_text(&rec, "response", res->body, res->body_len, 2048);
+    if (call->red != NULL)
+        tally_conn_excerpt_text(&rec, "response", scrubbed ? scrubbed : "(redacted)",
+                                scrubbed ? strlen(scrubbed) : 10, 2048);
+    else
+        tally_conn_excerpt_text(&rec, "response", res->body, res->body_len, 2048);
+    free(scrubbed);
     tally_jtext_end(&rec);
     x->call_record = tally_jtext_take(&rec);
     tally_metric_observe(d->m_connector_seconds, res->seconds, call->tool->name);
@@ -190,13 +210,19 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     }
 }
 
+static const char *pg_value(const PGresult *res, int row, int col)
+{
+    return PQgetisnull(res, row, col) ? NULL : PQgetvalue(res, row, col);
+}
+
 /* A call that could not start (nothing was sent): recorded like a refused request, or as
  * FAILED when it can never be sent (a header that would inject, a missing endpoint). */
 static void submit_failed(dispatcher_t *d, dispatch_call_t *call, const tally_error_t *err)
 {
     dispatch_done_t done = {0}, *x = &done;
     x->call = call;
-    bool never = err->errc == TALLY_ERR_INVALID_HEADER || err->errc == TALLY_ERR_NO_ENDPOINT;
+    bool never = err->errc == TALLY_ERR_INVALID_HEADER || err->errc == TALLY_ERR_NO_ENDPOINT ||
+                 err->errc == TALLY_ERR_SEALED;
     x->v.verdict = never ? TALLY_VERDICT_FAILED : TALLY_VERDICT_RETRY;
     x->v.retry_after_ms = -1;
     snprintf(x->v.code, sizeof x->v.code, "%s", err->code);
@@ -321,8 +347,29 @@ int deliver_claim(dispatcher_t *d)
                         tool ? "out of memory" : "the tool is not in this worker's registry");
             continue;
         }
-        deliver_start(d, call, PQgetvalue(res, row, 6), (size_t)PQgetlength(res, row, 6),
+        const char *body = PQgetvalue(res, row, 6);
+        size_t body_len = (size_t)PQgetlength(res, row, 6);
+        char *opened = NULL;
+        if (tally_tool_sensitive(tool)) {
+            tally_error_t serr;
+            tally_error_clear(&serr);
+            if (!call_open_sealed(d, call, pg_value(res, row, 11), pg_value(res, row, 12),
+                                  pg_value(res, row, 13), pg_value(res, row, 14), &opened,
+                                  &body_len, &serr)) {
+                submit_failed(d, call, &serr);
+                continue;
+            }
+            if (opened == NULL)
+                body_len = (size_t)PQgetlength(res, row, 6);
+            else
+                body = opened;
+        }
+        deliver_start(d, call, body, body_len,
                       PQgetisnull(res, row, 7) ? NULL : PQgetvalue(res, row, 7));
+        if (opened != NULL) {
+            OPENSSL_cleanse(opened, body_len);
+            free(opened);
+        }
     }
     PQclear(res);
     for (size_t i = 0; i < n_tools; i++)

@@ -217,6 +217,9 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
     d->w = w;
     d->cfg = tally_worker_config(w);
     d->reg = tally_worker_registry(w);
+    d->keys = tally_worker_keyring(w);
+    for (size_t i = 0; i < tally_registry_count(d->reg); i++)
+        d->any_sensitive = d->any_sensitive || tally_tool_sensitive(tally_registry_at(d->reg, i));
     d->pg = tally_worker_pg(w);
     d->rk = tally_worker_consumer(w);
     d->worker_id = tally_worker_id(w);

@@ -22,6 +22,7 @@
 #include "tally/outbox.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
+#include "tally/seal.h"
 #include "tally/worker.h"
 
 #include "policy.h"
@@ -47,9 +48,16 @@ typedef struct intake_msg {
     char *canonical; /**< canonical args (intents) */
     char input_hash[65];
     char effect_id[37]; /**< the id the effect gets if this intent creates it */
-    bool dispatch;      /**< created as DISPATCHING by this batch: call it after COMMIT */
-    long long epoch;    /**< its lease epoch (dispatch) */
-    int attempts;       /**< its attempt number (dispatch) */
+    /* sensitive fields (sensitive.c), set by intake_seal inside the batch's transaction */
+    char *stored_args;     /**< the args as the ledger keeps them: redacted; NULL: canonical */
+    char *args_sealed;     /**< the canonical args sealed (bytea text), or NULL */
+    char seal_key[37];     /**< the tenant key they are sealed under, or "" */
+    tally_redactor_t *red; /**< its values, handed to the call when it is claimed */
+    char *dlq_original;    /**< a dead letter of a sensitive tool, redacted; or NULL */
+    bool dlq_withheld;     /**< a dead letter whose bytes cannot be redacted: not copied */
+    bool dispatch;         /**< created as DISPATCHING by this batch: call it after COMMIT */
+    long long epoch;       /**< its lease epoch (dispatch) */
+    int attempts;          /**< its attempt number (dispatch) */
 } intake_msg_t;
 
 /** A claimed effect while its connector call is in flight. */
@@ -63,7 +71,8 @@ typedef struct dispatch_call {
     const tally_tool_t *tool;
     long long epoch;
     int attempts;
-    double claimed_at; /**< monotonic seconds */
+    double claimed_at;     /**< monotonic seconds */
+    tally_redactor_t *red; /**< a sensitive tool's: the tenant key and the values to redact */
 } dispatch_call_t;
 
 /** A finished call waiting to be recorded. */
@@ -73,6 +82,7 @@ typedef struct dispatch_done {
     tally_dispatch_decision_t dec; /**< what the effect becomes (policy.c) */
     char *receipt_text;            /**< CONFIRMED: the receipt as compact JSON text (owned) */
     char *external_ref;            /**< CONFIRMED, may be NULL */
+    char *receipt_sealed;          /**< a sensitive tool's whole receipt, sealed, or NULL */
     char *call_record;             /**< the "connector_call" audit data, JSON text (owned) */
     double seconds;                /**< connector latency */
 } dispatch_done_t;
@@ -81,6 +91,8 @@ typedef struct dispatcher {
     tally_worker_t *w;
     const tally_config_t *cfg;
     const tally_registry_t *reg;
+    const tally_keyring_t *keys; /**< master keys (seal.h) */
+    bool any_sensitive;          /**< a tool declares sensitive fields */
     tally_pg_t *pg;
     rd_kafka_t *rk;
     tally_consume_t *cs; /**< the consumer's wake-up pipe and offsets (the worker's) */
@@ -229,6 +241,20 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque);
 /** @brief Free a call context (also for calls abandoned at exit). */
 void dispatch_call_free(void *call);
 
+/* sensitive.c */
+
+/** @brief For the sensitive intents of messages [lo, hi), inside the batch's transaction: the
+ * tenant keys (made when missing), the args redacted and sealed; dead letters of sensitive
+ * tools redacted. */
+bool intake_seal(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *err) TALLY_WUR;
+void intake_sensitive_clear(intake_msg_t *m);
+/** @brief A claimed effect of a sensitive tool: open its tenant key (@p key_id, @p master_id,
+ * @p wrapped as the row has them) into call->red and its sealed args (@p sealed, NULL when the
+ * args hold nothing sensitive) into @p body (malloc'd; NULL when @p sealed is NULL). */
+bool call_open_sealed(dispatcher_t *d, dispatch_call_t *call, const char *key_id,
+                      const char *master_id, const char *wrapped, const char *sealed, char **body,
+                      size_t *body_len, tally_error_t *err) TALLY_WUR;
+void call_sensitive_clear(dispatch_call_t *call);
 /* record.c */
 
 /** @brief Start the recorder thread and its connection. false (logged) when it cannot. */

@@ -38,6 +38,7 @@ static void msg_clear(intake_msg_t *m)
     free(m->op_key);
     free(m->canonical);
     free(m->reply);
+    intake_sensitive_clear(m);
     memset(m, 0, sizeof *m);
 }
 
@@ -393,6 +394,20 @@ static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
         rc |= json_object_set_new(data, "key", json_null());
         rc |= json_object_set_new(data, "original_key", json_null());
     }
+    const size_t size = len;
+    if (m->dlq_original != NULL) {
+        /* a sensitive tool's intent: its args redacted (sensitive.c), re-serialised */
+        val = m->dlq_original;
+        len = strlen(val);
+        rc |= json_object_set_new(data, "original_redacted", json_true());
+    } else if (m->dlq_withheld) {
+        /* not readable as JSON while tools declare sensitive fields: which bytes are sensitive
+         * cannot be known, so none is copied; the offset names the original */
+        rc |= json_object_set_new(data, "original_withheld",
+                                  json_string("the registry declares sensitive fields and this "
+                                              "message cannot be read to redact them"));
+        len = 0;
+    }
     bool text = tally_utf8_valid(val, len);
     size_t keep;
     if (text) {
@@ -403,7 +418,7 @@ static json_t *dlq_data(dispatcher_t *d, const intake_msg_t *m, size_t budget)
         rc |= json_object_set_new(data, "original_base64", b64(val, keep));
     }
     rc |= json_object_set_new(data, "original_truncated", json_boolean(keep < len));
-    rc |= json_object_set_new(data, "original_size", json_integer((json_int_t)len));
+    rc |= json_object_set_new(data, "original_size", json_integer((json_int_t)size));
     (void)d;
     if (rc != 0) {
         json_decref(data);
@@ -524,6 +539,8 @@ static void start_claimed(dispatcher_t *d, size_t lo, size_t hi)
             TALLY_ERROR("effect %s claimed but out of memory; its lease will expire", m->effect_id);
             continue;
         }
+        call->red = m->red; /* the call's now */
+        m->red = NULL;
         deliver_start(d, call, m->canonical, strlen(m->canonical), m->in.traceparent);
     }
 }

@@ -41,21 +41,23 @@ static const char SQL_EFFECTS[] =
     "  SELECT u.ord::int AS ord, u.effect_id::uuid AS effect_id, u.run_id, u.step,"
     "    u.step_num::numeric AS step_num, u.tool, u.effect_class, u.operation_key, u.input_hash,"
     "    u.args_canonical, u.tenant, u.traceparent, u.intent_id, u.gated::boolean AS gated,"
-    "    u.lease_ms::int AS lease_ms, u.quoted::boolean AS step_quoted"
+    "    u.lease_ms::int AS lease_ms, u.quoted::boolean AS step_quoted,"
+    "    u.seal_key::uuid AS seal_key, u.args_sealed::bytea AS args_sealed"
     "  FROM unnest(" TALLY_COLUMN("$1", 1) "," TALLY_COLUMN("$1", 2) "," TALLY_COLUMN("$1", 3) ","
     TALLY_COLUMN("$1", 4) "," TALLY_COLUMN("$1", 5) "," TALLY_COLUMN("$1", 6) ","
     TALLY_COLUMN("$1", 7) "," TALLY_COLUMN("$1", 8) "," TALLY_COLUMN("$1", 9) ","
     TALLY_COLUMN("$1", 10) "," TALLY_COLUMN("$1", 11) "," TALLY_COLUMN("$1", 12) ","
     TALLY_COLUMN("$1", 13) "," TALLY_COLUMN("$1", 14) "," TALLY_COLUMN("$1", 15) ","
-    TALLY_COLUMN("$1", 16) ")"
+    TALLY_COLUMN("$1", 16) "," TALLY_COLUMN("$1", 17) "," TALLY_COLUMN("$1", 18) ")"
     "  AS u(ord, effect_id, run_id, step, step_num, tool, effect_class, operation_key,"
-    "    input_hash, args_canonical, tenant, traceparent, intent_id, gated, lease_ms, quoted)),"
+    "    input_hash, args_canonical, tenant, traceparent, intent_id, gated, lease_ms, quoted,"
+    "    seal_key, args_sealed)),"
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT run_id FROM r)"
     "    ORDER BY run_id FOR SHARE),"
     " ins AS ("
     "  INSERT INTO effects (effect_id, run_id, step, step_num, step_quoted, tool, effect_class,"
     "    operation_key, input_hash, args_canonical, tenant, traceparent, intent_id, status,"
-    "    status_reason, lease_owner, lease_until, lease_epoch, attempts)"
+    "    status_reason, lease_owner, lease_until, lease_epoch, attempts, seal_key, args_sealed)"
     "  SELECT r.effect_id, r.run_id, r.step, r.step_num, r.step_quoted, r.tool, r.effect_class,"
     "    r.operation_key, r.input_hash, r.args_canonical, r.tenant, r.traceparent, r.intent_id,"
     "    s.status, CASE WHEN ru.status <> 'ACTIVE' THEN 'the run is ' || ru.status END,"
@@ -63,7 +65,7 @@ static const char SQL_EFFECTS[] =
     "    CASE WHEN s.status = 'DISPATCHING' THEN now() + r.lease_ms * interval '1 millisecond'"
     "    END,"
     "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END,"
-    "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END"
+    "    CASE WHEN s.status = 'DISPATCHING' THEN 1 ELSE 0 END, r.seal_key, r.args_sealed"
     "  FROM r JOIN ru ON ru.run_id = r.run_id AND ru.status NOT IN ('COMPLETING', 'COMPLETED')"
     "  CROSS JOIN LATERAL (SELECT CASE WHEN ru.status <> 'ACTIVE' THEN 'CANCELLED'"
     "    WHEN r.gated THEN 'AWAITING_APPROVAL'"
@@ -77,7 +79,7 @@ static const char SQL_EFFECTS[] =
     " SELECT effect_id::text, status, status_reason, lease_epoch, attempts, lease_until"
     " FROM ins";
 // clang-format on
-#define EFFECT_COLS 16
+#define EFFECT_COLS 18
 
 /* For the intents that created nothing: the effect holding their (tool, key), and the one
  * holding their (run, step), in one query. */
@@ -566,6 +568,12 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
 
     for (size_t t = 0; t < n_tools; t++)
         room[t] = tally_connector_capacity(d->conn, tally_registry_at(d->reg, t));
+    /* Begun before the rows are built: the sensitive intents' tenant keys are read (and made)
+     * in it, share-locked until the effects sealed under them are committed. */
+    if (!tally_pg_begin(d->pg, err))
+        goto out;
+    if (!intake_seal(d, lo, hi, err))
+        goto out;
     for (size_t i = lo; i < hi; i++) {
         intake_msg_t *m = &d->batch[i];
         m->dispatch = false;                         /* a retried batch claims again */
@@ -627,11 +635,14 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
                        tally_columns_text(rs, m->tool->name) &&
                        tally_columns_text(rs, tally_effect_class_name(m->tool->effect_class)) &&
                        tally_columns_text(rs, m->op_key) && tally_columns_text(rs, m->input_hash) &&
-                       tally_columns_text(rs, m->canonical) && tally_columns_text(rs, in->tenant) &&
+                       tally_columns_text(rs, m->stored_args ? m->stored_args : m->canonical) &&
+                       tally_columns_text(rs, in->tenant) &&
                        tally_columns_text(rs, in->traceparent) && tally_columns_text(rs, in->id) &&
                        tally_columns_text(rs, gated ? "true" : "false") &&
                        tally_columns_text(rs, lease) &&
-                       tally_columns_text(rs, in->step_is_number ? "false" : "true");
+                       tally_columns_text(rs, in->step_is_number ? "false" : "true") &&
+                       tally_columns_text(rs, m->seal_key[0] ? m->seal_key : NULL) &&
+                       tally_columns_text(rs, m->args_sealed);
             if (!tally_columns_row_end(rs, row))
                 goto oom;
             ids[i] = m->effect_id;
@@ -656,8 +667,6 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
         }
     }
 
-    if (!tally_pg_begin(d->pg, err))
-        goto out;
     if (runs.n > 0 && !exec_rows(d, SQL_RUNS, &runs, NULL, NULL, err))
         goto out;
     if (effects.n > 0) {

@@ -42,16 +42,18 @@
 #define RECORDED_ROWS(PARAM, N)                                                                    \
     " (SELECT u.effect_id::uuid AS effect_id, u.epoch::bigint AS epoch, u.status,"                 \
     "   u.receipt::jsonb AS receipt, u.external_ref, u.error_code, u.error_message,"               \
-    "   u.delay_ms::bigint AS delay_ms, u.maybe::boolean AS maybe_applied"                         \
+    "   u.delay_ms::bigint AS delay_ms, u.maybe::boolean AS maybe_applied,"                        \
+    "   u.receipt_sealed::bytea AS receipt_sealed"                                                 \
     "   FROM ROWS FROM (unnest(" TALLY_COLUMN(PARAM, 1) "),"                                       \
     "   unnest(" TALLY_COLUMN(PARAM, 2) "), unnest(" TALLY_COLUMN(PARAM, 3) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 4) "), unnest(" TALLY_COLUMN(PARAM, 5) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 6) "), unnest(" TALLY_COLUMN(PARAM, 7) "),"                   \
     "   unnest(" TALLY_COLUMN(PARAM, 8) "), unnest(" TALLY_COLUMN(PARAM, 9) "),"                   \
+    "   unnest(" TALLY_COLUMN(PARAM, 10) "),"                                                      \
     "   generate_series(1, " N "::int))"                                                           \
     "   AS u(effect_id, epoch, status, receipt, external_ref, error_code, error_message,"          \
-    "   delay_ms, maybe, k))"
-#define REC_COLS 9 /* RECORDED_ROWS' columns, from effect_id to maybe_applied */
+    "   delay_ms, maybe, receipt_sealed, k))"
+#define REC_COLS 10 /* RECORDED_ROWS' columns, from effect_id to receipt_sealed */
 
 /* The general path: a batch with a retry or a page. Each row is written as decided, with one
  * exception, the OVERRIDE (CTE x), the one move decided here and not in policy.c because only
@@ -69,7 +71,8 @@ static const char SQL_RECORD[] =
     " ru AS (SELECT run_id, status FROM runs WHERE run_id IN (SELECT e.run_id FROM r"
     "   JOIN effects e ON e.effect_id = r.effect_id WHERE r.status = 'PLANNED')"
     "   ORDER BY run_id FOR SHARE),"
-    " x AS (SELECT r.effect_id, r.epoch, r.receipt, r.external_ref, r.delay_ms, o.stop,"
+    " x AS (SELECT r.effect_id, r.epoch, r.receipt, r.receipt_sealed, r.external_ref,"
+    "   r.delay_ms, o.stop,"
     "   CASE WHEN o.stop IS NULL THEN r.status WHEN o.maybe THEN 'UNKNOWN'"
     "     ELSE 'CANCELLED' END AS status,"
     "   CASE WHEN o.stop IS NOT NULL AND NOT o.maybe THEN 'run_not_active'"
@@ -89,6 +92,8 @@ static const char SQL_RECORD[] =
     " upd AS (UPDATE effects e SET status = x.status,"
     "   status_reason = coalesce(x.stop, e.status_reason),"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
+    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"
+    "     ELSE e.receipt_sealed END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
     "     ELSE e.external_ref END,"
     "   error_code = x.error_code, error_message = x.error_message,"
@@ -119,6 +124,8 @@ static const char SQL_RECORD_FINAL[] =
     "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
     " upd AS (UPDATE effects e SET status = x.status,"
     "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
+    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"
+    "     ELSE e.receipt_sealed END,"
     "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
     "     ELSE e.external_ref END,"
     "   error_code = x.error_code, error_message = x.error_message,"
@@ -355,7 +362,8 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
                    tally_columns_text(&rows, x->external_ref) && tally_columns_text(&rows, code) &&
                    tally_columns_text(&rows, code ? x->dec.error_message : NULL) &&
                    tally_columns_text(&rows, delay) &&
-                   tally_columns_text(&rows, x->dec.maybe_applied ? "t" : "f");
+                   tally_columns_text(&rows, x->dec.maybe_applied ? "t" : "f") &&
+                   tally_columns_text(&rows, x->receipt_sealed);
         if (!tally_columns_row_end(&rows, row)) {
             if (rows.bad_text)
                 tally_error_setc(&err, TALLY_ERR_INVALID_TEXT, "results not written: %s", rows.why);
@@ -549,6 +557,7 @@ void dispatch_done_clear(dispatch_done_t *x)
     dispatch_call_free(x->call);
     free(x->receipt_text);
     free(x->external_ref);
+    free(x->receipt_sealed);
     free(x->call_record);
     memset(x, 0, sizeof *x);
 }

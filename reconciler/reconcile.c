@@ -280,6 +280,36 @@ static void inconclusive(tally_recon_item_t *it, const char *code, const char *m
     it->records = NULL;
 }
 
+/* A sensitive tool's status answer, before anything keeps it: the record that becomes the
+ * receipt sealed whole, every record redacted and scrubbed, the message scrubbed (a parse error
+ * quotes the body). */
+static bool redact_answer(tally_recon_item_t *it)
+{
+    char *msg = tally_redactor_scrub(it->red, it->verdict.message, strlen(it->verdict.message));
+    if (msg == NULL)
+        return false;
+    tally_text_copy(it->verdict.message, sizeof it->verdict.message, msg);
+    free(msg);
+    if (it->records == NULL)
+        return true;
+    char *kept =
+        json_dumps(json_array_get(it->records, tally_recon_earliest(it->records)), JSON_COMPACT);
+    if (kept == NULL)
+        return false;
+    char aad[64];
+    snprintf(aad, sizeof aad, "%s/receipt", it->effect_id);
+    it->receipt_sealed = tally_seal(&it->red->key, aad, kept, strlen(kept));
+    free(kept);
+    bool ok = it->receipt_sealed != NULL;
+    for (size_t i = 0; ok && i < json_array_size(it->records); i++) {
+        json_t *rec = json_array_get(it->records, i);
+        ok = tally_redactor_apply(it->red, rec, it->tool->sensitive_receipt,
+                                  it->tool->n_sensitive_receipt) >= 0 &&
+             tally_redactor_scrub_json(it->red, rec);
+    }
+    return ok;
+}
+
 static void on_check_done(const tally_conn_result_t *res, void *opaque)
 {
     reconciler_t *rc = opaque;
@@ -304,6 +334,8 @@ static void on_check_done(const tally_conn_result_t *res, void *opaque)
             inconclusive(it, "bad_record", why);
         }
     }
+    if (it->red != NULL && !redact_answer(it))
+        inconclusive(it, "oom", "out of memory redacting the status answer");
     if (!push_done(rc, it)) {
         TALLY_ERROR("out of memory keeping a status check verdict; the lease on %s will expire",
                     it->effect_id);
@@ -361,6 +393,16 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     for (int i = 0; i < n; i++) {
         tally_recon_item_t *it = items[i];
         TALLY_CRASHPOINT("reconcile.after_lease_commit");
+        if (it->sealed_err.errc != TALLY_ERR_NONE) {
+            /* its tenant key does not open: nothing can be asked in its name; the checks stay
+             * inconclusive and page once they have lasted too long */
+            it->checked = false;
+            inconclusive(it, it->sealed_err.code, it->sealed_err.message);
+            if (!push_done(rc, it)) {
+                tally_recon_item_free(it);
+            }
+            continue;
+        }
         if (it->tool->status.path == NULL) {
             /* nothing to ask: the decision needs no call */
             it->verdict.verdict = TALLY_VERDICT_INCONCLUSIVE;
@@ -555,6 +597,7 @@ static bool reconciler_init(tally_worker_t *w, void **state)
     rc->db = (tally_recon_db_t){
         .pg = tally_worker_pg(w),
         .reg = rc->reg,
+        .keys = tally_worker_keyring(w),
         .actor = tally_worker_id(w),
         .source = rc->source,
     };

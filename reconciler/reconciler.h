@@ -18,6 +18,7 @@
 #include "tally/outbox.h"
 #include "tally/pg.h"
 #include "tally/registry.h"
+#include "tally/seal.h"
 #include "tally/worker.h"
 
 /** The worker: `tally_worker_main(argc, argv, &tally_reconciler_ops)`. */
@@ -128,6 +129,10 @@ typedef struct tally_recon_item {
     bool won;             /**< set by tally_recon_record: the compare-and-set matched */
     long long next_in_ms; /**< set with won: when the effect is due again (database clock) */
     int record_tries;     /**< failed attempts to record the verdict */
+    /* a sensitive tool's effect (seal.h) */
+    tally_redactor_t *red;    /**< its tenant key and the values to keep out of answers */
+    char *receipt_sealed;     /**< FOUND/DUPLICATE: the kept record, sealed whole */
+    tally_error_t sealed_err; /**< why its key would not open; errc NONE when it did */
 } tally_recon_item_t;
 
 /** @brief Frees an item and what it owns. NULL is allowed. */
@@ -137,8 +142,9 @@ void tally_recon_item_free(tally_recon_item_t *it);
 typedef struct tally_recon_db {
     tally_pg_t *pg;
     const tally_registry_t *reg;
-    const char *actor;  /**< the worker id, for audit events and lease_owner */
-    const char *source; /**< the CloudEvents source, "/tally/reconciler/<worker id>" */
+    const tally_keyring_t *keys; /**< master keys, for sensitive tools' effects */
+    const char *actor;           /**< the worker id, for audit events and lease_owner */
+    const char *source;          /**< the CloudEvents source, "/tally/reconciler/<worker id>" */
     /* Set by store.c for the length of one transaction; the caller leaves them NULL. */
     tally_audit_batch_t *audit;
     tally_outbox_batch_t *outbox;

@@ -92,7 +92,11 @@ static const char SQL_CLAIM[] =
     " RETURNING e.effect_id::text, e.lease_epoch, e.run_id, e.tool, e.operation_key,"
     " e.traceparent, e.attempts, e.inconclusive_checks,"
     " now() >= e.unknown_since + t.settle_ms * interval '1 millisecond',"
-    " (extract(epoch FROM now() - e.unknown_since) * 1000)::bigint";
+    " (extract(epoch FROM now() - e.unknown_since) * 1000)::bigint,"
+    /* a sensitive tool's effect: its tenant key and sealed args (seal.h) */
+    " e.seal_key::text,"
+    " (SELECT k.master_key_id FROM tenant_keys k WHERE k.key_id = e.seal_key),"
+    " (SELECT k.wrapped FROM tenant_keys k WHERE k.key_id = e.seal_key), e.args_sealed";
 
 /* The verdicts: one compare-and-set for the batch. A reschedule (to_status UNKNOWN) waits for
  * the later of the backoff and the end of the settle window. The lease is released and the
@@ -101,6 +105,8 @@ static const char SQL_RECORD[] =
     "UPDATE effects e SET status = r.to_status,"
     " status_reason = coalesce(r.reason, e.status_reason),"
     " receipt = CASE WHEN r.to_status = 'CONFIRMED' THEN r.receipt ELSE e.receipt END,"
+    " receipt_sealed = CASE WHEN r.to_status = 'CONFIRMED' THEN r.receipt_sealed::bytea"
+    "   ELSE e.receipt_sealed END,"
     " external_ref = CASE WHEN r.to_status = 'CONFIRMED' THEN r.external_ref"
     "   ELSE e.external_ref END,"
     " error_code = CASE WHEN r.set_error THEN r.error_code ELSE e.error_code END,"
@@ -118,7 +124,7 @@ static const char SQL_RECORD[] =
     " FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint, to_status text,"
     " reason text, receipt jsonb, external_ref text, set_error boolean, error_code text,"
     " error_message text, delay_ms bigint, settle_ms bigint, inconclusive boolean,"
-    " checked boolean)"
+    " checked boolean, receipt_sealed text)"
     " WHERE e.effect_id = r.effect_id AND e.status = 'UNKNOWN' AND e.lease_epoch = r.epoch"
     " RETURNING " EFFECT_COLS ", e.inconclusive_checks,"
     " to_char(e.next_attempt_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"
@@ -176,6 +182,8 @@ void tally_recon_item_free(tally_recon_item_t *it)
     free(it->operation_key);
     free(it->traceparent);
     json_decref(it->records);
+    tally_redactor_free(it->red);
+    free(it->receipt_sealed);
     free(it);
 }
 
@@ -397,6 +405,17 @@ int tally_recon_claim(tally_recon_db_t *db, const char *tools_json, int limit,
         it->inconclusive_checks = atoi(PQgetvalue(res, i, 7));
         it->settled = strcmp(PQgetvalue(res, i, 8), "t") == 0;
         it->unknown_ms = strtoll(PQgetvalue(res, i, 9), NULL, 10);
+        if (it->tool != NULL && tally_tool_sensitive(it->tool)) {
+            tally_sealed_row_t sr = {.effect_id = it->effect_id,
+                                     .key_id = col(res, i, 10),
+                                     .master_id = col(res, i, 11),
+                                     .wrapped = col(res, i, 12),
+                                     .args_sealed = col(res, i, 13)};
+            if (!tally_sensitive_open(db->keys, it->tool, &sr, &it->red, NULL, NULL,
+                                      &it->sealed_err) &&
+                it->sealed_err.errc == TALLY_ERR_NONE)
+                tally_error_setc(&it->sealed_err, TALLY_ERR_OOM, "out of memory");
+        }
         if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
             (col(res, i, 5) != NULL && it->traceparent == NULL)) {
             tally_recon_item_free(it);
@@ -520,6 +539,7 @@ static json_t *record_row(const tally_recon_item_t *it)
                  json_object_set_new(row, "error_message", json_string(msg)) == 0;
         }
         ok = ok && json_object_set(row, "receipt", rec) == 0 &&
+             json_object_set_new(row, "receipt_sealed", text_or_null(it->receipt_sealed)) == 0 &&
              json_object_set_new(row, "external_ref", text_or_null(ref)) == 0 &&
              json_object_set_new(row, "set_error", json_true()) == 0 &&
              json_object_set_new(row, "reason",

@@ -279,6 +279,12 @@ static void tool_free(tally_tool_t *t)
     free(t->signing.key_id);
     free(t->signing.secret_env);
     free(t->runbook);
+    for (size_t i = 0; i < t->n_sensitive_args; i++)
+        free(t->sensitive_args[i]);
+    free(t->sensitive_args);
+    for (size_t i = 0; i < t->n_sensitive_receipt; i++)
+        free(t->sensitive_receipt[i]);
+    free(t->sensitive_receipt);
     memset(t, 0, sizeof *t);
 }
 
@@ -643,6 +649,90 @@ static void operation_key_field(vctx_t *v, const json_t *obj, tally_tool_t *t)
         t->operation_key[i] = vdup(v, json_string_value(json_array_get(ok, i)));
 }
 
+/* Whether pointer @p ptr names @p within or something inside it ("/card" covers "/card/number"). */
+static bool pointer_covers(const char *ptr, const char *within)
+{
+    size_t n = strlen(ptr);
+    return strncmp(ptr, within, n) == 0 && (within[n] == '\0' || within[n] == '/');
+}
+
+/* sensitive.args or sensitive.receipt: an array of distinct JSON pointers naming members. */
+static void sensitive_list(vctx_t *v, const json_t *sens, const char *key, char ***out,
+                           size_t *nout)
+{
+    const json_t *list = json_object_get(sens, key);
+    if (list == NULL)
+        return;
+    char got[80];
+    if (!json_is_array(list)) {
+        problem(v, "sensitive",
+                "sensitive.%s must be an array of JSON pointers such as \"/card/number\" (got %s)",
+                key, shown_json(list, got, sizeof got));
+        return;
+    }
+    size_t n = json_array_size(list);
+    char **ptrs = calloc(n ? n : 1, sizeof *ptrs);
+    if (ptrs == NULL) {
+        problem(v, "internal", "out of memory");
+        return;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        const char *s = json_string_value(json_array_get(list, i));
+        if (s == NULL || s[0] != '/' || !json_pointer_valid(s)) {
+            problem(v, "sensitive",
+                    "sensitive.%s[%zu] must be a JSON pointer naming a member, like \"/ssn\" or "
+                    "\"/card/number\" (got %s)",
+                    key, i, shown_json(json_array_get(list, i), got, sizeof got));
+            continue;
+        }
+        ptrs[k] = vdup(v, s);
+        if (ptrs[k] != NULL)
+            k++;
+    }
+    *out = ptrs;
+    *nout = k;
+}
+
+/* The registry's "sensitive" object, and what it may not cover: the args an operation key is
+ * built from (the key is stored and sent in clear) and the receipt's ref (the ledger indexes it).
+ */
+static void sensitive_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
+{
+    const json_t *sens = object_field(v, obj, "sensitive", "sensitive");
+    if (sens == NULL)
+        return;
+    const char *k;
+    const json_t *val;
+    json_object_foreach((json_t *)sens, k, val)
+    {
+        if (strcmp(k, "args") != 0 && strcmp(k, "receipt") != 0) {
+            char got[80];
+            problem(v, "sensitive", "sensitive has \"%s\"; it takes \"args\" and \"receipt\" only",
+                    shown(k, got, sizeof got));
+        }
+    }
+    sensitive_list(v, sens, "args", &t->sensitive_args, &t->n_sensitive_args);
+    sensitive_list(v, sens, "receipt", &t->sensitive_receipt, &t->n_sensitive_receipt);
+    for (size_t i = 0; i < t->n_sensitive_args; i++)
+        for (size_t j = 0; j < t->n_operation_key; j++) {
+            char arg[300];
+            snprintf(arg, sizeof arg, "/%s", t->operation_key[j]);
+            if (pointer_covers(t->sensitive_args[i], arg))
+                problem(v, "sensitive-operation-key",
+                        "sensitive.args %s covers args.%s, which operation_key is built from: "
+                        "the operation key is stored and sent in clear; build it from other args",
+                        t->sensitive_args[i], t->operation_key[j]);
+        }
+    const char *ref = t->receipt_ref != NULL ? t->receipt_ref : "/id";
+    for (size_t i = 0; i < t->n_sensitive_receipt; i++)
+        if (ref[0] == '\0' || pointer_covers(t->sensitive_receipt[i], ref))
+            problem(v, "sensitive-receipt-ref",
+                    "sensitive.receipt %s covers connector.receipt_ref %s: the external ref is "
+                    "stored in clear and indexed",
+                    t->sensitive_receipt[i], ref[0] ? ref : "\"\"");
+}
+
 static void compensation_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
 {
     t->comp_mode = TALLY_COMP_AUTOMATIC;
@@ -765,6 +855,7 @@ static void tool_load(vctx_t *v, const json_t *obj, size_t index, const tally_to
 
     compensation_fields(v, obj, t);
     retry_fields(v, obj, t);
+    sensitive_fields(v, obj, t);
     t->settle_ms = int_field(v, obj, "settle_ms", "settle_ms", 2000, 0, MS_MAX, NULL);
     t->max_concurrency =
         int_field(v, obj, "max_concurrency", "max_concurrency", 64, 1, 10000, NULL);

@@ -25,6 +25,7 @@
 #include "tally/migrate.h"
 #include "tally/relay.h"
 #include "tally/roles.h"
+#include "tally/seal.h"
 
 /* The stop flag is handed out as `volatile const int *`; that is only sound where
  * sig_atomic_t is int, as on every platform tally builds for. */
@@ -47,6 +48,7 @@ struct tally_worker {
     const tally_worker_ops_t *ops;
     tally_config_t *cfg;
     tally_registry_t *reg;
+    tally_keyring_t *keys; /* master keys, when a tool declares sensitive fields */
     tally_pg_t *pg;
     tally_metrics_t *metrics;
     tally_metric_t *m_up;
@@ -240,6 +242,11 @@ const tally_registry_t *tally_worker_registry(tally_worker_t *w)
     return w->reg;
 }
 
+const tally_keyring_t *tally_worker_keyring(tally_worker_t *w)
+{
+    return w->keys;
+}
+
 tally_pg_t *tally_worker_pg(tally_worker_t *w)
 {
     return w->pg;
@@ -413,6 +420,31 @@ static int setup_config(tally_worker_t *w, int argc, char **argv)
     return 0;
 }
 
+/* The master keys (seal.h). A registry that declares sensitive fields needs one: without it
+ * nothing of those tools could be written, so the worker refuses to start rather than
+ * dead-letter every intent. */
+static int setup_keys(tally_worker_t *w, const char *path)
+{
+    tally_error_t err;
+    tally_error_clear(&err);
+    w->keys = tally_keyring_load(w->cfg, &err);
+    if (w->keys == NULL) {
+        TALLY_ERROR("refusing to start: %s", err.message);
+        return 2;
+    }
+    for (size_t i = 0; i < tally_registry_count(w->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(w->reg, i);
+        if (tally_tool_sensitive(t) && !tally_keyring_ready(w->keys)) {
+            TALLY_ERROR("refusing to start: tool '%s' in %s declares sensitive fields, and "
+                        "there is no master key to seal them: set TALLY_MASTER_KEY or "
+                        "TALLY_MASTER_KEY_FILE (docs/security.md)",
+                        t->name, path);
+            return 2;
+        }
+    }
+    return 0;
+}
+
 static int setup_registry(tally_worker_t *w)
 {
     const char *path = w->cfg->tools_path;
@@ -450,7 +482,7 @@ static int setup_registry(tally_worker_t *w)
                            t->name, k == 0 ? "Tally-Signature" : "RFC 9421", keys[k]);
         }
     }
-    return 0;
+    return setup_keys(w, path);
 }
 
 static int setup_metrics(tally_worker_t *w)
@@ -865,6 +897,7 @@ out:
     close_all(w);
     tally_metrics_free(w->metrics);
     tally_registry_free(w->reg);
+    tally_keyring_free(w->keys);
     tally_config_free(w->cfg);
     pthread_mutex_destroy(&w->ready_mu);
     memset(w, 0, sizeof *w);

@@ -14,7 +14,7 @@
 
 #include "tally/error.h"
 
-#define TALLY_COLUMNS_MAX 16
+#define TALLY_COLUMNS_MAX 20
 
 /**
  * @brief A batch of rows of text values, kept column by column. Zero-initialise, then

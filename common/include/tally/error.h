@@ -46,6 +46,8 @@
     X(TALLY_ERR_SIGNATURE, "signature", false, false, "the request signature could not be made")   \
     X(TALLY_ERR_SECRET_MISSING, "secret_missing", true, false,                                     \
       "the tool signs its requests but its secret is not set (retriable once it is)")              \
+    X(TALLY_ERR_SEALED, "sealed_unreadable", false, false,                                         \
+      "a sealed sensitive value cannot be opened: its tenant key was forgotten or is missing")     \
     X(TALLY_ERR_CAPACITY, "capacity", true, false,                                                 \
       "no room for another call (global or per-tool cap)")                                         \
     X(TALLY_ERR_CONFLICT, "conflict", true, false, "a row changed under its lock; try again")      \

@@ -67,7 +67,17 @@ typedef struct tally_tool {
     int settle_ms;          /**< default 2000 */
     bool requires_approval; /**< forced true for destructive */
     int max_concurrency;    /**< default 64 */
+    char **sensitive_args;  /**< sensitive.args: JSON pointers into args (seal.h) */
+    size_t n_sensitive_args;
+    char **sensitive_receipt; /**< sensitive.receipt: JSON pointers into the tool's answers */
+    size_t n_sensitive_receipt;
 } tally_tool_t;
+
+/** @brief Whether the tool declares sensitive fields: its values are sealed and redacted. */
+static inline bool tally_tool_sensitive(const tally_tool_t *t)
+{
+    return t->n_sensitive_args > 0 || t->n_sensitive_receipt > 0;
+}
 
 typedef struct tally_registry tally_registry_t;
 

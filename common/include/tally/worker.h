@@ -46,6 +46,8 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops);
 
 const tally_config_t *tally_worker_config(tally_worker_t *w);
 const tally_registry_t *tally_worker_registry(tally_worker_t *w);
+/** @brief The master keys (seal.h); empty when none is configured. */
+const struct tally_keyring *tally_worker_keyring(tally_worker_t *w);
 /** The worker's main PostgreSQL connection (the relay has its own). */
 tally_pg_t *tally_worker_pg(tally_worker_t *w);
 tally_metrics_t *tally_worker_metrics(tally_worker_t *w);
