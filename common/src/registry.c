@@ -656,6 +656,12 @@ static bool pointer_covers(const char *ptr, const char *within)
     return strncmp(ptr, within, n) == 0 && (within[n] == '\0' || within[n] == '/');
 }
 
+/* Whether two pointers name overlapping values: one is the other or inside it. */
+static bool pointers_overlap(const char *a, const char *b)
+{
+    return pointer_covers(a, b) || pointer_covers(b, a);
+}
+
 /* sensitive.args or sensitive.receipt: an array of distinct JSON pointers naming members. */
 static void sensitive_list(vctx_t *v, const json_t *sens, const char *key, char ***out,
                            size_t *nout)
@@ -716,9 +722,19 @@ static void sensitive_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
     sensitive_list(v, sens, "receipt", &t->sensitive_receipt, &t->n_sensitive_receipt);
     for (size_t i = 0; i < t->n_sensitive_args; i++)
         for (size_t j = 0; j < t->n_operation_key; j++) {
-            char arg[300];
-            snprintf(arg, sizeof arg, "/%s", t->operation_key[j]);
-            if (pointer_covers(t->sensitive_args[i], arg))
+            char arg[300]; /* args.<name> as a pointer: '~' and '/' escaped (RFC 6901) */
+            size_t n = 0;
+            arg[n++] = '/';
+            for (const char *c = t->operation_key[j]; *c && n + 3 < sizeof arg; c++) {
+                if (*c == '~' || *c == '/') {
+                    arg[n++] = '~';
+                    arg[n++] = *c == '~' ? '0' : '1';
+                } else {
+                    arg[n++] = *c;
+                }
+            }
+            arg[n] = '\0';
+            if (pointers_overlap(t->sensitive_args[i], arg))
                 problem(v, "sensitive-operation-key",
                         "sensitive.args %s covers args.%s, which operation_key is built from: "
                         "the operation key is stored and sent in clear; build it from other args",
@@ -726,7 +742,7 @@ static void sensitive_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
         }
     const char *ref = t->receipt_ref != NULL ? t->receipt_ref : "/id";
     for (size_t i = 0; i < t->n_sensitive_receipt; i++)
-        if (ref[0] == '\0' || pointer_covers(t->sensitive_receipt[i], ref))
+        if (ref[0] == '\0' || pointers_overlap(t->sensitive_receipt[i], ref))
             problem(v, "sensitive-receipt-ref",
                     "sensitive.receipt %s covers connector.receipt_ref %s: the external ref is "
                     "stored in clear and indexed",

@@ -234,6 +234,19 @@ static const rule_case_t rule_cases[] = {
     {"read", "connector.signing",
      "{\"scheme\": \"rfc9421\", \"key_id\": \"k1\", \"secret_env\": \"K\", \"window_s\": 0}", NULL,
      "numeric-range", "connector.signing.window_s"},
+    {"read", "sensitive", "[\"/ssn\"]", NULL, "sensitive", "must be an object"},
+    {"read", "sensitive.args", "\"/ssn\"", NULL, "sensitive", "array of JSON pointers"},
+    {"read", "sensitive.args", "[\"ssn\"]", NULL, "sensitive", "sensitive.args[0]"},
+    {"read", "sensitive.args", "[\"\"]", NULL, "sensitive", "sensitive.args[0]"},
+    {"read", "sensitive.args", "[\"/a~2\"]", NULL, "sensitive", "sensitive.args[0]"},
+    {"read", "sensitive.receipt", "[3]", NULL, "sensitive", "sensitive.receipt[0]"},
+    {"read", "sensitive.fields", "[\"/ssn\"]", NULL, "sensitive", "\"fields\""},
+    /* the operation key is stored and sent in clear: its args cannot be sensitive */
+    {"read", "sensitive.args", "[\"/payment_id\"]", NULL, "sensitive-operation-key",
+     "args.payment_id"},
+    {"read", "sensitive.args", "[\"/payment_id/last4\"]", NULL, "sensitive-operation-key",
+     "args.payment_id"},
+    {"read", "sensitive.receipt", "[\"/id\"]", NULL, "sensitive-receipt-ref", "/id"},
 };
 
 static void test_each_rule_refused(void **state)
@@ -252,6 +265,34 @@ static void test_each_rule_refused(void **state)
         tally_problems_clear(&p);
     }
     current_case[0] = '\0';
+}
+
+/* Valid sensitive fields are kept, in order; a pointer next to the key's args is fine. */
+static void test_sensitive_fields(void **state)
+{
+    (void)state;
+    json_t *tool = base_tool("t1", "read");
+    set_path(tool, "sensitive.args", "[\"/card/number\", \"/ssn\", \"/payment_idx\", \"/a~1b\"]");
+    set_path(tool, "sensitive.receipt", "[\"/body/card\", \"/identity\"]");
+    tally_problems_t p = {0};
+    tally_registry_t *reg = load_one(tool, &p);
+    assert_non_null(reg);
+    const tally_tool_t *t = tally_registry_find(reg, "t1");
+    assert_true(tally_tool_sensitive(t));
+    assert_int_equal(t->n_sensitive_args, 4);
+    assert_string_equal(t->sensitive_args[0], "/card/number");
+    assert_string_equal(t->sensitive_args[3], "/a~1b");
+    assert_int_equal(t->n_sensitive_receipt, 2);
+    assert_string_equal(t->sensitive_receipt[1], "/identity");
+    tally_registry_free(reg);
+    tally_problems_clear(&p);
+
+    tool = base_tool("t2", "read");
+    reg = load_one(tool, &p);
+    assert_non_null(reg);
+    assert_false(tally_tool_sensitive(tally_registry_find(reg, "t2")));
+    tally_registry_free(reg);
+    tally_problems_clear(&p);
 }
 
 static void test_registry_shape(void **state)
@@ -835,6 +876,7 @@ int main(void)
         cmocka_unit_test(test_each_rule_refused),
         cmocka_unit_test(test_signing),
         cmocka_unit_test(test_registry_shape),
+        cmocka_unit_test(test_sensitive_fields),
         cmocka_unit_test(test_duplicate_names),
         cmocka_unit_test(test_several_problems_reported_together),
         cmocka_unit_test(test_defaults_applied),
