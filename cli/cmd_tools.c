@@ -110,6 +110,24 @@ static tally_registry_t *load_or_report(const char *path)
     return reg;
 }
 
+/* A registry with sensitive fields needs a master key wherever a worker runs it (a worker
+ * refuses to start without one): said here when this environment has none, as a warning. */
+static void warn_no_master_key(const tally_config_t *cfg, const char *file,
+                               const tally_registry_t *reg)
+{
+    bool have = (cfg->master_key != NULL && cfg->master_key[0] != '\0') ||
+                (cfg->master_key_file != NULL && cfg->master_key_file[0] != '\0');
+    for (size_t i = 0; !have && i < tally_registry_count(reg); i++) {
+        const tally_tool_t *t = tally_registry_at(reg, i);
+        if (tally_tool_sensitive(t)) {
+            printf("%s: warning: tool '%s' declares sensitive fields: the workers need "
+                   "TALLY_MASTER_KEY or TALLY_MASTER_KEY_FILE to seal them, and neither is set "
+                   "here (docs/security.md)\n",
+                   file, t->name);
+        }
+    }
+}
+
 static int tools_check(int argc, char **argv, tally_config_t *cfg)
 {
     const char **files = calloc((size_t)argc + 1, sizeof *files);
@@ -133,6 +151,7 @@ static int tools_check(int argc, char **argv, tally_config_t *cfg)
         const tally_problems_t *w = tally_registry_warnings(reg);
         for (size_t j = 0; w != NULL && j < w->n; j++)
             printf("%s: warning: %s\n", files[i], w->lines[j]);
+        warn_no_master_key(cfg, files[i], reg);
         size_t count = tally_registry_count(reg);
         printf("%s: ok (%zu tool%s)\n", files[i], count, count == 1 ? "" : "s");
         tally_registry_free(reg);
