@@ -64,7 +64,7 @@ def known_settings():
     """Every TALLY_* variable of the configuration table in common/src/config.c."""
     with open(os.path.join(SOURCE_DIR, "common", "src", "config.c")) as f:
         src = f.read()
-    names = set(re.findall(r'\b(?:STR|INT|BOOL)\(\s*\w+\s*,\s*"(TALLY_[A-Z0-9_]+)"', src))
+    names = set(re.findall(r'\b(?:STR|INT|BOOL)\(\s*[\w\[\]]+\s*,\s*"(TALLY_[A-Z0-9_]+)"', src))
     assert "TALLY_PG" in names and "TALLY_SHUTDOWN_GRACE_MS" in names, names
     return names
 
@@ -383,6 +383,28 @@ class SystemdUnitsTest(unittest.TestCase):
                     assert_known_tally_vars(self, [v.split("=", 1)[0]], f"tally-{w}.service")
 
 
+    def test_each_worker_has_its_own_database_credential(self):
+        """A credential per component (docs/operations.md, "Database roles"): the shared file
+        names no TALLY_PG; each unit requires its own file, which connects as its role; the
+        migrate file connects as the owner and sets every role's password."""
+        shared = parse_env_file(os.path.join(DEPLOY, "systemd", "tally.env.example"))
+        self.assertNotIn("TALLY_PG", shared, "TALLY_PG is per worker, not shared")
+        users = {}
+        for u, w in zip(self.units, WORKERS):
+            files = [v for _, k, v in parse_unit(u) if k == "EnvironmentFile"]
+            self.assertIn("/etc/tally/%N.env", files, f"{w}: its own file, required (no '-')")
+            env = parse_env_file(os.path.join(DEPLOY, "systemd", f"tally-{w}.env.example"))
+            assert_known_tally_vars(self, env, f"tally-{w}.env.example")
+            users[w] = urllib.parse.urlparse(env["TALLY_PG"]).username
+            self.assertEqual(users[w], f"tally_{w}")
+        self.assertEqual(len(set(users.values())), len(WORKERS))
+        migrate = parse_env_file(os.path.join(DEPLOY, "systemd", "tally-migrate.env.example"))
+        assert_known_tally_vars(self, migrate, "tally-migrate.env.example")
+        self.assertEqual(urllib.parse.urlparse(migrate["TALLY_PG"]).username, "tally_owner")
+        for c in (*WORKERS, "operator", "reader"):
+            self.assertIn(f"TALLY_ROLE_PASSWORD_{c.upper()}", migrate)
+
+
 # --- Kubernetes ------------------------------------------------------------------------------
 
 
@@ -515,6 +537,32 @@ class KubernetesManifestsTest(unittest.TestCase):
                 vol = next(v for v in pod["volumes"] if v["name"] == mounts[tools_dir])
                 self.assertEqual(vol["configMap"]["name"], "tally-tools")
         assert_known_tally_vars(self, self.env_cm["data"], "kubernetes/config.yaml")
+
+    def test_each_worker_has_its_own_database_credential(self):
+        """Every container of a worker's pod (the wait-for-schema init container too) reads
+        TALLY_PG from that worker's own Secret; the migrate Job from the owner's, and sets
+        each role's password from that role's Secret."""
+        deps = self.deployments()
+        secrets = {}
+        for w in WORKERS:
+            pod = deps[f"tally-{w}"]["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                env = {e["name"]: e for e in c.get("env", [])}
+                if "TALLY_PG" not in env:
+                    continue
+                ref = env["TALLY_PG"]["valueFrom"]["secretKeyRef"]
+                self.assertEqual(ref["name"], f"tally-postgres-{w}", f"{w}/{c['name']}")
+                secrets.setdefault(w, set()).add(ref["name"])
+            self.assertIn(w, secrets, f"{w}: no TALLY_PG")
+        self.assertEqual(len(set().union(*secrets.values())), len(WORKERS))
+        [job] = [d for d in self.by_kind["Job"] if d["metadata"]["name"] == "tally-migrate"]
+        env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+        self.assertEqual(env["TALLY_PG"]["valueFrom"]["secretKeyRef"]["name"],
+                         "tally-postgres-owner")
+        for c in (*WORKERS, "operator", "reader"):
+            ref = env[f"TALLY_ROLE_PASSWORD_{c.upper()}"]["valueFrom"]["secretKeyRef"]
+            self.assertEqual(ref["name"], f"tally-postgres-{c}")
+        assert_known_tally_vars(self, env, "kubernetes/migrate-job.yaml")
 
     def test_network_policy_admits_only_the_scraper_and_the_probes(self):
         [pol] = [d for d in self.by_kind["NetworkPolicy"]
@@ -810,6 +858,29 @@ class YamlComposeDockerfileTest(unittest.TestCase):
         mounts = " ".join(prom["volumes"])
         self.assertIn("../prometheus/prometheus.yml:", mounts)
         self.assertIn("../prometheus/alerts.yml:", mounts)
+
+    def test_compose_gives_each_component_its_own_credential(self):
+        svcs = load_yaml_docs(COMPOSE_FILE)[0]["services"]
+
+        def pg_user(service):
+            return urllib.parse.urlparse(svcs[service]["environment"]["TALLY_PG"]).username
+
+        self.assertEqual(pg_user("tally-migrate"), "tally_owner")
+        for w in WORKERS:
+            self.assertEqual(pg_user(f"tally-{w}"), f"tally_{w}")
+        self.assertEqual(pg_user("tally"), "tally_operator")
+        env = svcs["tally-migrate"]["environment"]
+        for c in (*WORKERS, "operator", "reader"):
+            self.assertIn(f"TALLY_ROLE_PASSWORD_{c.upper()}", env)
+        # the superuser is the database's administrator only
+        self.assertNotIn(svcs["postgres"]["environment"]["POSTGRES_USER"],
+                         {pg_user(s) for s in ("tally-migrate", "tally", *(f"tally-{w}"
+                                                                          for w in WORKERS))})
+        init = [v for v in svcs["postgres"]["volumes"] if "docker-entrypoint-initdb.d" in v]
+        self.assertEqual(len(init), 1, svcs["postgres"]["volumes"])
+        script = os.path.join(os.path.dirname(COMPOSE_FILE), init[0].split(":")[0])
+        self.assertIn("CREATE ROLE tally_owner LOGIN CREATEROLE", read(script))
+        self.assertIn("CREATE DATABASE tally OWNER tally_owner", read(script))
 
     def test_docker_compose_config_validates(self):
         dc = shutil.which("docker-compose")
