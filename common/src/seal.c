@@ -2,6 +2,7 @@
 #include "tally/seal.h"
 
 #include <ctype.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,7 +10,8 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
 #include <openssl/rand.h>
 
 #include "tally/id.h"
@@ -91,7 +93,43 @@ static bool from_bytea_text(const char *s, unsigned char **out, size_t *n)
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* AES-256-GCM                                                                             */
+/* AES-256-GCM and HMAC-SHA256, fetched once                                               */
+
+/* OpenSSL 3 looks an algorithm up by name on every use of EVP_aes_256_gcm() or HMAC() (a
+ * provider query under a lock); fetched once, a seal costs the cipher alone. bench/sealcost.c */
+static pthread_once_t g_algs_once = PTHREAD_ONCE_INIT;
+static EVP_CIPHER *g_gcm;
+static EVP_MAC *g_hmac;
+
+static void fetch_algs(void)
+{
+    g_gcm = EVP_CIPHER_fetch(NULL, "AES-256-GCM", NULL);
+    g_hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
+}
+
+static const EVP_CIPHER *gcm_cipher(void)
+{
+    pthread_once(&g_algs_once, fetch_algs);
+    return g_gcm;
+}
+
+/* HMAC-SHA256 of @p len bytes under a 32-byte key into @p mac. */
+static bool hmac_sha256(const unsigned char *key, const void *data, size_t len,
+                        unsigned char mac[32])
+{
+    pthread_once(&g_algs_once, fetch_algs);
+    if (g_hmac == NULL)
+        return false;
+    EVP_MAC_CTX *ctx = EVP_MAC_CTX_new(g_hmac);
+    OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0),
+                           OSSL_PARAM_construct_end()};
+    size_t outl = 0;
+    bool ok = ctx != NULL && EVP_MAC_init(ctx, key, TALLY_SEAL_KEY_BYTES, params) == 1 &&
+              EVP_MAC_update(ctx, data, len) == 1 && EVP_MAC_final(ctx, mac, &outl, 32) == 1 &&
+              outl == 32;
+    EVP_MAC_CTX_free(ctx);
+    return ok;
+}
 
 static bool gcm(bool enc, const unsigned char *key, const unsigned char *nonce, const char *aad,
                 const unsigned char *in, size_t len, unsigned char *out, unsigned char *tag)
@@ -99,8 +137,8 @@ static bool gcm(bool enc, const unsigned char *key, const unsigned char *nonce, 
     EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
     int outl = 0;
     bool ok =
-        ctx != NULL && len <= INT32_MAX &&
-        EVP_CipherInit_ex(ctx, EVP_aes_256_gcm(), NULL, NULL, NULL, enc ? 1 : 0) == 1 &&
+        ctx != NULL && gcm_cipher() != NULL && len <= INT32_MAX &&
+        EVP_CipherInit_ex(ctx, gcm_cipher(), NULL, NULL, NULL, enc ? 1 : 0) == 1 &&
         EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_IVLEN, NONCE_BYTES, NULL) == 1 &&
         EVP_CipherInit_ex(ctx, NULL, NULL, key, nonce, enc ? 1 : 0) == 1 &&
         (aad == NULL || aad[0] == '\0' ||
@@ -306,9 +344,8 @@ bool tally_keyring_ready(const tally_keyring_t *kr)
 static void derive_hash_key(tally_tenant_key_t *key)
 {
     static const char label[] = "tally redaction v1";
-    unsigned int n = 0;
-    HMAC(EVP_sha256(), key->dek, TALLY_SEAL_KEY_BYTES, (const unsigned char *)label,
-         sizeof label - 1, key->hash_key, &n);
+    if (!hmac_sha256(key->dek, label, sizeof label - 1, key->hash_key))
+        memset(key->hash_key, 0, sizeof key->hash_key); /* then no marker is made: below */
 }
 
 bool tally_tenant_key_new(const tally_keyring_t *kr, tally_tenant_key_t *key, char **wrapped,
@@ -421,9 +458,9 @@ bool tally_redaction_marker(const tally_tenant_key_t *key, const json_t *value,
     if (canon == NULL)
         return false;
     unsigned char mac[32];
-    unsigned int n = 0;
-    bool ok = HMAC(EVP_sha256(), key->hash_key, TALLY_SEAL_KEY_BYTES, (unsigned char *)canon,
-                   strlen(canon), mac, &n) != NULL;
+    static const unsigned char zero[TALLY_SEAL_KEY_BYTES];
+    bool ok = CRYPTO_memcmp(key->hash_key, zero, sizeof zero) != 0 &&
+              hmac_sha256(key->hash_key, canon, strlen(canon), mac);
     OPENSSL_cleanse(canon, strlen(canon));
     free(canon);
     if (!ok)
