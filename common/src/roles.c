@@ -15,8 +15,6 @@
 
 #include <jansson.h>
 
-#include "tally/log.h"
-
 #define S    "SELECT"
 #define SI   "SELECT, INSERT"
 #define SU   "SELECT, UPDATE"
