@@ -546,7 +546,42 @@ static bool index_of(const char *tok, size_t *idx)
     return true;
 }
 
-static bool remember(tally_redactor_t *r, const json_t *value, const char *marker)
+static bool is_marker(const json_t *v)
+{
+    return json_is_string(v) && strncmp(json_string_value(v), TALLY_REDACTED_PREFIX,
+                                        sizeof TALLY_REDACTED_PREFIX - 1) == 0;
+}
+
+static bool remember_scalar(tally_redactor_t *r, const json_t *value, const char *marker);
+
+/* Remember what a redacted value holds, for scrubbing: a scalar as itself, an object or an
+ * array by each scalar inside it (a tool echoes a card number, not the card's JSON), each with
+ * its own marker; markers already in it are not values. */
+static bool remember(tally_redactor_t *r, const json_t *value)
+{
+    if (is_marker(value))
+        return true;
+    if (json_is_object(value)) {
+        const char *k;
+        json_t *v;
+        json_object_foreach((json_t *)value, k, v)
+        {
+            if (!remember(r, v))
+                return false;
+        }
+        return true;
+    }
+    if (json_is_array(value)) {
+        for (size_t i = 0; i < json_array_size(value); i++)
+            if (!remember(r, json_array_get(value, i)))
+                return false;
+        return true;
+    }
+    char marker[TALLY_REDACTED_MAX];
+    return tally_redaction_marker(&r->key, value, marker) && remember_scalar(r, value, marker);
+}
+
+static bool remember_scalar(tally_redactor_t *r, const json_t *value, const char *marker)
 {
     char *plain = json_is_string(value)
                       ? strndup(json_string_value(value), json_string_length(value))
@@ -602,7 +637,7 @@ int tally_redactor_apply(tally_redactor_t *r, json_t *doc, char *const *pointers
         if (value != NULL &&
             !(json_is_string(value) && strncmp(json_string_value(value), TALLY_REDACTED_PREFIX,
                                                sizeof TALLY_REDACTED_PREFIX - 1) == 0)) {
-            ok = tally_redaction_marker(&r->key, value, marker) && remember(r, value, marker);
+            ok = remember(r, value) && tally_redaction_marker(&r->key, value, marker);
             json_t *m = ok ? json_string(marker) : NULL;
             ok = m != NULL && (json_is_object(parent) ? json_object_set_new(parent, tok, m)
                                                       : json_array_set_new(parent, idx, m)) == 0;
