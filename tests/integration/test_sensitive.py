@@ -111,9 +111,10 @@ class SensitiveTest(DispatchCase):
             rows = self.query(f'SELECT t::text FROM "{t}" t')
             self.assert_nowhere(f"table {t}", "\n".join(r[0] for r in rows))
         # every topic tally writes (the intents topic is the agents': the values come from there)
-        for logical in [t for t in TOPICS if t != "intents"]:
+        extra = [self.replies[len(self.prefix):]] if getattr(self, "replies", None) else []
+        for logical in [t for t in TOPICS if t != "intents"] + extra:
             text = self.topic_text(logical)
-            if logical == "outcomes":
+            if logical == "outcomes" or logical in extra:
                 self.assertIn("[redacted hmac-sha256:", text)
             self.assert_nowhere(f"topic {logical}", text)
         for p in self.procs:
@@ -134,9 +135,14 @@ class SensitiveTest(DispatchCase):
         # answer never comes (UNKNOWN: the reconciler's status answer echoes the args)
         self.fault("refuse_503", key=k1, collection="charges", times=1)
         self.fault("apply_then_hang", key=k2, collection="charges", times=1, delay_ms=3000)
+        # the answers go to a reply topic too (docs/agent-protocol.md): grepped as well
+        self.replies = self.topic("replies.") + uuid.uuid4().hex[:10]
+        wait_for(lambda: len(self.producer().list_topics(topic=self.replies, timeout=10)
+                             .topics[self.replies].partitions) > 0, timeout=20, what="replies")
         for step in (1, 2):
-            self.publish(self.intent(run, step, "charge_card", self.args(run, step),
-                                     tenant="acme"))
+            ce = self.intent(run, step, "charge_card", self.args(run, step), tenant="acme")
+            ce["replytopic"] = self.replies
+            self.publish(ce)
         self.wait_status("charge_card", k1, "CONFIRMED")
         self.wait_status("charge_card", k2, "CONFIRMED", timeout=90)
 
