@@ -11,6 +11,7 @@
 #include "dispatcher.h"
 #include "tally/json.h"
 #include "tally/log.h"
+#include "tally/text.h"
 
 /* The tenants in $1 (a JSON array of names) locked shared, in one order (TALLY_SQL_TENANT_LOCK:
  * `tally forget` takes it exclusively, so no key is destroyed under a batch sealing with it);
@@ -166,10 +167,7 @@ void intake_sensitive_clear(intake_msg_t *m)
     free(m->stored_args);
     free(m->args_sealed);
     free(m->dlq_original);
-    if (m->red != NULL) {
-        tally_redactor_clear(m->red);
-        free(m->red);
-    }
+    tally_redactor_free(m->red);
     m->stored_args = m->args_sealed = m->dlq_original = NULL;
     m->red = NULL;
     m->seal_key[0] = '\0';
@@ -182,6 +180,21 @@ static const tally_tool_t *dlq_tool(dispatcher_t *d, json_t *root, json_t **data
     *data = json_object_get(root, "data");
     const char *tool = json_string_value(json_object_get(*data, "tool"));
     return tool != NULL ? tally_registry_find(d->reg, tool) : NULL;
+}
+
+/* The tenant a dead letter names, when it is one an intent could name (a refused message may
+ * carry anything there: a megabyte, control characters); else '' (the shared key). */
+static const char *dlq_tenant(const json_t *data)
+{
+    const json_t *t = json_object_get(data, "tenant");
+    const char *s = json_string_value(t);
+    if (s == NULL || json_string_length(t) > TALLY_LIMIT_TENANT ||
+        strlen(s) != json_string_length(t))
+        return "";
+    for (const char *c = s; *c; c++)
+        if ((unsigned char)*c < 0x20 || *c == 0x7f)
+            return "";
+    return s;
 }
 
 /* Which messages of [lo, hi) need a tenant key; dead letters parsed into @p roots. */
@@ -209,8 +222,7 @@ static bool want_keys(dispatcher_t *d, size_t lo, size_t hi, keyset_t *ks, json_
             if (!json_is_object(json_object_get(data, "args"))) {
                 m->dlq_withheld = true;
             } else {
-                const char *tenant = json_string_value(json_object_get(data, "tenant"));
-                if (!keyset_want(ks, tenant_of(tenant))) {
+                if (!keyset_want(ks, dlq_tenant(data))) {
                     json_decref(root);
                     return false;
                 }
@@ -287,8 +299,7 @@ bool intake_seal(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *err)
         intake_msg_t *m = &d->batch[i];
         if (roots[i - lo] != NULL) {
             json_t *data = json_object_get(roots[i - lo], "data");
-            const char *tenant = json_string_value(json_object_get(data, "tenant"));
-            ok = redact_dead_letter(d, m, roots[i - lo], &keyset_find(&ks, tenant_of(tenant))->key);
+            ok = redact_dead_letter(d, m, roots[i - lo], &keyset_find(&ks, dlq_tenant(data))->key);
         } else if (m->reason == TALLY_DLQ_NONE && m->in.type == TALLY_MSG_INTENT && m->tool &&
                    tally_tool_sensitive(m->tool)) {
             ok = seal_intent(m, &keyset_find(&ks, tenant_of(m->in.tenant))->key);
@@ -308,11 +319,8 @@ bool intake_seal(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *err)
 
 void call_sensitive_clear(dispatch_call_t *call)
 {
-    if (call->red != NULL) {
-        tally_redactor_clear(call->red);
-        free(call->red);
-        call->red = NULL;
-    }
+    tally_redactor_free(call->red);
+    call->red = NULL;
 }
 
 bool call_open_sealed(dispatcher_t *d, dispatch_call_t *call, const char *key_id,
