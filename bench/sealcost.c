@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "tally/config.h"
+#include "tally/connector.h"
 #include "tally/json.h"
 #include "tally/registry.h"
 #include "tally/seal.h"
@@ -98,11 +99,18 @@ static void receipt(fixture_t *f)
         tally_redactor_apply(&r, doc, f->tool.sensitive_args, f->tool.n_sensitive_args) != 2)
         die("remember");
     json_decref(doc);
-    char *text = strdup(f->receipt), *sealed = NULL;
-    if (text == NULL || !tally_sensitive_receipt(
-                            &r, &f->tool, "01a21804-e3a0-79db-86f5-3c1f9845bdcb", &text, &sealed))
+    tally_conn_result_t res = {.tool = &f->tool,
+                               .op = TALLY_CONN_EXECUTE,
+                               .http_status = 201,
+                               .body = f->receipt,
+                               .body_len = strlen(f->receipt),
+                               .body_total = strlen(f->receipt)};
+    char *text = NULL, *ref = NULL, *sealed = NULL;
+    if (!tally_sensitive_receipt(&r, &f->tool, "01a21804-e3a0-79db-86f5-3c1f9845bdcb", &res, &text,
+                                 &ref, &sealed))
         die("receipt");
     free(text);
+    free(ref);
     free(sealed);
     tally_redactor_clear(&r);
 }

@@ -395,9 +395,10 @@ static json_t *call_record(const comp_ob_t *ob, const tally_conn_result_t *res,
 {
     json_t *excerpt = NULL;
     if (ob->red != NULL) {
-        char *scrubbed = tally_sensitive_scrub_body(ob->red, ob->tool, res->body, res->body_len);
-        excerpt = tally_conn_excerpt(scrubbed ? scrubbed : "(redacted)",
-                                     scrubbed ? strlen(scrubbed) : 10, 2048);
+        size_t n = 0;
+        char *scrubbed =
+            tally_sensitive_scrub_body(ob->red, ob->tool, res->body, res->body_len, &n);
+        excerpt = tally_conn_excerpt(scrubbed ? scrubbed : "(redacted)", scrubbed ? n : 10, 2048);
         free(scrubbed);
     } else {
         excerpt = tally_conn_excerpt(res->body, res->body_len, 2048);
@@ -413,16 +414,12 @@ static json_t *call_record(const comp_ob_t *ob, const tally_conn_result_t *res,
 /* The tool's answer as a receipt the ledger keeps: a sensitive tool's redacted and scrubbed. */
 static json_t *answer_receipt(const comp_ob_t *ob, const tally_conn_result_t *res)
 {
-    json_t *receipt = tally_conn_receipt(res);
-    if (receipt == NULL || ob->red == NULL)
-        return receipt;
-    if (tally_redactor_apply(ob->red, receipt, ob->tool->sensitive_receipt,
-                             ob->tool->n_sensitive_receipt) < 0 ||
-        !tally_redactor_scrub_json(ob->red, receipt)) {
-        json_decref(receipt);
-        return json_pack("{s:s}", "redacted", "the answer could not be redacted (out of memory)");
-    }
-    return receipt;
+    if (ob->red == NULL)
+        return tally_conn_receipt(res);
+    json_t *receipt = tally_sensitive_answer_json(ob->red, ob->tool, res);
+    return receipt != NULL
+               ? receipt
+               : json_pack("{s:s}", "redacted", "the answer could not be redacted (out of memory)");
 }
 
 /* The connector's completion callback: classify the answer, decide, queue the outcome. */

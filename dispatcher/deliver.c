@@ -141,9 +141,13 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
     x->seconds = res->seconds;
     tally_conn_classify_execute(res, &x->v);
     if (x->v.verdict == TALLY_VERDICT_CONFIRMED) {
-        if (!tally_conn_receipt_text(res, call->tool, &x->receipt_text, &x->external_ref) ||
-            (call->red != NULL && !tally_sensitive_receipt(call->red, call->tool, call->effect_id,
-                                                           &x->receipt_text, &x->receipt_sealed))) {
+        /* a sensitive tool's receipt: sealed whole, kept redacted (seal.h) */
+        bool kept =
+            call->red != NULL
+                ? tally_sensitive_receipt(call->red, call->tool, call->effect_id, res,
+                                          &x->receipt_text, &x->external_ref, &x->receipt_sealed)
+                : tally_conn_receipt_text(res, call->tool, &x->receipt_text, &x->external_ref);
+        if (!kept) {
             x->v.verdict = TALLY_VERDICT_UNKNOWN;
             snprintf(x->v.code, sizeof x->v.code, "receipt_lost");
             snprintf(x->v.message, sizeof x->v.message,
@@ -152,11 +156,13 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         }
     }
     char *scrubbed = NULL; /* a sensitive tool's answer, as the audit trail may keep it */
+    size_t scrubbed_len = 0;
     if (call->red != NULL) {
         char *msg = tally_redactor_scrub(call->red, x->v.message, strlen(x->v.message));
         tally_text_copy(x->v.message, sizeof x->v.message, msg ? msg : "(redacted)");
         free(msg);
-        scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len);
+        scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len,
+                                              &scrubbed_len);
     }
     decide(x);
     size_t ref_over = 0;
@@ -194,7 +200,7 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         tally_jtext_int(&rec, "retry_after_ms", res->retry_after_ms);
     if (call->red != NULL)
         tally_conn_excerpt_text(&rec, "response", scrubbed ? scrubbed : "(redacted)",
-                                scrubbed ? strlen(scrubbed) : 10, 2048);
+                                scrubbed ? scrubbed_len : 10, 2048);
     else
         tally_conn_excerpt_text(&rec, "response", res->body, res->body_len, 2048);
     free(scrubbed);

@@ -652,6 +652,12 @@ int tally_redactor_apply(tally_redactor_t *r, json_t *doc, char *const *pointers
 
 char *tally_redactor_scrub(const tally_redactor_t *r, const char *text, size_t len)
 {
+    return tally_redactor_scrub_bytes(r, text, len, NULL);
+}
+
+char *tally_redactor_scrub_bytes(const tally_redactor_t *r, const char *text, size_t len,
+                                 size_t *outlen)
+{
     size_t cap = len + 1, n = 0;
     char *out = malloc(cap);
     if (out == NULL)
@@ -679,6 +685,8 @@ char *tally_redactor_scrub(const tally_redactor_t *r, const char *text, size_t l
         i += hit ? strlen(hit->plain) : 1;
     }
     out[n] = '\0';
+    if (outlen != NULL)
+        *outlen = n;
     return out;
 }
 

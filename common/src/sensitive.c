@@ -7,6 +7,7 @@
 
 #include <openssl/crypto.h>
 
+#include "tally/connector.h"
 #include "tally/registry.h"
 #include "tally/seal.h"
 
@@ -77,43 +78,90 @@ bool tally_sensitive_open(const tally_keyring_t *kr, const tally_tool_t *tool,
     return true;
 }
 
-char *tally_sensitive_scrub_body(tally_redactor_t *red, const tally_tool_t *tool, const char *body,
-                                 size_t len)
+/* @p res with its body scrubbed of every remembered value, as bytes (*@p buf owns it). */
+static bool clean_result(tally_redactor_t *red, const tally_conn_result_t *res,
+                         tally_conn_result_t *clean, char **buf)
 {
-    json_t *doc = body != NULL && len > 0 ? json_loadb(body, len, 0, NULL) : NULL;
-    if (doc == NULL)
-        return tally_redactor_scrub(red, body != NULL ? body : "", body != NULL ? len : 0);
-    char *out = NULL;
-    if (tally_redactor_apply(red, doc, tool->sensitive_receipt, tool->n_sensitive_receipt) >= 0 &&
-        tally_redactor_scrub_json(red, doc))
-        out = json_dumps(doc, JSON_COMPACT);
+    size_t n = 0;
+    *buf = tally_redactor_scrub_bytes(red, res->body != NULL ? res->body : "",
+                                      res->body != NULL ? res->body_len : 0, &n);
+    if (*buf == NULL)
+        return false;
+    *clean = *res;
+    clean->body = *buf;
+    clean->body_len = n;
+    return true;
+}
+
+/* The registry's receipt pointers redacted and every string scrubbed, in place. */
+static bool redact_doc(tally_redactor_t *red, const tally_tool_t *tool, json_t *doc)
+{
+    return tally_redactor_apply(red, doc, tool->sensitive_receipt, tool->n_sensitive_receipt) >=
+               0 &&
+           tally_redactor_scrub_json(red, doc);
+}
+
+char *tally_sensitive_scrub_body(tally_redactor_t *red, const tally_tool_t *tool, const char *body,
+                                 size_t len, size_t *outlen)
+{
+    size_t n = 0;
+    char *raw = tally_redactor_scrub_bytes(red, body != NULL ? body : "", body ? len : 0, &n);
+    json_t *doc = raw != NULL && n > 0 ? json_loadb(raw, n, 0, NULL) : NULL;
+    if (doc == NULL) {
+        *outlen = n;
+        return raw;
+    }
+    free(raw);
+    char *out = redact_doc(red, tool, doc) ? json_dumps(doc, JSON_COMPACT) : NULL;
     json_decref(doc);
+    *outlen = out != NULL ? strlen(out) : 0;
     return out;
 }
 
-bool tally_sensitive_receipt(tally_redactor_t *red, const tally_tool_t *tool, const char *effect_id,
-                             char **receipt_text, char **sealed)
+json_t *tally_sensitive_answer_json(tally_redactor_t *red, const tally_tool_t *tool,
+                                    const tally_conn_result_t *res)
 {
-    *sealed = NULL;
-    if (*receipt_text == NULL)
-        return true;
+    tally_conn_result_t clean;
+    char *buf = NULL;
+    json_t *doc = clean_result(red, res, &clean, &buf) ? tally_conn_receipt(&clean) : NULL;
+    free(buf);
+    if (doc != NULL && !redact_doc(red, tool, doc)) {
+        json_decref(doc);
+        doc = NULL;
+    }
+    return doc;
+}
+
+bool tally_sensitive_receipt(tally_redactor_t *red, const tally_tool_t *tool, const char *effect_id,
+                             const tally_conn_result_t *res, char **receipt_text,
+                             char **external_ref, char **sealed)
+{
+    *sealed = *receipt_text = *external_ref = NULL;
+    char *whole = NULL, *whole_ref = NULL;
+    if (!tally_conn_receipt_text(res, tool, &whole, &whole_ref))
+        return false;
+    free(whole_ref);
     char aad[64];
     snprintf(aad, sizeof aad, "%s/receipt", effect_id);
-    *sealed = tally_seal(&red->key, aad, *receipt_text, strlen(*receipt_text));
-    json_t *doc = json_loads(*receipt_text, 0, NULL);
-    bool ok =
-        *sealed != NULL && doc != NULL &&
-        tally_redactor_apply(red, doc, tool->sensitive_receipt, tool->n_sensitive_receipt) >= 0 &&
-        tally_redactor_scrub_json(red, doc);
+    *sealed = tally_seal(&red->key, aad, whole, strlen(whole));
+    OPENSSL_cleanse(whole, strlen(whole));
+    free(whole);
+    tally_conn_result_t clean;
+    char *buf = NULL;
+    json_t *doc = NULL;
+    bool ok = *sealed != NULL && clean_result(red, res, &clean, &buf) &&
+              tally_conn_receipt_text(&clean, tool, receipt_text, external_ref) &&
+              (doc = json_loads(*receipt_text, 0, NULL)) != NULL && redact_doc(red, tool, doc);
+    free(buf);
     char *redacted = ok ? json_dumps(doc, JSON_COMPACT) : NULL;
     json_decref(doc);
-    if (redacted == NULL) {
-        free(*sealed);
-        *sealed = NULL;
-        return false;
-    }
-    OPENSSL_cleanse(*receipt_text, strlen(*receipt_text));
     free(*receipt_text);
     *receipt_text = redacted;
+    if (redacted == NULL) {
+        free(*sealed);
+        free(*external_ref);
+        *sealed = *external_ref = NULL;
+        return false;
+    }
     return true;
 }

@@ -110,6 +110,9 @@ bool tally_redactor_scrub_json(const tally_redactor_t *r, json_t *doc);
 /** @brief @p text (@p len bytes) with each remembered value replaced by its marker; malloc'd,
  * NUL-terminated, NULL when out of memory. */
 char *tally_redactor_scrub(const tally_redactor_t *r, const char *text, size_t len) TALLY_WUR;
+/** @brief The same for bytes that may hold NULs: their count in *@p outlen. */
+char *tally_redactor_scrub_bytes(const tally_redactor_t *r, const char *text, size_t len,
+                                 size_t *outlen) TALLY_WUR;
 
 /* ---------------------------------------------------------------------------------------- */
 /* An effect's sensitive fields, as every worker handles them (sensitive.c)                 */
@@ -137,15 +140,28 @@ bool tally_sensitive_open(const tally_keyring_t *kr, const struct tally_tool *to
 
 void tally_redactor_free(tally_redactor_t *r);
 
-/** @brief A tool's answer about an effect, before anything keeps it: sealed whole into
- * *@p sealed ("\x..."), redacted (the registry's receipt pointers) and scrubbed (every value
- * remembered) in place in *@p receipt_text. */
-bool tally_sensitive_receipt(tally_redactor_t *red, const struct tally_tool *tool,
-                             const char *effect_id, char **receipt_text, char **sealed) TALLY_WUR;
+struct tally_conn_result;
 
-/** @brief A tool's answer body as an excerpt may show it: redacted and scrubbed when it is
- * JSON, scrubbed as text otherwise. malloc'd; NULL when out of memory. */
+/**
+ * @brief A tool's answer about an effect as the ledger keeps it, from @p res (an execute
+ * answer): the receipt as tally_conn_receipt_text() makes it, sealed whole into *@p sealed
+ * ("\\x..."); and, in *@p receipt_text and *@p external_ref, the receipt made again from the
+ * answer's bytes with every remembered value scrubbed out of them (whatever the encoding: a
+ * body that is not JSON, or not UTF-8, is scrubbed too), its registry receipt pointers redacted
+ * and its strings scrubbed once more after JSON unescaping.
+ */
+bool tally_sensitive_receipt(tally_redactor_t *red, const struct tally_tool *tool,
+                             const char *effect_id, const struct tally_conn_result *res,
+                             char **receipt_text, char **external_ref, char **sealed) TALLY_WUR;
+
+/** @brief The receipt of a reverse or containment answer (tally_conn_receipt), redacted and
+ * scrubbed the same way. NULL when out of memory. */
+json_t *tally_sensitive_answer_json(tally_redactor_t *red, const struct tally_tool *tool,
+                                    const struct tally_conn_result *res) TALLY_WUR;
+
+/** @brief A tool's answer body as an excerpt may show it: scrubbed as bytes, then, when it is
+ * JSON, redacted and scrubbed again. malloc'd (*@p outlen bytes); NULL when out of memory. */
 char *tally_sensitive_scrub_body(tally_redactor_t *red, const struct tally_tool *tool,
-                                 const char *body, size_t len) TALLY_WUR;
+                                 const char *body, size_t len, size_t *outlen) TALLY_WUR;
 
 #endif
