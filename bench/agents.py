@@ -596,7 +596,11 @@ class Driver:
         self.wait_until(10, "tally dev's summary", lambda: summary() is not None)
         self.pg_pid = int(summary().group(1))
         with open(dev_log, "a") as log:
-            subprocess.run([self.tally_bin, "migrate"], env=self.env, stdout=log, stderr=log,
+            # each process as its own role (docs/operations.md, "Database roles"): migrate
+            # as the owner, the dispatchers as theirs; psql() reads as the superuser
+            subprocess.run([self.tally_bin, "migrate"],
+                           env=dict(self.env, TALLY_PG=self.env["TALLY_PG_OWNER"]),
+                           stdout=log, stderr=log,
                            check=True)
         self.brokers = self.env["TALLY_KAFKA_BROKERS"]
         self.prefix = self.env.get("TALLY_TOPIC_PREFIX", "tally.")
@@ -620,7 +624,8 @@ class Driver:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
             s.close()
-            env = dict(self.env, TALLY_METRICS_ADDR=f"127.0.0.1:{port}",
+            env = dict(self.env, TALLY_PG=self.env["TALLY_PG_DISPATCHER"],
+                       TALLY_METRICS_ADDR=f"127.0.0.1:{port}",
                        TALLY_WORKER_ID=f"bench-dispatcher-{i + 1}")
             self.dispatchers.append(self.spawn(f"dispatcher-{i + 1}", [self.dispatcher_bin],
                                                env=env))
@@ -694,7 +699,8 @@ class Driver:
             p.stdin.flush()
 
     def psql(self, sql):
-        r = subprocess.run(["psql", self.env["TALLY_PG"], "-qAt", "-F", " ", "-v",
+        r = subprocess.run(["psql", self.env["TALLY_PG_ADMIN"] + " dbname=tally", "-qAt", "-F",
+                            " ", "-v",
                             "ON_ERROR_STOP=1"], input=sql, capture_output=True, text=True,
                            env=self.env)
         if r.returncode != 0:

@@ -254,13 +254,18 @@ env_ready() {
 wait_until 120 "tally dev to start" env_ready
 # shellcheck disable=SC1091
 . "$work/env"
+# Each process as its own role, as in production (docs/operations.md, "Database roles"): the
+# dispatchers as tally_dispatcher, migrate as the owner; this script's own queries, ALTER
+# SYSTEM and the pgbench database as the superuser, on the ledger's database.
+pg_admin="$TALLY_PG_ADMIN dbname=tally" # a later dbname wins in a conninfo string
+TALLY_PG=$TALLY_PG_DISPATCHER
 export TALLY_PG TALLY_KAFKA_BROKERS TALLY_TOPIC_PREFIX
 wait_until 10 "tally dev's summary" grep -q 'running as user\|PostgreSQL  ' "$log_dir/dev.log"
 pg_log=$(sed -n 's/.*server log \(.*\)$/\1/p' "$log_dir/dev.log" | head -n 1)
 pg_pid=$(sed -n 's/.*PostgreSQL .*(.*, pid \([0-9]*\),.*/\1/p' "$log_dir/dev.log" | head -n 1)
 [[ -n "$pg_pid" ]] || die "cannot find the PostgreSQL server's pid in $log_dir/dev.log"
-"$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
-pg_settings=$(psql "$TALLY_PG" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers') || ', wal_init_zero ' || current_setting('wal_init_zero')")
+TALLY_PG=$TALLY_PG_OWNER "$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
+pg_settings=$(psql "$pg_admin" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers') || ', wal_init_zero ' || current_setting('wal_init_zero')")
 say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}*"
 
 # ---- the fake tool service ----------------------------------------------------------------
@@ -362,7 +367,7 @@ save_metrics() {
 # waiting for the commit to reach the disk, CPU = executing), which says whether a slow
 # dispatcher waits for PostgreSQL or PostgreSQL waits for it.
 mkfifo "$work/sampler.fifo"
-psql "$TALLY_PG" -At -F '|' <"$work/sampler.fifo" >"$work/samples.txt" 2>/dev/null &
+psql "$pg_admin" -At -F '|' <"$work/sampler.fifo" >"$work/samples.txt" 2>/dev/null &
 sampler_psql_pid=$!
 (
     tick=0
@@ -391,7 +396,7 @@ if [[ $use_perf -eq 1 ]]; then
     perf_pid=$!
 fi
 if [[ $pg_statements -eq 1 ]]; then
-    psql "$TALLY_PG" -qc "ALTER SYSTEM SET log_min_duration_statement = 0" -c "SELECT pg_reload_conf()" \
+    psql "$pg_admin" -qc "ALTER SYSTEM SET log_min_duration_statement = 0" -c "SELECT pg_reload_conf()" \
         >/dev/null || die "--pg-statements: cannot change log_min_duration_statement"
     sleep 0.5
     pg_log_offset=$(stat -c %s "$pg_log")
@@ -405,7 +410,7 @@ dispatch_mean=$(mean_ms "$dispatch_before" "$(hist_sums tally_dispatch_seconds)"
 connector_mean=$(mean_ms "$connector_before" "$(hist_sums tally_connector_seconds)")
 save_metrics throughput
 if [[ $pg_statements -eq 1 ]]; then
-    psql "$TALLY_PG" -qc "ALTER SYSTEM RESET log_min_duration_statement" -c "SELECT pg_reload_conf()" \
+    psql "$pg_admin" -qc "ALTER SYSTEM RESET log_min_duration_statement" -c "SELECT pg_reload_conf()" \
         >/dev/null || true
     python3 "$root/bench/pg_statements.py" "$pg_log" "$pg_log_offset" --top 15 \
         >"$log_dir/pg-statements.txt" || true
@@ -466,9 +471,9 @@ say "throughput: $tp_rate effects/s; outbox max $outbox_max, message_outbox max 
 ceiling=""
 ceiling_note=""
 if [[ $skip_ceiling -eq 0 ]]; then
-    psql "$TALLY_PG" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null
-    psql "$TALLY_PG" -qc "CREATE DATABASE tally_bench_queue"
-    qconn="$TALLY_PG dbname=tally_bench_queue" # a later dbname wins in a conninfo string
+    psql "$pg_admin" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null
+    psql "$pg_admin" -qc "CREATE DATABASE tally_bench_queue"
+    qconn="$TALLY_PG_ADMIN dbname=tally_bench_queue" # a later dbname wins in a conninfo string
     say "ceiling: prefilling $pgbench_rows queue rows"
     psql "$qconn" -q -v ON_ERROR_STOP=1 -v rows="$pgbench_rows" -f "$root/bench/queue_setup.sql"
     "$pgbench" -n -c 4 -j 2 -T "$pgbench_seconds" -f "$root/bench/pgbench_queue.sql" "$qconn" \
@@ -483,12 +488,12 @@ if [[ $skip_ceiling -eq 0 ]]; then
         ceiling_note=" (the queue ran dry: a lower bound; raise --pgbench-rows)"
     fi
     say "ceiling: $done_rows rows in ${pgbench_seconds}s = $ceiling rows/s (pgbench tps $tps x 100)$ceiling_note"
-    psql "$TALLY_PG" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null || true
+    psql "$pg_admin" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null || true
 fi
 
 # ---- 3. latency at a fixed rate -------------------------------------------------------------
 lat_count=$((rate * duration))
-lat_started=$(psql "$TALLY_PG" -Atc "SELECT now()")
+lat_started=$(psql "$pg_admin" -Atc "SELECT now()")
 lat_dispatch_before=$(hist_sums tally_dispatch_seconds)
 lat_connector_before=$(hist_sums tally_connector_seconds)
 lat_cpu_before=$(cpu_snapshot)
@@ -506,7 +511,7 @@ say "latency at $rate/s: p50 $(kv "$lat_line" p50_ms) ms, p99 $(kv "$lat_line" p
 # The ledger's share of it, by the database clock: from the intake transaction that created
 # the effect to the transaction that recorded its outcome (both now() of their transaction).
 # The rest of publish->outcome is Kafka in, waiting for intake, the relay and Kafka out.
-lat_ledger=$(psql "$TALLY_PG" -At -F ' ' -c "
+lat_ledger=$(psql "$pg_admin" -At -F ' ' -c "
     WITH x AS (SELECT extract(epoch FROM v.occurred_at - e.created_at) * 1000 AS ms
                FROM effects e JOIN events v ON v.effect_id = e.effect_id
                WHERE e.created_at >= '$lat_started' AND v.kind = 'transition'
@@ -516,7 +521,7 @@ lat_ledger=$(psql "$TALLY_PG" -At -F ' ' -c "
 # The whole interval in three parts, per intent, with the client's clock readings (the same
 # machine's CLOCK_REALTIME): publish -> intake transaction (Kafka in and the wait for intake),
 # intake -> recorded outcome (the ledger), recorded -> arrival (the relay and Kafka out).
-lat_parts=$(psql "$TALLY_PG" -qAt -F ' ' -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
+lat_parts=$(psql "$pg_admin" -qAt -F ' ' -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
 CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
 \\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
 WITH x AS (SELECT extract(epoch FROM e.created_at) * 1000 - t.sent_ns / 1e6 AS kin,
@@ -536,7 +541,7 @@ SQL
 # The same parts second by second of the run, into the log directory (latency_by_second.txt):
 # whether the latency holds steady at this rate or grows as the run goes on, and in which part.
 echo "second intents p50_ms p99_ms in_p50_ms ledger_p50_ms out_p50_ms" >"$log_dir/latency_by_second.txt"
-psql "$TALLY_PG" -qAt -F ' ' -v ON_ERROR_STOP=1 >>"$log_dir/latency_by_second.txt" <<SQL 2>>"$log_dir/psql.log" || true
+psql "$pg_admin" -qAt -F ' ' -v ON_ERROR_STOP=1 >>"$log_dir/latency_by_second.txt" <<SQL 2>>"$log_dir/psql.log" || true
 CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
 \\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
 WITH x AS (SELECT (t.sent_ns - min(t.sent_ns) OVER ()) / 1000000000 AS second,
@@ -557,7 +562,7 @@ FROM x GROUP BY second ORDER BY second;
 SQL
 # ... and intent by intent (latency_parts.txt: sent_ns total_ms in_ms ledger_ms out_ms), to
 # look at one slow moment of the run.
-psql "$TALLY_PG" -qAt -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
+psql "$pg_admin" -qAt -v ON_ERROR_STOP=1 <<SQL 2>>"$log_dir/psql.log" || true
 CREATE TEMP TABLE t (intent_id text, sent_ns bigint, arrival_ns bigint);
 \\copy t FROM '$log_dir/latency_times.txt' WITH (DELIMITER ' ')
 CREATE TEMP TABLE p AS

@@ -377,13 +377,25 @@ static bool pg_create_database(dev_stack_t *s, char *errstr, size_t errsz)
     res = NULL;
     if (ok) {
         const char *params[] = {"tally"};
-        res = tally_pg_exec(pg, "SELECT 1 FROM pg_database WHERE datname = $1", 1, params, &err);
+        res =
+            tally_pg_exec(pg, "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = $1",
+                          1, params, &err);
         ok = res != NULL;
     }
     if (ok && PQntuples(res) == 0)
         ok = tally_pg_run(pg, "CREATE DATABASE tally OWNER " DEV_OWNER_ROLE, 0, NULL, &err);
+    /* a cluster kept (--data-dir) by a tally dev from before the roles: its ledger belongs to
+     * the superuser, and the owner could not migrate it */
+    bool foreign = ok && PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), DEV_OWNER_ROLE) != 0;
+    if (foreign)
+        dev_err(errstr, errsz,
+                "the database tally in %s is owned by %s, not " DEV_OWNER_ROLE
+                ": it was made by an older tally dev; remove the directory to start afresh",
+                s->pgdata, PQgetvalue(res, 0, 0));
     PQclear(res);
     tally_pg_free(pg);
+    if (foreign)
+        return false;
     if (!ok)
         dev_err(errstr, errsz, "cannot create the role " DEV_OWNER_ROLE " and database tally: %s",
                 err.message);

@@ -60,9 +60,11 @@ POINTS = [
 ]
 
 # Every row committed to message_outbox, kept after the relay deletes it: what must be published.
+# SECURITY DEFINER: the workers' roles may not write the test's table; the trigger writes it as
+# the superuser that made it.
 SQL_OUTBOX_LOG = """
 CREATE TABLE crash_test_outbox_log (topic text, event_id text, payload text);
-CREATE FUNCTION crash_test_log_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION crash_test_log_outbox() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
 BEGIN
     INSERT INTO crash_test_outbox_log VALUES (NEW.topic, NEW.event_id, NEW.payload);
     RETURN NULL;

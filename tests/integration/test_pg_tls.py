@@ -112,10 +112,12 @@ class PostgresTLSTest(DispatchCase):
 
     def test_workers_run_over_verified_tls(self):
         pg = self.tls_database()
-        out = self.cli("migrate", env=self.env(TALLY_PG=pg))
+        out = self.cli("migrate", env=self.env(TALLY_PG=pg))  # the cluster's superuser
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.dispatcher(TALLY_PG=pg)
-        rec = self.start("tally-reconciler", TALLY_PG=pg)
+        # each worker as the role that migrate created for it (it refuses the superuser)
+        self.dispatcher(TALLY_PG=pg.replace("user=tally ", "user=tally_dispatcher "))
+        rec = self.start("tally-reconciler",
+                         TALLY_PG=pg.replace("user=tally ", "user=tally_reconciler "))
         # ready: started and connected to PostgreSQL, which here means over TLS
         wait_for(lambda: rec.http_get("/readyz")[0] == 200, timeout=30,
                  what="the reconciler ready over TLS")
