@@ -14,7 +14,7 @@
 #   bench/run.sh [--intents N] [--runs R] [--dispatchers D] [--rate R] [--duration S]
 #                [--skip-ceiling] [--inflight N] [--pgbench-seconds S] [--pgbench-rows N]
 #                [--fetch-wait-ms MS] [--build-dir DIR] [--no-build] [--log-dir DIR] [--perf]
-#                [--pg-statements]
+#                [--pg-statements] [--sensitive]
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,6 +34,7 @@ slow_delay_ms=120000
 log_dir=""
 use_perf=0
 pg_statements=0
+sensitive=0
 
 usage() {
     cat <<EOF
@@ -58,6 +59,9 @@ usage: bench/run.sh [options]
                        the run down) and print where PostgreSQL's time went, by statement
   --perf               profile tally's processes (perf record, cpu-clock) during the
                        throughput run; the reports go to the log directory (use --log-dir)
+  --sensitive          the fast tools declare sensitive fields (args /amount and /currency,
+                       receipts /body) and sign with RFC 9421: run it against a run without
+                       to see what sealing and signing cost an effect (docs/security.md)
 EOF
 }
 
@@ -91,6 +95,7 @@ while [[ $# -gt 0 ]]; do
     --log-dir) need_value "$@"; log_dir=$(realpath -m "$2"); shift ;;
     --perf) use_perf=1 ;;
     --pg-statements) pg_statements=1 ;;
+    --sensitive) sensitive=1 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "bench/run.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -281,6 +286,23 @@ export TALLY_FAKE_TOOL_URL
 
 # ---- the dispatchers ----------------------------------------------------------------------
 export TALLY_TOOLS="$root/bench/tools.json"
+if [[ $sensitive -eq 1 ]]; then
+    # the same tools, their args and receipts sealed per tenant and their requests signed
+    TALLY_TOOLS="$work/tools-sensitive.json"
+    python3 - "$root/bench/tools.json" "$TALLY_TOOLS" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for tool in doc["tools"]:
+    if tool["name"] in ("bench_ledger", "bench_charge"):
+        tool["sensitive"] = {"args": ["/amount", "/currency"], "receipt": ["/body"]}
+        tool["connector"]["signing"] = {"scheme": "rfc9421", "key_id": "bench-1",
+                                        "secret_env": "BENCH_SIGNING_KEY"}
+json.dump(doc, open(sys.argv[2], "w"), indent=2)
+PY
+    TALLY_MASTER_KEY="bench:$(head -c 32 /dev/urandom | base64)"
+    BENCH_SIGNING_KEY=$(head -c 32 /dev/urandom | base64)
+    export TALLY_MASTER_KEY BENCH_SIGNING_KEY
+fi
 export TALLY_SESSION_TIMEOUT_MS=6000
 export TALLY_KAFKA_HEARTBEAT_INTERVAL_MS=500
 export TALLY_KAFKA_FETCH_WAIT_MAX_MS=$fetch_wait_ms
@@ -646,6 +668,11 @@ echo "bench: build = ${build_type:-unknown}"
 echo "bench: machine = $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GB", $2 / 1048576}' /proc/meminfo), load $(cut -d' ' -f1 /proc/loadavg) at end"
 echo "bench: postgresql = $pg_settings"
 echo "bench: dispatchers = $dispatchers"
+if [[ $sensitive -eq 1 ]]; then
+    echo "bench: sensitive = on (bench_ledger, bench_charge: args /amount and /currency sealed, receipts /body redacted; requests signed RFC 9421)"
+else
+    echo "bench: sensitive = off"
+fi
 if [[ $pg_statements -eq 1 || $use_perf -eq 1 ]]; then
     echo "bench: note = the throughput run was profiled (--pg-statements / --perf): its figures are lower than an unprofiled run's"
 fi
