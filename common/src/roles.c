@@ -216,8 +216,10 @@ static char *spec_json(const tally_config_t *cfg)
                       password != NULL && password[0] != '\0' ? json_string(password) : json_null(),
                       "grants", g != NULL ? g : json_null()));
     }
+    /* a role left out (out of memory) would silently keep its old grants: all or nothing */
+    bool whole = json_array_size(roles) == TALLY_ROLE_COUNT;
     json_t *spec = json_pack("{s:o}", "roles", roles != NULL ? roles : json_null());
-    char *text = spec != NULL ? json_dumps(spec, JSON_COMPACT) : NULL;
+    char *text = spec != NULL && whole ? json_dumps(spec, JSON_COMPACT) : NULL;
     json_decref(spec);
     return text;
 }
