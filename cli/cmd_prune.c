@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "format.h"
 #include "tally/audit.h"
+#include "tally/ledger.h"
 #include "tally/machines.h"
 
 static const char USAGE[] =
@@ -87,7 +88,7 @@ static const char SQL_DATE[] = "SELECT $1::timestamptz::text, $1::timestamptz > 
 
 /* What is left where a payload was: valid JSON (args_canonical is NOT NULL, and a CONFIRMED
  * effect must keep a receipt), and plainly not the original. */
-#define PRUNED_MARKER "'{\"tally_pruned\":true}'"
+#define PRUNED_MARKER "'" TALLY_PRUNED_MARKER "'"
 
 /* One batch: claim, strip, mark; per run pruned, how many effects and obligations it had. */
 static const char SQL_PRUNE[] =

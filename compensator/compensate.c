@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "tally/crashpoint.h"
+#include "tally/ledger.h"
 #include "tally/log.h"
 
 double comp_now(void)
@@ -274,6 +275,10 @@ static void record_move(compensator_t *c, comp_ob_t *ob, const comp_move_t *mv)
 static void submit(compensator_t *c, comp_ob_t *ob, tally_conn_op_t op)
 {
     comp_move_t mv;
+    if (strcmp(ob->args_canonical, TALLY_PRUNED_MARKER) == 0 && ob->sealed_err.errc == 0)
+        tally_error_setc(&ob->sealed_err, TALLY_ERR_PRUNED,
+                         "the run's payloads were pruned (tally prune): the args and receipt the "
+                         "reverse call is built from are gone; reverse it by hand");
     if (ob->sealed_err.errc != TALLY_ERR_NONE) {
         /* its sensitive fields do not open: the tool cannot be sent what it needs */
         comp_policy_in_t in = policy_in(c, ob);

@@ -161,8 +161,13 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         char *msg = tally_redactor_scrub(call->red, x->v.message, strlen(x->v.message));
         tally_text_copy(x->v.message, sizeof x->v.message, msg ? msg : "(redacted)");
         free(msg);
-        scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len,
-                                              &scrubbed_len);
+        if (x->receipt_sealed != NULL) { /* the answer is the receipt, already redacted */
+            scrubbed = strdup(x->receipt_text);
+            scrubbed_len = scrubbed ? strlen(scrubbed) : 0;
+        } else {
+            scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len,
+                                                  &scrubbed_len);
+        }
     }
     decide(x);
     size_t ref_over = 0;

@@ -690,6 +690,21 @@ char *tally_redactor_scrub_bytes(const tally_redactor_t *r, const char *text, si
     return out;
 }
 
+/* A number that is one of the remembered values, whole (a tool echoing a sensitive amount as a
+ * number in a field of its own): its marker, else NULL. */
+static const char *number_marker(const tally_redactor_t *r, const json_t *v)
+{
+    if (!json_is_number(v))
+        return NULL;
+    char *text = tally_json_canonical(v);
+    const char *marker = NULL;
+    for (size_t i = 0; text != NULL && i < r->n && marker == NULL; i++)
+        if (strcmp(r->items[i].plain, text) == 0)
+            marker = r->items[i].marker;
+    free(text);
+    return marker;
+}
+
 bool tally_redactor_scrub_json(const tally_redactor_t *r, json_t *doc)
 {
     if (r->n == 0)
@@ -701,17 +716,24 @@ bool tally_redactor_scrub_json(const tally_redactor_t *r, json_t *doc)
         return ok;
     }
     if (json_is_array(doc)) {
-        for (size_t i = 0; i < json_array_size(doc); i++)
-            if (!tally_redactor_scrub_json(r, json_array_get(doc, i)))
+        for (size_t i = 0; i < json_array_size(doc); i++) {
+            json_t *v = json_array_get(doc, i);
+            const char *m = number_marker(r, v);
+            if (m != NULL ? json_array_set_new(doc, i, json_string(m)) != 0
+                          : !tally_redactor_scrub_json(r, v))
                 return false;
+        }
         return true;
     }
     if (json_is_object(doc)) {
         const char *k;
         json_t *v;
-        json_object_foreach(doc, k, v)
+        void *tmp;
+        json_object_foreach_safe(doc, tmp, k, v)
         {
-            if (!tally_redactor_scrub_json(r, v))
+            const char *m = number_marker(r, v);
+            if (m != NULL ? json_object_set_new(doc, k, json_string(m)) != 0
+                          : !tally_redactor_scrub_json(r, v))
                 return false;
         }
     }

@@ -8,6 +8,7 @@
 #include <openssl/crypto.h>
 
 #include "tally/connector.h"
+#include "tally/json.h"
 #include "tally/registry.h"
 #include "tally/seal.h"
 
@@ -101,17 +102,28 @@ static bool redact_doc(tally_redactor_t *red, const tally_tool_t *tool, json_t *
            tally_redactor_scrub_json(red, doc);
 }
 
+/* The body of @p res as a JSON object, when it is one (the receipt is then the body itself):
+ * its values are scrubbed as JSON values; any other body is scrubbed as bytes. */
+static json_t *body_object(const tally_conn_result_t *res)
+{
+    if (res->curl_code != 0 || res->body_truncated || res->body == NULL || res->body_len == 0)
+        return NULL;
+    json_t *doc = json_loadb(res->body, res->body_len, TALLY_JSON_LOAD_FLAGS, NULL);
+    if (doc != NULL && !json_is_object(doc)) {
+        json_decref(doc);
+        doc = NULL;
+    }
+    return doc;
+}
+
 char *tally_sensitive_scrub_body(tally_redactor_t *red, const tally_tool_t *tool, const char *body,
                                  size_t len, size_t *outlen)
 {
-    size_t n = 0;
-    char *raw = tally_redactor_scrub_bytes(red, body != NULL ? body : "", body ? len : 0, &n);
-    json_t *doc = raw != NULL && n > 0 ? json_loadb(raw, n, 0, NULL) : NULL;
+    json_t *doc = body != NULL && len > 0 ? json_loadb(body, len, 0, NULL) : NULL;
     if (doc == NULL) {
-        *outlen = n;
-        return raw;
+        /* not JSON: scrubbed as bytes, whatever their encoding */
+        return tally_redactor_scrub_bytes(red, body != NULL ? body : "", body ? len : 0, outlen);
     }
-    free(raw);
     char *out = redact_doc(red, tool, doc) ? json_dumps(doc, JSON_COMPACT) : NULL;
     json_decref(doc);
     *outlen = out != NULL ? strlen(out) : 0;
@@ -121,10 +133,13 @@ char *tally_sensitive_scrub_body(tally_redactor_t *red, const tally_tool_t *tool
 json_t *tally_sensitive_answer_json(tally_redactor_t *red, const tally_tool_t *tool,
                                     const tally_conn_result_t *res)
 {
-    tally_conn_result_t clean;
-    char *buf = NULL;
-    json_t *doc = clean_result(red, res, &clean, &buf) ? tally_conn_receipt(&clean) : NULL;
-    free(buf);
+    json_t *doc = body_object(res);
+    if (doc == NULL) {
+        tally_conn_result_t clean;
+        char *buf = NULL;
+        doc = clean_result(red, res, &clean, &buf) ? tally_conn_receipt(&clean) : NULL;
+        free(buf);
+    }
     if (doc != NULL && !redact_doc(red, tool, doc)) {
         json_decref(doc);
         doc = NULL;
@@ -137,27 +152,41 @@ bool tally_sensitive_receipt(tally_redactor_t *red, const tally_tool_t *tool, co
                              char **external_ref, char **sealed)
 {
     *sealed = *receipt_text = *external_ref = NULL;
-    char *whole = NULL, *whole_ref = NULL;
-    if (!tally_conn_receipt_text(res, tool, &whole, &whole_ref))
+    char *whole = NULL;
+    if (!tally_conn_receipt_text(res, tool, &whole, external_ref))
         return false;
-    free(whole_ref);
     char aad[64];
     snprintf(aad, sizeof aad, "%s/receipt", effect_id);
     *sealed = tally_seal(&red->key, aad, whole, strlen(whole));
+    json_t *doc = body_object(res);
+    if (doc != NULL) {
+        /* the receipt is the body: redacted and scrubbed as JSON values */
+        json_decref(doc);
+        doc = json_loads(whole, 0, NULL);
+    } else {
+        /* a note about a body that is not a JSON object: made again from the body's bytes
+         * scrubbed, so that its excerpt (text or base64) holds no value */
+        tally_conn_result_t clean;
+        char *buf = NULL, *text = NULL, *ref = NULL;
+        if (clean_result(red, res, &clean, &buf) &&
+            tally_conn_receipt_text(&clean, tool, &text, &ref))
+            doc = json_loads(text, 0, NULL);
+        free(buf);
+        free(text);
+        free(ref);
+    }
     OPENSSL_cleanse(whole, strlen(whole));
     free(whole);
-    tally_conn_result_t clean;
-    char *buf = NULL;
-    json_t *doc = NULL;
-    bool ok = *sealed != NULL && clean_result(red, res, &clean, &buf) &&
-              tally_conn_receipt_text(&clean, tool, receipt_text, external_ref) &&
-              (doc = json_loads(*receipt_text, 0, NULL)) != NULL && redact_doc(red, tool, doc);
-    free(buf);
-    char *redacted = ok ? json_dumps(doc, JSON_COMPACT) : NULL;
+    bool ok = *sealed != NULL && doc != NULL && redact_doc(red, tool, doc);
+    *receipt_text = ok ? json_dumps(doc, JSON_COMPACT) : NULL;
+    if (*receipt_text != NULL && *external_ref != NULL) {
+        /* a tool whose record id is a sensitive value: the ref is kept as its marker */
+        char *ref = tally_redactor_scrub(red, *external_ref, strlen(*external_ref));
+        free(*external_ref);
+        *external_ref = ref;
+    }
     json_decref(doc);
-    free(*receipt_text);
-    *receipt_text = redacted;
-    if (redacted == NULL) {
+    if (*receipt_text == NULL) {
         free(*sealed);
         free(*external_ref);
         *sealed = *external_ref = NULL;

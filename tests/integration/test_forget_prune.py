@@ -13,7 +13,7 @@ import datetime
 import json
 import uuid
 
-from tallytest import TallyCase, main
+from tallytest import TallyCase, main, wait_for
 
 PRUNED = {"tally_pruned": True}
 
@@ -428,6 +428,25 @@ class PruneTest(LedgerCase):
                          "--dry-run")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(self.cutoff() + " 04:30:00+00", said(out))
+
+    def test_compensating_a_pruned_run_pages_instead_of_sending_the_marker(self):
+        """A pruned run's reverse call cannot be built (its args and receipt are gone): the
+        compensator sends nothing and the obligation goes STUCK with code pruned."""
+        run = self.new_run("COMPLETED", age_days=40)
+        self.new_effect(run, 1, "CONFIRMED")
+        out = self.tally("prune", "--settled-before", self.cutoff(), "--reason", "retention")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.start("tally-compensator", TALLY_POLL_MS=200, TALLY_SWEEP_MS=200,
+                   TALLY_FAKE_TOOL_URL="http://127.0.0.1:9")  # nothing listens: nothing is sent
+        out = self.tally("compensate", "--run", run, "--reason", "undo a pruned run")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        row = wait_for(lambda: self.query(
+            "SELECT status, error_code, error_message FROM obligations WHERE run_id = %s"
+            " AND status = 'STUCK'", (run,)), timeout=60, what="the obligation to go STUCK")
+        self.assertEqual(row[0][1], "pruned", row)
+        self.assertIn("tally prune", row[0][2])
+        self.assertEqual(self.scalar("SELECT count(*) FROM events WHERE run_id = %s"
+                                     " AND kind = 'connector_call'", (run,)), 0)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def registry():
             tool["settle_ms"] = 200
             # the fake's record echoes the request body: /body/card is declared, the ssn in
             # /body/ssn is not, and must be scrubbed all the same
-            tool["sensitive"] = {"args": ["/card", "/ssn"], "receipt": ["/body/card"]}
+            # /amount is a number the tool echoes as a number (body.amount), undeclared there
+            tool["sensitive"] = {"args": ["/card", "/ssn", "/amount"], "receipt": ["/body/card"]}
     path = os.path.join(tempfile.mkdtemp(prefix="tally-sens-tools-"), "tools.json")
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -161,7 +162,16 @@ class SensitiveTest(DispatchCase):
         self.assertTrue(a1["ssn"].startswith("[redacted hmac-sha256:"), a1)
         self.assertEqual(a1["ssn"], a2["ssn"])
         self.assertEqual(a1["card"], a2["card"])
-        self.assertEqual(a1["amount"], 1200)
+        self.assertEqual(a1["amount"], a2["amount"])
+        self.assertTrue(a1["amount"].startswith("[redacted hmac-sha256:"), a1)
+        self.assertEqual(a1["payment_id"], f"{run}-1")
+        # the receipt stays the tool's JSON, its ref kept; the echoed amount is its marker
+        for k in (k1, k2):
+            e = self.effect("charge_card", k)
+            receipt = e["receipt"] if isinstance(e["receipt"], dict) else json.loads(e["receipt"])
+            self.assertEqual(e["external_ref"], receipt["id"])
+            self.assertTrue(e["external_ref"].startswith("charges_"), e)
+            self.assertEqual(receipt["body"]["amount"], a1["amount"])
         self.assertEqual(self.scalar("SELECT count(*) FROM effects WHERE seal_key IS NOT NULL"
                                      " AND args_sealed IS NOT NULL AND receipt_sealed IS NOT NULL"
                                      " AND operation_key IN (%s, %s)", (k1, k2)), 2)

@@ -235,6 +235,22 @@ static void test_redact_and_scrub(void **state)
     assert_non_null(strstr(dumped, "nothing here"));
     free(dumped);
     json_decref(answer);
+    /* a sensitive number echoed as a number elsewhere: replaced whole, never as digits inside
+     * another number */
+    json_t *amount = json_pack("{s:i}", "amount", 4200);
+    char *const amount_ptr[] = {"/amount"};
+    assert_int_equal(tally_redactor_apply(&r, amount, amount_ptr, 1), 1);
+    json_t *echoed = json_pack("{s:i, s:i, s:[i], s:s}", "charged", 4200, "other", 42000, "list",
+                               4200, "text", "charged 4200 EUR");
+    assert_true(tally_redactor_scrub_json(&r, echoed));
+    assert_true(json_is_string(json_object_get(echoed, "charged")));
+    assert_string_equal(json_string_value(json_object_get(echoed, "charged")),
+                        json_string_value(json_object_get(amount, "amount")));
+    assert_int_equal(json_integer_value(json_object_get(echoed, "other")), 42000);
+    assert_true(json_is_string(json_array_get(json_object_get(echoed, "list"), 0)));
+    assert_null(strstr(json_string_value(json_object_get(echoed, "text")), "4200"));
+    json_decref(echoed);
+    json_decref(amount);
     free(first);
     json_decref(doc);
     tally_redactor_clear(&r);

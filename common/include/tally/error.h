@@ -48,6 +48,8 @@
       "the tool signs its requests but its secret is not set (retriable once it is)")              \
     X(TALLY_ERR_SEALED, "sealed_unreadable", false, false,                                         \
       "a sealed sensitive value cannot be opened: its tenant key was forgotten or is missing")     \
+    X(TALLY_ERR_PRUNED, "pruned", false, false,                                                    \
+      "the run's payloads were pruned (tally prune): what a call needs is gone")                   \
     X(TALLY_ERR_CAPACITY, "capacity", true, false,                                                 \
       "no room for another call (global or per-tool cap)")                                         \
     X(TALLY_ERR_CONFLICT, "conflict", true, false, "a row changed under its lock; try again")      \

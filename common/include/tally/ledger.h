@@ -33,4 +33,7 @@
 /** The SQLSTATE of a status change the database refused because it is not in its machine. */
 #define TALLY_SQLSTATE_ILLEGAL_MOVE "23514"
 
+/** @brief What `tally prune` leaves in effects.args_canonical (and receipt) of a pruned run. */
+#define TALLY_PRUNED_MARKER "{\"tally_pruned\":true}"
+
 #endif
