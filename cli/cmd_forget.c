@@ -159,28 +159,6 @@ static int parse(forget_op_t *o, int argc, char **argv)
 /* ---------------------------------------------------------------------------------------- */
 /* The verb                                                                                 */
 
-/* The states of a machine that are not terminal, as a text[] parameter; malloc'd, NULL when
- * out of memory. Built from tally/machines.h, so the SQL never spells a state. */
-static char *open_effect_states(void)
-{
-    const char *names[TALLY_EFFECT__COUNT];
-    size_t n = 0;
-    for (int s = 0; s < TALLY_EFFECT__COUNT; s++)
-        if (!tally_effect_state_terminal((tally_effect_state_t)s))
-            names[n++] = tally_effect_state_name((tally_effect_state_t)s);
-    return tally_pg_text_array(names, n);
-}
-
-static char *open_obligation_states(void)
-{
-    const char *names[TALLY_OBLIGATION__COUNT];
-    size_t n = 0;
-    for (int s = 0; s < TALLY_OBLIGATION__COUNT; s++)
-        if (!tally_obligation_state_terminal((tally_obligation_state_t)s))
-            names[n++] = tally_obligation_state_name((tally_obligation_state_t)s);
-    return tally_pg_text_array(names, n);
-}
-
 /* "tenant 'acme'" or "the effects with no tenant", for messages. */
 static void tenant_words(const forget_op_t *o, char *out, size_t outsz)
 {
@@ -282,8 +260,8 @@ static int forget(tally_pg_t *pg, const forget_op_t *o, tally_audit_batch_t *ab)
 {
     tally_error_t err;
     PGresult *keys = NULL, *open = NULL, *sealed = NULL, *forgotten = NULL;
-    char *key_ids = NULL, *effect_states = open_effect_states();
-    char *obligation_states = open_obligation_states();
+    char *key_ids = NULL, *effect_states = cli_open_states(TALLY_MACHINE_EFFECT);
+    char *obligation_states = cli_open_states(TALLY_MACHINE_OBLIGATION);
     json_t *data = NULL, *destroyed = json_array();
     int rc = CLI_EXIT_REFUSED;
     if (effect_states == NULL || obligation_states == NULL || destroyed == NULL) {

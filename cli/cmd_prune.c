@@ -214,30 +214,16 @@ static int check_date(tally_pg_t *pg, prune_op_t *o)
 /* ---------------------------------------------------------------------------------------- */
 /* The verb                                                                                 */
 
-/* The open (not terminal) states of each machine, as text[] parameters (malloc'd), built
- * from tally/machines.h so that no state is spelled here. */
+/* The open (not terminal) states of each machine, as text[] parameters (cli_open_states). */
 typedef struct open_states {
     char *run, *effect, *obligation;
 } open_states_t;
 
 static bool open_states_build(open_states_t *s)
 {
-    const char *names[TALLY_EFFECT__COUNT + TALLY_OBLIGATION__COUNT + TALLY_RUN__COUNT];
-    size_t n = 0;
-    for (int i = 0; i < TALLY_RUN__COUNT; i++)
-        if (!tally_run_state_terminal((tally_run_state_t)i))
-            names[n++] = tally_run_state_name((tally_run_state_t)i);
-    s->run = tally_pg_text_array(names, n);
-    n = 0;
-    for (int i = 0; i < TALLY_EFFECT__COUNT; i++)
-        if (!tally_effect_state_terminal((tally_effect_state_t)i))
-            names[n++] = tally_effect_state_name((tally_effect_state_t)i);
-    s->effect = tally_pg_text_array(names, n);
-    n = 0;
-    for (int i = 0; i < TALLY_OBLIGATION__COUNT; i++)
-        if (!tally_obligation_state_terminal((tally_obligation_state_t)i))
-            names[n++] = tally_obligation_state_name((tally_obligation_state_t)i);
-    s->obligation = tally_pg_text_array(names, n);
+    s->run = cli_open_states(TALLY_MACHINE_RUN);
+    s->effect = cli_open_states(TALLY_MACHINE_EFFECT);
+    s->obligation = cli_open_states(TALLY_MACHINE_OBLIGATION);
     return s->run != NULL && s->effect != NULL && s->obligation != NULL;
 }
 

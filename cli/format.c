@@ -12,6 +12,7 @@
 
 #include "cli.h"
 #include "tally/json.h"
+#include "tally/pg.h"
 #include "tally/text.h"
 
 /* ---------------------------------------------------------------------------------------- */
@@ -735,4 +736,30 @@ void cli_table_free(cli_table_t *t)
     free(t->keep);
     free(t->right);
     free(t);
+}
+
+static bool state_terminal(tally_machine_t m, int s)
+{
+    switch (m) {
+    case TALLY_MACHINE_EFFECT:
+        return tally_effect_state_terminal((tally_effect_state_t)s);
+    case TALLY_MACHINE_OBLIGATION:
+        return tally_obligation_state_terminal((tally_obligation_state_t)s);
+    case TALLY_MACHINE_RUN:
+        return tally_run_state_terminal((tally_run_state_t)s);
+    case TALLY_MACHINE_ALERT:
+        return tally_alert_state_terminal((tally_alert_state_t)s);
+    }
+    return true;
+}
+
+char *cli_open_states(tally_machine_t m)
+{
+    const char *names[64];
+    size_t n = 0;
+    for (int s = 0; n < sizeof names / sizeof names[0] && tally_machine_state_name(m, s) != NULL;
+         s++)
+        if (!state_terminal(m, s))
+            names[n++] = tally_machine_state_name(m, s);
+    return tally_pg_text_array(names, n);
 }

@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdio.h>
 
+#include "tally/machines.h"
+
 #include "tally/config.h"
 #include "tally/error.h"
 #include "tally/pg.h"
@@ -207,5 +209,9 @@ size_t cli_table_rows(const cli_table_t *t);
 bool cli_table_print(const cli_table_t *t, FILE *out, size_t indent);
 
 void cli_table_free(cli_table_t *t);
+
+/** @brief The states of machine @p m that are not terminal, as a text[] parameter (malloc'd;
+ * NULL when out of memory): built from tally/machines.h, so that no SQL spells a state. */
+char *cli_open_states(tally_machine_t m);
 
 #endif

@@ -102,8 +102,9 @@ static bool redact_doc(tally_redactor_t *red, const tally_tool_t *tool, json_t *
            tally_redactor_scrub_json(red, doc);
 }
 
-/* The body of @p res as a JSON object, when it is one (the receipt is then the body itself):
- * its values are scrubbed as JSON values; any other body is scrubbed as bytes. */
+/* The body of @p res as a JSON object, when it is one (the receipt is then the body itself:
+ * jansson refuses "\u0000" as tally_conn_receipt does): its values are scrubbed as JSON values;
+ * any other body is scrubbed as bytes. */
 static json_t *body_object(const tally_conn_result_t *res)
 {
     if (res->curl_code != 0 || res->body_truncated || res->body == NULL || res->body_len == 0)
@@ -158,12 +159,9 @@ bool tally_sensitive_receipt(tally_redactor_t *red, const tally_tool_t *tool, co
     char aad[64];
     snprintf(aad, sizeof aad, "%s/receipt", effect_id);
     *sealed = tally_seal(&red->key, aad, whole, strlen(whole));
+    /* the receipt is the body when it is a JSON object: redacted and scrubbed as JSON values */
     json_t *doc = body_object(res);
-    if (doc != NULL) {
-        /* the receipt is the body: redacted and scrubbed as JSON values */
-        json_decref(doc);
-        doc = json_loads(whole, 0, NULL);
-    } else {
+    if (doc == NULL) {
         /* a note about a body that is not a JSON object: made again from the body's bytes
          * scrubbed, so that its excerpt (text or base64) holds no value */
         tally_conn_result_t clean;
