@@ -2,8 +2,8 @@
  * one per line, a blank line, then a tool's answer. For any such input: redaction and scrubbing
  * never fail on a document jansson loaded; every pointer that named a value now names its
  * marker; the result dumps to valid UTF-8 that loads back; scrubbing text keeps it valid UTF-8
- * and leaves no value it remembered (other than inside a marker); and sealing the answer opens
- * back to the same bytes. */
+ * and leaves no value it remembered in the text it kept (an occurrence that overlaps a marker is
+ * the replacement's own making); and sealing the answer opens back to the same bytes. */
 #include "fuzz.h"
 
 #include "tally/config.h"
@@ -34,19 +34,19 @@ static bool is_marker(const json_t *v)
            strncmp(json_string_value(v), TALLY_REDACTED_PREFIX, strlen(TALLY_REDACTED_PREFIX)) == 0;
 }
 
-/* Whether @p plain occurs in @p text other than inside a marker. */
+/* Whether @p plain occurs in @p text with none of its bytes in a marker: the original text
+ * left as it was. (An occurrence that overlaps a marker was made by the replacement itself,
+ * e.g. a value "5[redac" after a "5" that stayed: nothing of the original is there.) */
 static bool occurs_outside_markers(const char *text, const char *plain)
 {
     size_t pl = strlen(plain);
+    const size_t ml = TALLY_REDACTED_MAX - 1;
     for (const char *p = strstr(text, plain); p != NULL; p = strstr(p + 1, plain)) {
-        const char *m = text;
-        bool inside = false;
-        while ((m = strstr(m, TALLY_REDACTED_PREFIX)) != NULL && m <= p) {
-            if (p + pl <= m + TALLY_REDACTED_MAX - 1)
-                inside = true;
-            m++;
-        }
-        if (!inside)
+        bool overlaps = false;
+        for (const char *m = strstr(text, TALLY_REDACTED_PREFIX); m != NULL && !overlaps;
+             m = strstr(m + 1, TALLY_REDACTED_PREFIX))
+            overlaps = p < m + ml && p + pl > m;
+        if (!overlaps)
             return true;
     }
     return false;
