@@ -112,11 +112,12 @@ class Stack:
             raise RuntimeError("tally dev exited early:\n" + open(log.name).read())
         time.sleep(0.1)
         values = {}
-        for line in open(env_file):
-            line = line.strip()
-            if line.startswith("export "):
-                k, _, v = line[len("export "):].partition("=")
-                values[k] = _unquote(v)
+        with open(env_file) as f:
+            for line in f:
+                line = line.strip()
+                if line.startswith("export "):
+                    k, _, v = line[len("export "):].partition("=")
+                    values[k] = _unquote(v)
         self.pg = values["TALLY_PG_ADMIN"]
         self.kafka = values["TALLY_KAFKA_BROKERS"]
 
