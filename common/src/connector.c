@@ -444,7 +444,8 @@ bool tally_connector_submit(tally_connector_t *c, const tally_conn_request_t *re
     if (!x)
         return false;
 
-    x->url = tally_conn_url(tool, req->op, req->idempotency_key, err);
+    x->url = tally_conn_url(tool, req->op,
+                            req->op == TALLY_CONN_LIST ? req->query : req->idempotency_key, err);
     if (!x->url)
         goto fail;
     x->headers = tally_conn_headers_signed(req, tally_conn_method(tool, req->op), x->url, &sign,

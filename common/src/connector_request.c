@@ -25,6 +25,8 @@ const char *tally_conn_op_name(tally_conn_op_t op)
         return "compensate";
     case TALLY_CONN_CONTAIN:
         return "contain";
+    case TALLY_CONN_LIST:
+        return "list";
     }
     return "?";
 }
@@ -186,6 +188,8 @@ static const tally_endpoint_t *conn_endpoint(const tally_tool_t *tool, tally_con
         return &tool->compensate;
     case TALLY_CONN_CONTAIN:
         return &tool->contain;
+    case TALLY_CONN_LIST:
+        return &tool->list;
     }
     return NULL;
 }
@@ -195,7 +199,7 @@ const char *tally_conn_method(const tally_tool_t *tool, tally_conn_op_t op)
     const tally_endpoint_t *ep = conn_endpoint(tool, op);
     if (ep && ep->method && ep->method[0])
         return ep->method;
-    return op == TALLY_CONN_STATUS ? "GET" : "POST";
+    return op == TALLY_CONN_STATUS || op == TALLY_CONN_LIST ? "GET" : "POST";
 }
 
 char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *idempotency_key,
@@ -221,6 +225,9 @@ char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *i
     if (esc)
         n = asprintf(&url, "%s%s%cidempotency_key=%s", tool->base_url, ep->path,
                      strchr(ep->path, '?') ? '&' : '?', esc);
+    else if (op == TALLY_CONN_LIST && idempotency_key != NULL && idempotency_key[0] != '\0')
+        n = asprintf(&url, "%s%s%c%s", tool->base_url, ep->path, strchr(ep->path, '?') ? '&' : '?',
+                     idempotency_key);
     else
         n = asprintf(&url, "%s%s", tool->base_url, ep->path);
     curl_free(esc);

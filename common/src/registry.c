@@ -23,6 +23,8 @@ struct tally_registry {
 /* Upper bound of the millisecond settings the brief leaves open-ended: one day keeps every
  * sum and doubling of them inside an int. */
 #define MS_MAX 86400000LL
+/* compensation.deadline_ms: up to 24 days (it is an int) */
+#define DEADLINE_MS_MAX 2073600000LL
 
 #define NAME_MAX_LEN 63
 
@@ -274,6 +276,7 @@ static void tool_free(tally_tool_t *t)
     endpoint_free(&t->status);
     endpoint_free(&t->compensate);
     endpoint_free(&t->contain);
+    endpoint_free(&t->list);
     free(t->receipt_ref);
     free(t->secret_env);
     free(t->signing.key_id);
@@ -570,6 +573,8 @@ static void connector_fields(vctx_t *v, const json_t *conn, tally_tool_t *t, ep_
     *compensate = endpoint_field(v, conn, "compensate", "endpoint", false, false, &t->compensate);
     /* append_only's containment action; optional for every class. */
     (void)endpoint_field(v, conn, "contain", "endpoint", false, false, &t->contain);
+    /* the orphan sweep's question: tally appends ?run_id= or ?since= itself */
+    (void)endpoint_field(v, conn, "list", "endpoint", false, true, &t->list);
 
     t->timeout_ms = int_field(v, conn, "timeout_ms", "connector.timeout_ms", 5000, 1, 600000, NULL);
 
@@ -776,6 +781,73 @@ static void compensation_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
         problem(v, "runbook-required",
                 "compensation.mode manual_runbook needs compensation.runbook: the link the "
                 "on-call engineer is paged with");
+    t->deadline_ms = int_field(v, comp, "deadline_ms", "compensation.deadline_ms", 0, 1000,
+                               DEADLINE_MS_MAX, NULL);
+}
+
+/* A number in [lo, hi], or (lo, hi] with @p lo_open (an integer is a number too). */
+static double number_field(vctx_t *v, const json_t *obj, const char *key, const char *where,
+                           double def, double lo, bool lo_open, double hi)
+{
+    const json_t *x = obj != NULL ? json_object_get(obj, key) : NULL;
+    if (x == NULL)
+        return def;
+    char got[80];
+    double d = json_number_value(x);
+    if (!json_is_number(x) || d > hi || d < lo || (lo_open && d == lo)) {
+        problem(v, "numeric-range", "%s must be a number %s %g and at most %g (got %s)", where,
+                lo_open ? "above" : "from", lo, hi, shown_json(x, got, sizeof got));
+        return def;
+    }
+    return d;
+}
+
+/* "audit": {"enabled", "delay_ms", "again_ms", "sample_rate", "rate_per_s", "sweep_ms",
+ * "lookback_ms"}. Present means enabled unless "enabled": false. */
+static void audit_fields(vctx_t *v, const json_t *obj, tally_tool_t *t, ep_state_t status)
+{
+    static const char *const known[] = {"enabled",    "delay_ms", "again_ms",   "sample_rate",
+                                        "rate_per_s", "sweep_ms", "lookback_ms"};
+    tally_audit_policy_t *a = &t->audit;
+    const json_t *audit = object_field(v, obj, "audit", "audit");
+    char got[80];
+    const char *key;
+    const json_t *val;
+    if (audit != NULL) {
+        json_object_foreach((json_t *)audit, key, val)
+        {
+            bool ok = false;
+            for (size_t i = 0; i < N_ELEMS(known); i++)
+                ok = ok || strcmp(key, known[i]) == 0;
+            if (!ok)
+                problem(v, "audit",
+                        "audit has \"%s\"; it takes enabled, delay_ms, again_ms, sample_rate, "
+                        "rate_per_s, sweep_ms and lookback_ms",
+                        shown(key, got, sizeof got));
+        }
+    }
+    const json_t *en = audit != NULL ? json_object_get(audit, "enabled") : NULL;
+    if (en != NULL && !json_is_boolean(en))
+        problem(v, "field-type", "audit.enabled must be true or false (got %s)",
+                shown_json(en, got, sizeof got));
+    a->enabled = audit != NULL && !json_is_false(en);
+    a->delay_ms = int_field(v, audit, "delay_ms", "audit.delay_ms", 60000, 0, MS_MAX, NULL);
+    a->again_ms = int_field(v, audit, "again_ms", "audit.again_ms", 0, 0, MS_MAX, NULL);
+    a->sample_rate = number_field(v, audit, "sample_rate", "audit.sample_rate", 1.0, 0, true, 1);
+    a->rate_per_s = number_field(v, audit, "rate_per_s", "audit.rate_per_s", 5, 0, true, 10000);
+    bool sweep_given = false;
+    a->sweep_ms = int_field(v, audit, "sweep_ms", "audit.sweep_ms",
+                            t->list.path != NULL ? 300000 : 0, 0, MS_MAX, &sweep_given);
+    a->lookback_ms =
+        int_field(v, audit, "lookback_ms", "audit.lookback_ms", 86400000, 1000, MS_MAX, NULL);
+    if (a->enabled && status == EP_ABSENT && t->base_url != NULL)
+        problem(v, "audit-needs-status",
+                "audit re-checks CONFIRMED effects with the tool's status check: declare "
+                "connector.status, or set \"audit\": {\"enabled\": false}");
+    if (sweep_given && a->sweep_ms > 0 && t->list.path == NULL && t->base_url != NULL)
+        problem(v, "sweep-needs-list",
+                "audit.sweep_ms sweeps the tool's records for orphans with connector.list: "
+                "declare it, or remove audit.sweep_ms");
 }
 
 static void retry_fields(vctx_t *v, const json_t *obj, tally_tool_t *t)
@@ -872,6 +944,7 @@ static void tool_load(vctx_t *v, const json_t *obj, size_t index, const tally_to
     compensation_fields(v, obj, t);
     retry_fields(v, obj, t);
     sensitive_fields(v, obj, t);
+    audit_fields(v, obj, t, status);
     t->settle_ms = int_field(v, obj, "settle_ms", "settle_ms", 2000, 0, MS_MAX, NULL);
     t->max_concurrency =
         int_field(v, obj, "max_concurrency", "max_concurrency", 64, 1, 10000, NULL);

@@ -28,20 +28,27 @@ EXPECTED = {
     "reconciler": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U},
                    "obligations": {S, I}, "alerts": {S, I, U}, "events": {S, I},
                    "message_outbox": {S, I, U, D}, "replies": {S}, "tenant_keys": {S},
-                   "tally_migrations": {S}},
+                   "tally_migrations": {S}, "audit_policies": {S, I, U},
+                   "audits": {S, I, U, D}, "tool_pacing": {S, I, U},
+                   "sweep_cursors": {S, I, U}, "findings": {S, I, U}},
     "compensator": {"runs": {S, U}, "effects": {S}, "obligations": {S, I, U},
                     "alerts": {S, I, U}, "events": {S, I}, "message_outbox": {S, I, U, D},
-                    "replies": {S}, "tenant_keys": {S}, "tally_migrations": {S}},
+                    "replies": {S}, "tenant_keys": {S}, "tally_migrations": {S},
+                    "findings": {S}},
     "operator": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U, D},
                  "obligations": {S, I, U}, "alerts": {S, I, U}, "events": {S, I},
                  "message_outbox": {S, I}, "replies": {S}, "tenant_keys": {S, U},
-                 "tally_migrations": {S}, "schema_machines": {S}},
+                 "tally_migrations": {S}, "schema_machines": {S}, "audit_policies": {S},
+                 "audits": {S}, "tool_pacing": {S, I, U}, "sweep_cursors": {S},
+                 "findings": {S, I, U}},
     "reader": {t: {S} for t in ("runs", "effects", "outbox", "obligations", "alerts", "events",
                                 "message_outbox", "replies", "tally_migrations",
-                                "schema_machines")},
+                                "schema_machines", "audit_policies", "audits", "tool_pacing",
+                                "sweep_cursors", "findings")},
 }
 TABLES = ("runs", "effects", "outbox", "obligations", "alerts", "events", "message_outbox",
-          "replies", "tenant_keys", "tally_migrations", "schema_machines")
+          "replies", "tenant_keys", "tally_migrations", "schema_machines", "audit_policies",
+          "audits", "tool_pacing", "sweep_cursors", "findings")
 
 
 def attempts(table, privilege):
@@ -59,7 +66,8 @@ def _column(table):
     return {"tally_migrations": "name", "schema_machines": "sha256", "runs": "status",
             "effects": "status", "outbox": "tool", "obligations": "status", "alerts": "summary",
             "events": "reason", "message_outbox": "topic", "replies": "run_id",
-            "tenant_keys": "tenant"}[table]
+            "tenant_keys": "tenant", "audit_policies": "tool", "audits": "tool",
+            "tool_pacing": "tool", "sweep_cursors": "tool", "findings": "summary"}[table]
 
 
 # What no runtime role may do, whatever it was granted.

@@ -26,6 +26,7 @@ typedef enum {
     TALLY_CONN_STATUS,      /**< GET base_url+status.path?idempotency_key=<key>, no body */
     TALLY_CONN_COMPENSATE,  /**< POST base_url+compensate.path, the reverse body */
     TALLY_CONN_CONTAIN,     /**< append_only containment action (connector.contain) */
+    TALLY_CONN_LIST,        /**< GET base_url+list.path?<query>: the records a tool holds */
 } tally_conn_op_t;
 
 const char *tally_conn_op_name(tally_conn_op_t op);
@@ -39,7 +40,8 @@ typedef struct tally_conn_request {
     const char *effect_id;       /**< Tally-Effect-Id; may be NULL */
     const char *traceparent;     /**< W3C traceparent; may be NULL */
     const char *if_match;        /**< If-Match (compensate stale-state guard); may be NULL */
-    const char *body;            /**< JSON body; NULL for status */
+    const char *query; /**< list: the query string without '?', percent-encoded by the caller */
+    const char *body;  /**< JSON body; NULL for status */
     size_t body_len;
     void *opaque; /**< handed back in the result */
 } tally_conn_request_t;
@@ -232,7 +234,8 @@ typedef struct tally_conn_signing {
 
 /**
  * @brief The URL of @p op for @p tool: base_url + path, and for status
- * "?idempotency_key=<percent-encoded key>" (or "&..." when the path has a query).
+ * "?idempotency_key=<percent-encoded key>" (or "&..." when the path has a query); for list,
+ * @p idempotency_key is the query itself, already percent-encoded, appended after '?'.
  * @returns malloc'd URL, or NULL with the reason in @p err (the tool has no such endpoint).
  */
 char *tally_conn_url(const tally_tool_t *tool, tally_conn_op_t op, const char *idempotency_key,

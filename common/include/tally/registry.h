@@ -43,6 +43,20 @@ typedef struct tally_signing {
     int window_s;     /**< expires = created + window_s; default 300 */
 } tally_signing_t;
 
+/** @brief The tool's "audit" object (DESIGN §12): how the reconciler checks the tool's own
+ * records against the ledger after the fact. Rates bound every call that is not the
+ * resolution of an UNKNOWN: audits, orphan sweeps and `tally verify --tools`. */
+typedef struct tally_audit_policy {
+    bool enabled;       /**< re-check CONFIRMED effects (needs connector.status) */
+    int delay_ms;       /**< first check this long after CONFIRMED; default 60000 */
+    int again_ms;       /**< a second check this long after the first; 0 (default) for none */
+    double sample_rate; /**< share of CONFIRMED effects checked, (0, 1]; default 1.0 */
+    double rate_per_s;  /**< calls per second toward the tool, all workers together; default 5 */
+    int sweep_ms;       /**< orphan sweep period (needs connector.list); 0 for none; default
+                           300000 when connector.list is declared */
+    int lookback_ms;    /**< the first sweep looks back this far; default 86400000 */
+} tally_audit_policy_t;
+
 /** @brief A validated tool contract. All strings are owned by the registry. */
 typedef struct tally_tool {
     char *name;
@@ -55,19 +69,22 @@ typedef struct tally_tool {
     tally_endpoint_t status;
     tally_endpoint_t compensate;
     tally_endpoint_t contain; /**< append_only containment action (connector.contain), optional */
+    tally_endpoint_t list;    /**< the records held for a run or since a time (connector.list) */
     int timeout_ms;           /**< default 5000 */
     char *receipt_ref;        /**< JSON pointer into the receipt, default "/id" */
     char *secret_env;         /**< legacy Tally-Signature secret's env var, or NULL */
     tally_signing_t signing;  /**< RFC 9421 signing; scheme NONE when not declared */
     tally_comp_mode_t comp_mode;
-    char *runbook;          /**< may be NULL */
-    int max_attempts;       /**< default 5 */
-    int backoff_ms;         /**< default 200 */
-    int max_backoff_ms;     /**< default 60000 */
-    int settle_ms;          /**< default 2000 */
-    bool requires_approval; /**< forced true for destructive */
-    int max_concurrency;    /**< default 64 */
-    char **sensitive_args;  /**< sensitive.args: JSON pointers into args (seal.h) */
+    char *runbook;   /**< may be NULL */
+    int deadline_ms; /**< compensation.deadline_ms: an obligation open longer pages; 0 for none */
+    tally_audit_policy_t audit; /**< "audit": re-checks and orphan sweeps */
+    int max_attempts;           /**< default 5 */
+    int backoff_ms;             /**< default 200 */
+    int max_backoff_ms;         /**< default 60000 */
+    int settle_ms;              /**< default 2000 */
+    bool requires_approval;     /**< forced true for destructive */
+    int max_concurrency;        /**< default 64 */
+    char **sensitive_args;      /**< sensitive.args: JSON pointers into args (seal.h) */
     size_t n_sensitive_args;
     char **sensitive_receipt; /**< sensitive.receipt: JSON pointers into the tool's answers */
     size_t n_sensitive_receipt;
