@@ -56,7 +56,7 @@ static const char SQL_LEASE[] =
     "    AND (o.approved_at IS NOT NULL"
     "      OR f.tool NOT IN (SELECT json_array_elements_text($5::json)))"
     "    AND f.effect_status NOT IN ('DISPATCHING', 'UNKNOWN')"
-    "    AND (o.reason = 'duplicate' OR NOT EXISTS (SELECT 1 FROM effects e3"
+    "    AND (o.reason IN ('duplicate', 'orphan') OR NOT EXISTS (SELECT 1 FROM effects e3"
     "      WHERE e3.run_id = o.run_id AND " COMP_SQL_STEP_KEY("e3") " > " COMP_SQL_STEP_KEY("f")
     "        AND (e3.status IN ('DISPATCHING', 'UNKNOWN', 'STUCK')"
     "          OR (e3.status = 'CONFIRMED' AND NOT EXISTS (SELECT 1 FROM obligations o3"

@@ -208,3 +208,163 @@ bool tally_recon_records_usable(const json_t *records, char *why, size_t whysz)
     }
     return true;
 }
+
+/* ---- audits of CONFIRMED effects ------------------------------------------------------------ */
+
+const char *tally_audit_result_name(tally_audit_result_t r)
+{
+    switch (r) {
+    case TALLY_AUDIT_CLEAN:
+        return "clean";
+    case TALLY_AUDIT_DUPLICATE:
+        return "duplicate";
+    case TALLY_AUDIT_MISSING:
+        return "missing";
+    case TALLY_AUDIT_MISMATCH:
+        return "mismatch";
+    case TALLY_AUDIT_RETRY:
+        return "inconclusive";
+    case TALLY_AUDIT_GIVE_UP:
+        return "gave_up";
+    }
+    return "unknown";
+}
+
+tally_audit_decision_t tally_audit_decide(const tally_audit_input_t *in)
+{
+    tally_audit_decision_t d = {.result = TALLY_AUDIT_CLEAN, .counted = true, .next_in_ms = -1};
+    switch (in->verdict) {
+    case TALLY_VERDICT_FOUND:
+        d.result = in->kept_matches ? TALLY_AUDIT_CLEAN : TALLY_AUDIT_MISMATCH;
+        break;
+    case TALLY_VERDICT_DUPLICATE:
+        d.result = TALLY_AUDIT_DUPLICATE;
+        break;
+    case TALLY_VERDICT_NOT_FOUND:
+        d.result = TALLY_AUDIT_MISSING;
+        break;
+    default: {
+        int n = in->failures + 1;
+        d.counted = false;
+        if (n >= in->max_attempts) {
+            d.result = TALLY_AUDIT_GIVE_UP;
+            return d;
+        }
+        d.result = TALLY_AUDIT_RETRY;
+        d.next_in_ms = tally_backoff_ms(n, in->backoff_ms, in->max_backoff_ms, -1, in->random);
+        return d;
+    }
+    }
+    /* the first pass may be followed by one more */
+    if (in->passes == 0 && in->again_ms > 0) {
+        d.next_in_ms = in->again_ms;
+    }
+    return d;
+}
+
+/* ---- the orphan sweep -------------------------------------------------------------------- */
+
+const char *tally_sweep_class_name(tally_sweep_class_t c)
+{
+    switch (c) {
+    case TALLY_SWEEP_OURS:
+        return "recorded";
+    case TALLY_SWEEP_UNSETTLED:
+        return "unsettled";
+    case TALLY_SWEEP_DUPLICATE:
+        return "duplicate";
+    case TALLY_SWEEP_ORPHAN:
+        return "orphan";
+    case TALLY_SWEEP_FINDING:
+        return "finding";
+    case TALLY_SWEEP_FOREIGN:
+        return "foreign";
+    }
+    return "unknown";
+}
+
+tally_sweep_class_t tally_sweep_classify(const tally_sweep_record_t *r)
+{
+    if (!r->ours) {
+        return TALLY_SWEEP_FOREIGN;
+    }
+    if (!r->known) {
+        return TALLY_SWEEP_FINDING;
+    }
+    if (r->has_obligation) {
+        return TALLY_SWEEP_OURS;
+    }
+    switch (r->status) {
+    case TALLY_EFFECT_CONFIRMED:
+        if (r->ledger_ref != NULL && r->ref != NULL && strcmp(r->ledger_ref, r->ref) == 0) {
+            return TALLY_SWEEP_OURS;
+        }
+        return r->can_compensate ? TALLY_SWEEP_DUPLICATE : TALLY_SWEEP_FINDING;
+    case TALLY_EFFECT_FAILED:
+    case TALLY_EFFECT_CANCELLED:
+    case TALLY_EFFECT_REJECTED:
+        return r->can_compensate ? TALLY_SWEEP_ORPHAN : TALLY_SWEEP_FINDING;
+    default:
+        /* not settled: a status check will find the record and decide */
+        return TALLY_SWEEP_UNSETTLED;
+    }
+}
+
+bool tally_sweep_uuid_valid(const char *s)
+{
+    if (s == NULL || strlen(s) != 36) {
+        return false;
+    }
+    for (int i = 0; i < 36; i++) {
+        bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+        if (dash ? s[i] != '-' : !isxdigit((unsigned char)s[i])) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool tally_sweep_page(const char *body, size_t len, json_t **records, char **next_cursor, char *why,
+                      size_t whysz)
+{
+    *records = NULL;
+    *next_cursor = NULL;
+    json_error_t jerr;
+    json_t *doc = json_loadb(body, len, TALLY_JSON_LOAD_FLAGS, &jerr);
+    if (doc == NULL) {
+        tally_fmt(why, whysz, "the list answer is not JSON: %s", jerr.text);
+        return false;
+    }
+    json_t *recs = json_object_get(doc, "records");
+    json_t *next = json_object_get(doc, "next_cursor");
+    if (!json_is_array(recs)) {
+        tally_fmt(why, whysz, "the list answer has no \"records\" array");
+    } else if (next != NULL && !json_is_null(next) &&
+               (!json_is_string(next) || json_string_length(next) == 0 ||
+                json_string_length(next) > TALLY_SWEEP_CURSOR_MAX)) {
+        tally_fmt(why, whysz,
+                  "the list answer's \"next_cursor\" must be null or a string of 1 to %d bytes",
+                  TALLY_SWEEP_CURSOR_MAX);
+    } else {
+        for (size_t i = 0; i < json_array_size(recs); i++) {
+            if (!json_is_object(json_array_get(recs, i))) {
+                tally_fmt(why, whysz, "the list answer's record %zu is not an object", i);
+                json_decref(doc);
+                return false;
+            }
+        }
+        if (json_is_string(next)) {
+            *next_cursor = strdup(json_string_value(next));
+            if (*next_cursor == NULL) {
+                tally_fmt(why, whysz, "out of memory");
+                json_decref(doc);
+                return false;
+            }
+        }
+        *records = json_incref(recs);
+        json_decref(doc);
+        return true;
+    }
+    json_decref(doc);
+    return false;
+}

@@ -21,6 +21,7 @@
 #include "tally/json.h"
 #include "tally/log.h"
 #include "tally/metrics.h"
+#include "tally/pacing.h"
 #include "tally/text.h"
 
 #define NOTIFY_CHANNEL    "tally_unknown"
@@ -31,6 +32,10 @@
 #define RECORD_BACKOFF_MAX_MS (RECORD_BACKOFF_MS << (MAX_RECORD_TRIES - 1))
 #define DRAIN_POLL_MS         50
 #define MAX_MESSAGES_TICK     1000
+/* how often due audits are looked for when the last claim found none */
+#define AUDIT_POLL_MS 1000
+/* audits take at most this share of the checks in flight (the rest is UNKNOWN resolution's) */
+#define AUDIT_INFLIGHT_SHARE 4
 
 typedef struct reconciler {
     tally_worker_t *w;
@@ -47,6 +52,31 @@ typedef struct reconciler {
     size_t n_done;
     size_t cap_done;
     size_t inflight;
+    /* audit checks finished, waiting to be recorded, and how many are in flight */
+    tally_recon_item_t **adone;
+    size_t n_adone;
+    size_t cap_adone;
+    size_t audit_inflight;
+    long long next_audit_ms;
+    long long audit_retry_ms;
+    bool audit_published; /* the registry's audit policies are in the database */
+    tally_metric_t *m_audits;
+    /* the orphan sweep this worker is making (one tool at a time), page by page */
+    const tally_tool_t *sw_tool;
+    char sw_since[40];
+    char sw_started[40];
+    char *sw_cursor;             /* the next page's cursor; NULL for the first */
+    long long sw_latest_us;      /* the latest created_at listed, 0 for none */
+    bool sw_undated;             /* a record listed without a created_at */
+    bool sw_inflight;            /* a list call is out */
+    tally_recon_item_t *sw_page; /* a page answered, to record */
+    long long sw_next_ms;        /* not before this: the budget, a retry, or the next claim */
+    size_t sw_next_tool;         /* where the next claim starts looking (round robin) */
+    int sw_pages;
+    int sw_failures; /* failed records of the page in hand */
+    tally_sweep_counts_t sw_counts;
+    tally_metric_t *m_sweeps;
+    tally_metric_t *m_swept;
     bool want_claim; /* a wake-up arrived, or due work was left over */
     bool backlog;    /* the last claim filled its limit: more may be due */
     long long next_sweep_ms;
@@ -73,19 +103,28 @@ static long long now_ms(void)
 
 /* ---- recording -------------------------------------------------------------------------- */
 
-static bool push_done(reconciler_t *rc, tally_recon_item_t *it)
+static bool push_item(tally_recon_item_t ***list, size_t *n, size_t *cap, tally_recon_item_t *it)
 {
-    if (rc->n_done == rc->cap_done) {
-        size_t cap = rc->cap_done ? rc->cap_done * 2 : 64;
-        tally_recon_item_t **grown = realloc(rc->done, cap * sizeof *grown);
+    if (*n == *cap) {
+        size_t grow = *cap ? *cap * 2 : 64;
+        tally_recon_item_t **grown = realloc(*list, grow * sizeof *grown);
         if (grown == NULL) {
             return false;
         }
-        rc->done = grown;
-        rc->cap_done = cap;
+        *list = grown;
+        *cap = grow;
     }
-    rc->done[rc->n_done++] = it;
+    (*list)[(*n)++] = it;
     return true;
+}
+
+/* A finished check waits for its record round: an UNKNOWN's in done, an audit's in adone. */
+static bool push_done(reconciler_t *rc, tally_recon_item_t *it)
+{
+    if (it->audit) {
+        return push_item(&rc->adone, &rc->n_adone, &rc->cap_adone, it);
+    }
+    return push_item(&rc->done, &rc->n_done, &rc->cap_done, it);
 }
 
 static void decide(reconciler_t *rc, tally_recon_item_t *it)
@@ -310,12 +349,46 @@ static bool redact_answer(tally_recon_item_t *it)
     return ok;
 }
 
+/* ---- the orphan sweep ------------------------------------------------------------------ */
+
+/* A list page came back: keep what it says for the next tick to record. */
+static void sweep_page_answered(reconciler_t *rc, tally_recon_item_t *it,
+                                const tally_conn_result_t *res)
+{
+    rc->sw_inflight = false;
+    it->checked = true;
+    it->http_status = res->http_status;
+    it->seconds = res->seconds;
+    char why[300];
+    if (res->http_status != 200) {
+        tally_conn_verdict_t v;
+        tally_conn_classify_status(res, &v);
+        tally_fmt(why, sizeof why, "the list call answered %ld (%s: %s)", res->http_status, v.code,
+                  v.message);
+        inconclusive(it, "list_failed", why);
+    } else if (res->body == NULL) {
+        inconclusive(it, "bad_list", "the list call answered 200 with no body");
+    } else if (!tally_sweep_page(res->body, res->body_len, &it->records, &it->next_cursor, why,
+                                 sizeof why)) {
+        inconclusive(it, "bad_list", why);
+    }
+    tally_recon_item_free(rc->sw_page); /* none: one page is out at a time */
+    rc->sw_page = it;
+}
+
 static void on_check_done(const tally_conn_result_t *res, void *opaque)
 {
     reconciler_t *rc = opaque;
     tally_recon_item_t *it = res->opaque;
     TALLY_CRASHPOINT("reconcile.after_status_answer");
     rc->inflight--;
+    if (it->list) {
+        sweep_page_answered(rc, it, res);
+        return;
+    }
+    if (it->audit) {
+        rc->audit_inflight--;
+    }
     it->checked = true;
     it->http_status = res->http_status;
     it->seconds = res->seconds;
@@ -457,10 +530,443 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     return n - (int)n_release;
 }
 
+/* ---- audits of CONFIRMED effects -------------------------------------------------------- */
+
+static void audit_decide(reconciler_t *rc, tally_recon_item_t *it)
+{
+    const tally_tool_t *tool = it->tool;
+    bool matches = true;
+    if (it->verdict.verdict == TALLY_VERDICT_FOUND && it->external_ref != NULL) {
+        char *ref = tally_conn_external_ref(tool, json_array_get(it->records, 0));
+        matches = ref != NULL && strcmp(ref, it->external_ref) == 0;
+        free(ref);
+    }
+    tally_audit_input_t in = {
+        .verdict = it->verdict.verdict,
+        .kept_matches = matches,
+        .passes = it->audit_passes,
+        .again_ms = tool->audit.again_ms,
+        .failures = it->audit_failures,
+        .max_attempts = tool->max_attempts,
+        .backoff_ms = tool->backoff_ms,
+        .max_backoff_ms = tool->max_backoff_ms,
+        .random = (uint32_t)rand_r(&rc->seed),
+    };
+    it->audit_decision = tally_audit_decide(&in);
+}
+
+static void log_audit(const tally_recon_item_t *it)
+{
+    tally_log_ctx_t ctx = {
+        .run_id = it->run_id, .effect_id = it->effect_id, .tool = it->tool->name};
+    switch (it->audit_decision.result) {
+    case TALLY_AUDIT_CLEAN:
+        TALLY_LOG(TALLY_LOG_DEBUG, &ctx, "audit: one upstream record carries key %s, as recorded",
+                  it->operation_key);
+        break;
+    case TALLY_AUDIT_DUPLICATE:
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "audit found a DUPLICATE: %zu upstream records carry key %s of a CONFIRMED "
+                  "effect; obligations opened for the extras, the receipt kept",
+                  json_array_size(it->records), it->operation_key);
+        break;
+    case TALLY_AUDIT_MISSING:
+    case TALLY_AUDIT_MISMATCH:
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "audit: the tool's records for key %s do not match the ledger (%s); finding "
+                  "filed and paged",
+                  it->operation_key, tally_audit_result_name(it->audit_decision.result));
+        break;
+    case TALLY_AUDIT_RETRY:
+        TALLY_LOG(TALLY_LOG_DEBUG, &ctx,
+                  "audit check inconclusive (%s: %s); asking again in %lld ms", it->verdict.code,
+                  it->verdict.message, it->audit_decision.next_in_ms);
+        break;
+    case TALLY_AUDIT_GIVE_UP:
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "audit dropped after %d inconclusive checks in a row (%s: %s); `tally verify "
+                  "--tools --run %s` asks again",
+                  it->audit_failures + 1, it->verdict.code, it->verdict.message, it->run_id);
+        break;
+    }
+}
+
+/* Record the finished audits in one transaction; on failure they wait (their leases hold) and
+ * are given up after MAX_RECORD_TRIES: the lease expires and the audit is made again. */
+static int audit_record_round(reconciler_t *rc)
+{
+    if (rc->n_adone == 0 || now_ms() < rc->audit_retry_ms) {
+        return 0;
+    }
+    for (size_t i = 0; i < rc->n_adone; i++) {
+        if (rc->adone[i]->record_tries == 0) {
+            audit_decide(rc, rc->adone[i]);
+        }
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    bool ok = tally_audit_record(&rc->db, rc->adone, rc->n_adone, &err);
+    size_t kept = 0;
+    int recorded = 0;
+    if (!ok) {
+        int tries = rc->adone[0]->record_tries + 1;
+        long long wait = tally_backoff_step_ms(tries, RECORD_BACKOFF_MS, RECORD_BACKOFF_MAX_MS);
+        rc->audit_retry_ms = now_ms() + wait;
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "recording %zu audits failed (%s: %s); %s",
+                            rc->n_adone, err.code, err.message,
+                            err.retriable || tries < MAX_RECORD_TRIES
+                                ? "retrying shortly"
+                                : "giving up: their leases expire and they are made again");
+    }
+    for (size_t i = 0; i < rc->n_adone; i++) {
+        tally_recon_item_t *it = rc->adone[i];
+        if (!ok && (err.retriable || ++it->record_tries < MAX_RECORD_TRIES)) {
+            rc->adone[kept++] = it;
+            continue;
+        }
+        if (ok && it->won) {
+            recorded++;
+            log_audit(it);
+            tally_metric_add(rc->m_audits, 1, it->tool->name,
+                             tally_audit_result_name(it->audit_decision.result));
+        } else if (ok) {
+            tally_metric_add(rc->m_lost, 1);
+        }
+        tally_recon_item_free(it);
+    }
+    rc->n_adone = kept;
+    return recorded;
+}
+
+/* Lease due audits of the tools with room and budget, and start their status checks. Only
+ * when UNKNOWN resolution has nothing more to claim, and within AUDIT_INFLIGHT_SHARE. */
+static int audit_round(reconciler_t *rc, tally_error_t *err)
+{
+    long long cap = rc->cfg->max_inflight / AUDIT_INFLIGHT_SHARE;
+    if (cap < 1) {
+        cap = 1;
+    }
+    long long room = cap - (long long)rc->audit_inflight;
+    long long free_slots = (long long)rc->cfg->max_inflight - (long long)rc->inflight;
+    if (room > free_slots) {
+        room = free_slots;
+    }
+    if (room > rc->cfg->batch_size) {
+        room = rc->cfg->batch_size;
+    }
+    if (room <= 0) {
+        return 0;
+    }
+    json_t *tools = json_array();
+    if (tools == NULL) {
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory listing the tools");
+        return -1;
+    }
+    for (size_t i = 0; i < tally_registry_count(rc->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(rc->reg, i);
+        int capacity = tally_connector_capacity(rc->conn, t);
+        if (!t->audit.enabled || t->status.path == NULL || capacity <= 0) {
+            continue;
+        }
+        int n = tally_pace_burst(t->audit.rate_per_s);
+        if (n > capacity) {
+            n = capacity;
+        }
+        long long lease = (long long)t->timeout_ms * 2 + LEASE_MARGIN_MS;
+        json_array_append_new(tools, json_pack("{s:s, s:i, s:I, s:f}", "tool", t->name, "n", n,
+                                               "lease_ms", (json_int_t)lease, "slot_ms",
+                                               1000.0 / t->audit.rate_per_s));
+    }
+    if (json_array_size(tools) == 0) {
+        json_decref(tools);
+        return 0;
+    }
+    char *tools_json = json_dumps(tools, JSON_COMPACT);
+    json_decref(tools);
+    tally_recon_item_t **items = calloc((size_t)room, sizeof *items);
+    if (tools_json == NULL || items == NULL) {
+        free(tools_json);
+        free(items);
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory preparing audits");
+        return -1;
+    }
+    int n = tally_audit_claim(&rc->db, tools_json, (int)room, items, err);
+    free(tools_json);
+    if (n < 0) {
+        free(items);
+        return -1;
+    }
+    /* a full claim may leave more due: look again at once (the budget still paces) */
+    rc->next_audit_ms = now_ms() + (n == room ? 0 : AUDIT_POLL_MS);
+    for (int i = 0; i < n; i++) {
+        tally_recon_item_t *it = items[i];
+        tally_error_t serr;
+        tally_error_clear(&serr);
+        if (it->sealed_err.errc != TALLY_ERR_NONE) {
+            serr = it->sealed_err;
+        } else {
+            tally_conn_request_t req = {
+                .tool = it->tool,
+                .op = TALLY_CONN_STATUS,
+                .idempotency_key = it->operation_key,
+                .run_id = it->run_id,
+                .effect_id = it->effect_id,
+                .traceparent = it->traceparent,
+                .opaque = it,
+            };
+            if (tally_connector_submit(rc->conn, &req, &serr)) {
+                rc->inflight++;
+                rc->audit_inflight++;
+                continue;
+            }
+        }
+        /* not asked (no room after all, a missing secret, a key that does not open): an
+         * inconclusive check, asked again after the backoff */
+        inconclusive(it, serr.code, serr.message);
+        if (!push_done(rc, it)) {
+            tally_recon_item_free(it);
+        }
+    }
+    free(items);
+    return n;
+}
+
+/* The registry's audit policies go into the database once per start (retried until then). */
+static void publish_audit_policies(reconciler_t *rc)
+{
+    if (rc->audit_published) {
+        return;
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (tally_audit_publish(&rc->db, &err)) {
+        rc->audit_published = true;
+    } else {
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                            "publishing the tools' audit policies failed (%s: %s); retrying at "
+                            "the next sweep",
+                            err.code, err.message);
+    }
+}
+
+/* ---- the orphan sweep, driven ------------------------------------------------------------ */
+
+/* How often a worker without a sweep looks for a tool whose period has come. */
+#define SWEEP_CLAIM_MS 5000
+/* The cursor moves to the latest record listed, less this (a record the tool was still
+ * writing, or a clock a little behind, is listed again rather than missed). */
+#define SWEEP_OVERLAP_US (60LL * 1000000)
+
+static void format_us(long long us, char out[40])
+{
+    time_t secs = (time_t)(us / 1000000);
+    struct tm tm;
+    gmtime_r(&secs, &tm);
+    size_t n = strftime(out, 40, "%Y-%m-%dT%H:%M:%S", &tm);
+    snprintf(out + n, 40 - n, ".%06dZ", (int)(us % 1000000));
+}
+
+static void sweep_end(reconciler_t *rc, const char *error)
+{
+    const tally_tool_t *tool = rc->sw_tool;
+    char since[40];
+    const char *new_since = NULL;
+    long long started = 0;
+    (void)tally_recon_parse_time(rc->sw_started, &started);
+    if (error == NULL && (rc->sw_latest_us > 0 || rc->sw_undated)) {
+        long long upto = rc->sw_latest_us > 0 && rc->sw_latest_us < started && !rc->sw_undated
+                             ? rc->sw_latest_us
+                             : started;
+        format_us(upto - SWEEP_OVERLAP_US, since);
+        new_since = since;
+    }
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (!tally_sweep_finish(&rc->db, tool, new_since, error, &err)) {
+        TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
+                            "could not move the orphan sweep cursor of '%s' (%s); the next sweep "
+                            "lists those records again",
+                            tool->name, err.message);
+    }
+    tally_log_ctx_t ctx = {.tool = tool->name};
+    if (error != NULL) {
+        TALLY_LOG(TALLY_LOG_WARN, &ctx,
+                  "orphan sweep of '%s' stopped after %d page%s: %s; the next period sweeps "
+                  "from the same cursor",
+                  tool->name, rc->sw_pages, rc->sw_pages == 1 ? "" : "s", error);
+    } else {
+        TALLY_LOG(rc->sw_counts.obligations + rc->sw_counts.findings > 0 ? TALLY_LOG_WARN
+                                                                         : TALLY_LOG_DEBUG,
+                  &ctx,
+                  "orphan sweep of '%s' since %s: %d page%s, %d recorded, %d unsettled, %d not "
+                  "tally's; %d obligation%s filed, %d finding%s paged",
+                  tool->name, rc->sw_since, rc->sw_pages, rc->sw_pages == 1 ? "" : "s",
+                  rc->sw_counts.recorded, rc->sw_counts.unsettled, rc->sw_counts.foreign,
+                  rc->sw_counts.obligations, rc->sw_counts.obligations == 1 ? "" : "s",
+                  rc->sw_counts.findings, rc->sw_counts.findings == 1 ? "" : "s");
+    }
+    tally_metric_add(rc->m_sweeps, 1, tool->name, error == NULL ? "done" : "failed");
+    free(rc->sw_cursor);
+    rc->sw_cursor = NULL;
+    rc->sw_tool = NULL;
+}
+
+/* Record the page in hand; on to the next page or the end of the sweep. */
+static int sweep_record(reconciler_t *rc)
+{
+    tally_recon_item_t *page = rc->sw_page;
+    if (page->verdict.verdict == TALLY_VERDICT_INCONCLUSIVE) {
+        rc->sw_page = NULL;
+        sweep_end(rc, page->verdict.message);
+        tally_recon_item_free(page);
+        return 0;
+    }
+    for (size_t i = 0; i < json_array_size(page->records); i++) {
+        long long us;
+        const char *at =
+            json_string_value(json_object_get(json_array_get(page->records, i), "created_at"));
+        if (at != NULL && tally_recon_parse_time(at, &us)) {
+            if (us > rc->sw_latest_us)
+                rc->sw_latest_us = us;
+        } else {
+            rc->sw_undated = true;
+        }
+    }
+    tally_sweep_counts_t before = rc->sw_counts;
+    tally_error_t err;
+    tally_error_clear(&err);
+    if (!tally_sweep_record_page(&rc->db, rc->sw_tool, page->records, &rc->sw_counts, &err)) {
+        rc->sw_counts = before;
+        if (!err.retriable && ++rc->sw_failures >= MAX_RECORD_TRIES) {
+            rc->sw_page = NULL;
+            sweep_end(rc, err.message);
+            tally_recon_item_free(page);
+            return 0;
+        }
+        rc->sw_next_ms = now_ms() + tally_backoff_step_ms(rc->sw_failures + 1, RECORD_BACKOFF_MS,
+                                                          RECORD_BACKOFF_MAX_MS);
+        TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                            "recording a page of the orphan sweep of '%s' failed (%s: %s); "
+                            "retrying",
+                            rc->sw_tool->name, err.code, err.message);
+        return 0;
+    }
+    rc->sw_failures = 0;
+    rc->sw_pages++;
+    int n = (int)json_array_size(page->records);
+    tally_metric_add(rc->m_swept, n, rc->sw_tool->name);
+    rc->sw_page = NULL;
+    free(rc->sw_cursor);
+    rc->sw_cursor = page->next_cursor;
+    page->next_cursor = NULL;
+    tally_recon_item_free(page);
+    if (rc->sw_cursor == NULL) {
+        sweep_end(rc, NULL);
+    }
+    return n;
+}
+
+/* Find a tool whose sweep is due and take it (one claim statement per tool looked at). */
+static void sweep_claim(reconciler_t *rc)
+{
+    size_t n = tally_registry_count(rc->reg);
+    for (size_t k = 0; k < n; k++) {
+        const tally_tool_t *t = tally_registry_at(rc->reg, (rc->sw_next_tool + k) % n);
+        if (t->list.path == NULL || t->audit.sweep_ms <= 0) {
+            continue;
+        }
+        tally_error_t err;
+        tally_error_clear(&err);
+        char since[40], started[40];
+        if (tally_sweep_claim(&rc->db, t, since, started, &err)) {
+            rc->sw_next_tool = (rc->sw_next_tool + k + 1) % n;
+            rc->sw_tool = t;
+            memcpy(rc->sw_since, since, sizeof since);
+            memcpy(rc->sw_started, started, sizeof started);
+            rc->sw_latest_us = 0;
+            rc->sw_undated = false;
+            rc->sw_pages = 0;
+            rc->sw_failures = 0;
+            memset(&rc->sw_counts, 0, sizeof rc->sw_counts);
+            return;
+        }
+        if (err.errc != TALLY_ERR_NONE) {
+            TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                                "taking the orphan sweep of '%s' failed (%s: %s)", t->name,
+                                err.code, err.message);
+            break;
+        }
+    }
+    rc->sw_next_ms = now_ms() + SWEEP_CLAIM_MS;
+}
+
+/* Ask for the next page, once the tool's budget has a slot. */
+static void sweep_ask(reconciler_t *rc)
+{
+    const tally_tool_t *t = rc->sw_tool;
+    tally_error_t err;
+    tally_error_clear(&err);
+    long long wait = 0;
+    int got = tally_pace_take(rc->db.pg, t->name, t->audit.rate_per_s, 1, &wait, &err);
+    if (got < 0) {
+        rc->sw_next_ms = now_ms() + AUDIT_POLL_MS;
+        return;
+    }
+    if (got == 0) {
+        rc->sw_next_ms = now_ms() + (wait > 0 ? wait : 1);
+        return;
+    }
+    char *since = curl_easy_escape(NULL, rc->sw_since, 0);
+    char *cursor = rc->sw_cursor ? curl_easy_escape(NULL, rc->sw_cursor, 0) : NULL;
+    char query[2200];
+    snprintf(query, sizeof query, "since=%s&limit=%d%s%s", since ? since : "", TALLY_SWEEP_PAGE,
+             cursor ? "&cursor=" : "", cursor ? cursor : "");
+    curl_free(since);
+    curl_free(cursor);
+    tally_recon_item_t *it = calloc(1, sizeof *it);
+    if (it == NULL) {
+        rc->sw_next_ms = now_ms() + AUDIT_POLL_MS;
+        return;
+    }
+    it->list = true;
+    it->tool = t;
+    tally_conn_request_t req = {.tool = t, .op = TALLY_CONN_LIST, .query = query, .opaque = it};
+    if (tally_connector_submit(rc->conn, &req, &err)) {
+        rc->inflight++;
+        rc->sw_inflight = true;
+        return;
+    }
+    tally_recon_item_free(it);
+    if (err.errc == TALLY_ERR_CAPACITY) {
+        rc->sw_next_ms = now_ms() + AUDIT_POLL_MS; /* the tool is busy: the slot is spent */
+        return;
+    }
+    sweep_end(rc, err.message);
+}
+
+static int sweep_round(reconciler_t *rc, bool stopping)
+{
+    int work = 0;
+    if (rc->sw_page != NULL && now_ms() >= rc->sw_next_ms) {
+        work += sweep_record(rc);
+    }
+    if (stopping || rc->sw_inflight || rc->sw_page != NULL || now_ms() < rc->sw_next_ms) {
+        return work;
+    }
+    if (rc->sw_tool == NULL) {
+        sweep_claim(rc);
+    }
+    if (rc->sw_tool != NULL) {
+        sweep_ask(rc);
+    }
+    return work;
+}
+
 /* ---- sweeping --------------------------------------------------------------------------- */
 
 static void sweep(reconciler_t *rc)
 {
+    publish_audit_policies(rc);
     tally_error_t err;
     tally_error_clear(&err);
     int expired = tally_recon_expire_leases(&rc->db, rc->cfg->batch_size, &err);
@@ -580,6 +1086,12 @@ static void reconciler_free(reconciler_t *rc)
         tally_recon_item_free(rc->done[i]);
     }
     free(rc->done);
+    for (size_t i = 0; i < rc->n_adone; i++) {
+        tally_recon_item_free(rc->adone[i]);
+    }
+    free(rc->adone);
+    tally_recon_item_free(rc->sw_page);
+    free(rc->sw_cursor);
     free(rc);
 }
 
@@ -630,6 +1142,17 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",
         "worker");
     tally_metric_add(rc->m_alert_fail, 0, "reconciler");
+    rc->m_audits = tally_metrics_counter(
+        m, "tally_audits_total",
+        "Audit checks of CONFIRMED effects recorded, by tool and what they found (clean, "
+        "duplicate, missing, mismatch, inconclusive, gave_up)",
+        "tool,result");
+    rc->m_sweeps = tally_metrics_counter(
+        m, "tally_orphan_sweeps_total",
+        "Orphan sweeps of tools' records this worker made, by tool and how they ended",
+        "tool,result");
+    rc->m_swept = tally_metrics_counter(m, "tally_orphan_sweep_records_total",
+                                        "Records the tools listed to the orphan sweep", "tool");
 
     char errstr[512];
     rc->conn = tally_connector_new(rc->cfg->max_inflight, 0, errstr, sizeof errstr);
@@ -689,9 +1212,30 @@ static int reconciler_tick(tally_worker_t *w, void *state)
             tally_worker_set_ready(w, true, NULL);
         }
     }
+    if (!rc->backlog && !tally_worker_stopping(w) && now_ms() >= rc->next_audit_ms) {
+        tally_error_t err;
+        tally_error_clear(&err);
+        int n = audit_round(rc, &err);
+        if (n < 0) {
+            rc->next_audit_ms = now_ms() + AUDIT_POLL_MS;
+            TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "claiming due audits failed (%s: %s)",
+                                err.code, err.message);
+        } else {
+            work += n;
+        }
+    }
     long long wait = rc->next_sweep_ms - now_ms();
     if (rc->next_due_ms != 0 && rc->next_due_ms - now_ms() < wait) {
         wait = rc->next_due_ms - now_ms();
+    }
+    if (rc->next_audit_ms - now_ms() < wait) {
+        wait = rc->next_audit_ms - now_ms();
+    }
+    if (rc->n_adone > 0 && rc->audit_retry_ms - now_ms() < wait) {
+        wait = rc->audit_retry_ms - now_ms();
+    }
+    if (!rc->sw_inflight && rc->sw_next_ms - now_ms() < wait) {
+        wait = rc->sw_next_ms - now_ms();
     }
     if (wait > rc->cfg->poll_ms) {
         wait = rc->cfg->poll_ms;
@@ -704,6 +1248,8 @@ static int reconciler_tick(tally_worker_t *w, void *state)
     }
     wait_for_events(rc, (int)wait, true);
     work += record_round(rc);
+    work += audit_record_round(rc);
+    work += sweep_round(rc, tally_worker_stopping(w));
     return work;
 }
 
@@ -716,15 +1262,17 @@ static bool reconciler_drain(tally_worker_t *w, void *state)
         wait_for_events(rc, DRAIN_POLL_MS, false);
     }
     record_round(rc);
-    return rc->inflight == 0 && rc->n_done == 0;
+    audit_record_round(rc);
+    return rc->inflight == 0 && rc->n_done == 0 && rc->n_adone == 0;
 }
 
 static reconciler_t *g_abandoning; /* the reconciler whose connector is being freed */
 
 static void on_abandoned(void *opaque)
 {
-    if (!push_done(g_abandoning, opaque)) {
-        tally_recon_item_free(opaque);
+    tally_recon_item_t *it = opaque;
+    if (it->list || !push_done(g_abandoning, it)) {
+        tally_recon_item_free(it); /* a sweep page: the next period sweeps from the cursor */
     }
 }
 

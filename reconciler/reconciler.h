@@ -20,6 +20,7 @@
 #include "tally/registry.h"
 #include "tally/seal.h"
 #include "tally/worker.h"
+#include "tally/machines.h"
 
 /** The worker: `tally_worker_main(argc, argv, &tally_reconciler_ops)`. */
 extern const tally_worker_ops_t tally_reconciler_ops;
@@ -105,6 +106,101 @@ size_t tally_recon_earliest(const json_t *records);
  */
 bool tally_recon_records_usable(const json_t *records, char *why, size_t whysz);
 
+/* ---- Audits of CONFIRMED effects (DESIGN §12; audit.c, store.c) ---------------------------- */
+
+/** What one audit check of a CONFIRMED effect found. */
+typedef enum {
+    TALLY_AUDIT_CLEAN = 0, /**< one record, the one the ledger keeps */
+    TALLY_AUDIT_DUPLICATE, /**< several: obligations for the extras, the receipt kept */
+    TALLY_AUDIT_MISSING,   /**< none: the tool holds no record for a CONFIRMED effect */
+    TALLY_AUDIT_MISMATCH,  /**< one record, but not the one the ledger keeps */
+    TALLY_AUDIT_RETRY,     /**< inconclusive: asked again after a backoff */
+    TALLY_AUDIT_GIVE_UP,   /**< inconclusive retry_max times in a row: the audit is dropped */
+} tally_audit_result_t;
+
+/** The names used in tally_audits_total{result} and the audit events. */
+const char *tally_audit_result_name(tally_audit_result_t r);
+
+typedef struct tally_audit_input {
+    tally_verdict_t verdict; /**< of the status check */
+    bool kept_matches;       /**< FOUND: the one record's ref is the ledger's external ref */
+    int passes;              /**< checks made before this one */
+    int again_ms;            /**< the tool's audit.again_ms: a second pass when > 0 */
+    int failures;            /**< inconclusive checks in a row before this one */
+    int max_attempts;        /**< the tool's retry.max_attempts */
+    int backoff_ms;
+    int max_backoff_ms;
+    uint32_t random;
+} tally_audit_input_t;
+
+typedef struct tally_audit_decision {
+    tally_audit_result_t result;
+    bool counted;         /**< a conclusive check: passes + 1 */
+    long long next_in_ms; /**< when to check again; -1 when this was the last check */
+} tally_audit_decision_t;
+
+/**
+ * @brief What an audit check found and what follows: FOUND is CLEAN when the record is the
+ * ledger's (MISMATCH otherwise), DUPLICATE is DUPLICATE, NOT_FOUND is MISSING; each counts a
+ * pass, and a second pass follows audit.again_ms later after the first. INCONCLUSIVE is RETRY
+ * after the tool's backoff, or GIVE_UP once it is the max_attempts-th in a row (an audit is
+ * best-effort: `tally verify --tools` can always ask again).
+ */
+tally_audit_decision_t tally_audit_decide(const tally_audit_input_t *in);
+
+/* ---- The orphan sweep (DESIGN §12; sweep.c) ----------------------------------------------- */
+
+/** The longest next_cursor a list answer may carry, in bytes. */
+#define TALLY_SWEEP_CURSOR_MAX 1024
+/** Records asked for per list page. */
+#define TALLY_SWEEP_PAGE 100
+
+/** What one record a tool listed is to the ledger. */
+typedef enum {
+    TALLY_SWEEP_OURS = 0,  /**< the receipt of a CONFIRMED effect, or under an obligation */
+    TALLY_SWEEP_UNSETTLED, /**< its effect has not settled: the status path decides */
+    TALLY_SWEEP_DUPLICATE, /**< an extra record of a CONFIRMED effect: a 'duplicate' obligation */
+    TALLY_SWEEP_ORPHAN,    /**< a record of a FAILED, CANCELLED or REJECTED effect: an 'orphan'
+                              obligation */
+    TALLY_SWEEP_FINDING,   /**< no such effect, or the tool cannot compensate: a finding, paged */
+    TALLY_SWEEP_FOREIGN,   /**< carries no tally effect id: not ours to judge */
+} tally_sweep_class_t;
+
+const char *tally_sweep_class_name(tally_sweep_class_t c);
+
+/** @brief One listed record, as the ledger sees it. */
+typedef struct tally_sweep_record {
+    bool ours;                   /**< it carries a well-formed tally-effect-id and a ref */
+    bool known;                  /**< the ledger has that effect */
+    tally_effect_state_t status; /**< its status, when known */
+    const char *ledger_ref;      /**< the effect's external ref; may be NULL */
+    const char *ref;             /**< the record's ref (receipt_ref into it) */
+    bool has_obligation;         /**< an obligation already reverses (effect, ref) */
+    bool can_compensate;         /**< the tool declares compensate and a mode other than
+                                    not_supported */
+} tally_sweep_record_t;
+
+/** @brief DESIGN §12: what a listed record is (see tally_sweep_class_t). */
+tally_sweep_class_t tally_sweep_classify(const tally_sweep_record_t *r);
+
+/** @brief Whether @p s is a UUID in its canonical 36-character text form. */
+bool tally_sweep_uuid_valid(const char *s);
+
+/**
+ * @brief Read a list answer: {"records": [objects], "next_cursor": string|null}.
+ * @returns true with @p records (a new reference) and @p next_cursor (malloc'd, NULL on the
+ * last page); false with a sentence in @p why.
+ */
+bool tally_sweep_page(const char *body, size_t len, json_t **records, char **next_cursor, char *why,
+                      size_t whysz);
+
+/** @brief What the pages of one sweep held, by class. */
+typedef struct tally_sweep_counts {
+    int recorded, unsettled, foreign; /**< records left alone */
+    int obligations;                  /**< obligations filed (duplicates and orphans) */
+    int findings;                     /**< findings filed and paged */
+} tally_sweep_counts_t;
+
 /* ---- The ledger side (store.c): every statement the reconciler runs ----------------------- */
 
 /** @brief One UNKNOWN effect this reconciler holds a lease on, from its claim to its record. */
@@ -133,6 +229,15 @@ typedef struct tally_recon_item {
     tally_redactor_t *red;    /**< its tenant key and the values to keep out of answers */
     char *receipt_sealed;     /**< FOUND/DUPLICATE: the kept record, sealed whole */
     tally_error_t sealed_err; /**< why its key would not open; errc NONE when it did */
+    /* an audit of a CONFIRMED effect rather than an UNKNOWN's check (epoch is the audit row's) */
+    bool audit;
+    int audit_passes;
+    int audit_failures;
+    char *external_ref; /**< the ledger's ref for the effect; may be NULL */
+    tally_audit_decision_t audit_decision;
+    /* a page of an orphan sweep (a list call) rather than a status check */
+    bool list;
+    char *next_cursor; /**< the page's next_cursor; NULL on the last page */
 } tally_recon_item_t;
 
 /** @brief Frees an item and what it owns. NULL is allowed. */
@@ -193,6 +298,72 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
  * @returns the number released, or -1 with @p err. */
 int tally_recon_release(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
                         tally_error_t *err);
+
+/**
+ * @brief Publish the audit policies of the registry's tools (table audit_policies, read by the
+ * trigger that queues an audit when an effect is CONFIRMED) and make their pacing rows, in one
+ * transaction: tools with audit enabled are upserted, tools of this registry with it disabled
+ * are removed. @returns false with @p err.
+ */
+bool tally_audit_publish(tally_recon_db_t *db, tally_error_t *err);
+
+/**
+ * @brief Lease due audits (at most @p limit) of the tools in @p tools_json (a JSON array of
+ * {tool, n, lease_ms, slot_ms}: at most n each, every one paid for from the tool's shared
+ * budget in tool_pacing at slot_ms per call), in one statement. Items have audit set.
+ * @returns the number stored in @p out, or -1 with @p err.
+ */
+int tally_audit_claim(tally_recon_db_t *db, const char *tools_json, int limit,
+                      tally_recon_item_t **out, tally_error_t *err);
+
+/**
+ * @brief Record the audit checks of @p items (audit_decision set) in one transaction: a
+ * compare-and-set on the audit rows (rescheduled or deleted), and for those won the DUPLICATE
+ * obligations and events (as tally_recon_record writes them), the findings and pages of
+ * MISSING and MISMATCH, and one "audit" event each. @returns false with @p err.
+ */
+bool tally_audit_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
+                        tally_error_t *err);
+
+/* Shared by store.c and sweep.c: one transaction's batches (alerts, audit events, messages)
+ * begin with tally_recon_tx_begin and are written, then committed, by tally_recon_tx_end (or
+ * rolled back when @p ok is false). */
+bool tally_recon_tx_begin(tally_recon_db_t *tx, tally_error_t *err);
+bool tally_recon_tx_end(tally_recon_db_t *tx, bool ok, tally_error_t *err);
+/** @brief Queue a CloudEvent of @p type with @p data (stolen) on @p topic, keyed by the run. */
+bool tally_recon_queue_message(tally_recon_db_t *db, const char *topic, const char *type,
+                               const char *run_id, json_t *data, tally_error_t *err);
+
+/**
+ * @brief File @p findings (a JSON array of {finding_id, kind, tool, external_ref, run_id,
+ * effect_id, summary, evidence}) inside the transaction of @p tx (its batches set): a finding
+ * already on file for (kind, tool, external_ref) is skipped; each new one is paged (dedup key
+ * "finding:<id>", closed by `tally resolve --finding`) with a "finding" audit event.
+ */
+bool tally_recon_file_findings(tally_recon_db_t *tx, const json_t *findings, tally_error_t *err);
+
+/**
+ * @brief Take this period's sweep of @p tool (its cursor row is made on first use, looking back
+ * audit.lookback_ms): true when this worker sweeps it now, with the cursor's time in @p since and
+ * the database's now in @p started (RFC 3339, UTC); false when another worker did within
+ * audit.sweep_ms, or with @p err set on a failure.
+ */
+bool tally_sweep_claim(tally_recon_db_t *db, const tally_tool_t *tool, char since[40],
+                       char started[40], tally_error_t *err);
+
+/** @brief End a sweep: move the cursor to @p new_since (never back; NULL leaves it) and keep
+ * @p error (NULL after a sweep that went through). */
+bool tally_sweep_finish(tally_recon_db_t *db, const tally_tool_t *tool, const char *new_since,
+                        const char *error, tally_error_t *err);
+
+/**
+ * @brief Set one page of listed @p records against the ledger and act, in one transaction:
+ * obligations for duplicates and orphans (with their events and messages), findings paged
+ * (tally_recon_file_findings). A sensitive tool's records are redacted in place first.
+ * Adds to @p counts. @returns false with @p err (nothing written).
+ */
+bool tally_sweep_record_page(tally_recon_db_t *db, const tally_tool_t *tool, json_t *records,
+                             tally_sweep_counts_t *counts, tally_error_t *err);
 
 /** @brief The ledger's UNKNOWN count, the age of the oldest UNKNOWN in seconds and the STUCK
  * count, in one query. */

@@ -184,6 +184,8 @@ void tally_recon_item_free(tally_recon_item_t *it)
     json_decref(it->records);
     tally_redactor_free(it->red);
     free(it->receipt_sealed);
+    free(it->external_ref);
+    free(it->next_cursor);
     free(it);
 }
 
@@ -228,8 +230,8 @@ static json_t *effect_data(const PGresult *res, int row)
 }
 
 /* Queue a CloudEvent of @p type with @p data (stolen) on @p topic, keyed by the run. */
-static bool queue_message(tally_recon_db_t *db, const char *topic, const char *type,
-                          const char *run_id, json_t *data, tally_error_t *err)
+bool tally_recon_queue_message(tally_recon_db_t *db, const char *topic, const char *type,
+                               const char *run_id, json_t *data, tally_error_t *err)
 {
     json_t *ev = data ? tally_ce_new(type, db->source, run_id, data, NULL) : NULL;
     if (ev == NULL) {
@@ -251,7 +253,7 @@ static bool queue_outcome(tally_recon_db_t *db, const PGresult *res, int row, co
         data = NULL;
     }
     json_decref(extra);
-    return queue_message(db, "outcomes", type, col(res, row, C_RUN_ID), data, err);
+    return tally_recon_queue_message(db, "outcomes", type, col(res, row, C_RUN_ID), data, err);
 }
 
 static void audit(tally_recon_db_t *db, const PGresult *res, int row, const char *kind,
@@ -289,7 +291,7 @@ static void audit_move(tally_recon_db_t *db, const PGresult *res, int row,
 /* ---- transactions ---------------------------------------------------------------------- */
 
 /* Fresh batches for one transaction, so a failed one leaves nothing queued for the next. */
-static bool tx_begin(tally_recon_db_t *tx, tally_error_t *err)
+bool tally_recon_tx_begin(tally_recon_db_t *tx, tally_error_t *err)
 {
     tx->audit = tally_audit_batch_new();
     tx->outbox = tally_outbox_batch_new();
@@ -303,7 +305,7 @@ static bool tx_begin(tally_recon_db_t *tx, tally_error_t *err)
 }
 
 /* Raise the alerts, write the audit events and the messages, COMMIT; or roll back. */
-static bool tx_end(tally_recon_db_t *tx, bool ok, tally_error_t *err)
+bool tally_recon_tx_end(tally_recon_db_t *tx, bool ok, tally_error_t *err)
 {
     ok = ok &&
          tally_alert_batch_flush(tx->alerts, tx->pg, tx->actor, tx->source, tx->outbox, tx->audit,
@@ -330,8 +332,8 @@ int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *er
     snprintf(limit_text, sizeof limit_text, "%d", limit);
     const char *params[2] = {limit_text, LEASE_EXPIRED_WHY};
     tally_recon_db_t tx = *db;
-    if (!tx_begin(&tx, err)) {
-        tx_end(&tx, false, err);
+    if (!tally_recon_tx_begin(&tx, err)) {
+        tally_recon_tx_end(&tx, false, err);
         return -1;
     }
     PGresult *res = tally_pg_exec(tx.pg, SQL_EXPIRE, 2, params, err);
@@ -345,7 +347,7 @@ int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *er
                    lease ? json_deep_copy(lease) : NULL);
         ok = queue_outcome(&tx, res, i, "tally.effect.unknown.v1", lease, err);
     }
-    ok = tx_end(&tx, ok, err);
+    ok = tally_recon_tx_end(&tx, ok, err);
     for (int i = 0; ok && i < n; i++) {
         tally_log_ctx_t ctx = {.run_id = col(res, i, C_RUN_ID),
                                .effect_id = col(res, i, C_EFFECT_ID),
@@ -361,14 +363,14 @@ int tally_recon_expire_leases(tally_recon_db_t *db, int limit, tally_error_t *er
 int tally_recon_complete_runs(tally_recon_db_t *db, int limit, int idle_ms, tally_error_t *err)
 {
     tally_recon_db_t tx = *db;
-    if (!tx_begin(&tx, err)) {
-        tx_end(&tx, false, err);
+    if (!tally_recon_tx_begin(&tx, err)) {
+        tally_recon_tx_end(&tx, false, err);
         return -1;
     }
     size_t done = 0;
     bool ok = tally_runops_complete(tx.pg, NULL, 0, limit, idle_ms, tx.actor, tx.source, tx.outbox,
                                     tx.audit, &done, err);
-    ok = tx_end(&tx, ok, err);
+    ok = tally_recon_tx_end(&tx, ok, err);
     return ok ? (int)done : -1;
 }
 
@@ -500,10 +502,22 @@ static const char *transition_reason(const tally_recon_item_t *it, char *buf, si
     return NULL;
 }
 
-/* The kept record and its external ref (malloc'd, may be NULL) for CONFIRM and DUPLICATE. */
+/* The kept record for CONFIRM and DUPLICATE: the earliest; for an audit, the one whose ref is
+ * the ledger's (the receipt already kept), else the earliest. */
 static json_t *kept_record(const tally_recon_item_t *it, size_t *idx)
 {
     *idx = tally_recon_earliest(it->records);
+    if (it->audit && it->external_ref != NULL) {
+        for (size_t i = 0; i < json_array_size(it->records); i++) {
+            char *ref = tally_conn_external_ref(it->tool, json_array_get(it->records, i));
+            bool same = ref != NULL && strcmp(ref, it->external_ref) == 0;
+            free(ref);
+            if (same) {
+                *idx = i;
+                break;
+            }
+        }
+    }
     return json_array_get(it->records, *idx);
 }
 
@@ -655,12 +669,13 @@ static bool queue_duplicate(tally_recon_db_t *db, const PGresult *res, int row,
         };
         (void)tally_audit_move(db->audit, TALLY_MACHINE_OBLIGATION, -1, TALLY_OBLIGATION_PENDING,
                                &ev);
-        ok = ok && queue_message(db, "obligations", "tally.obligation.v1", col(obl, j, 1),
-                                 json_pack("{s:s, s:s, s:s, s:s, s:o, s:s}", "obligation_id",
-                                           obligation_id, "run_id", col(obl, j, 1), "effect_id",
-                                           it->effect_id, "reason", "duplicate", "external_ref",
-                                           text_or_null(ref), "status", "PENDING"),
-                                 err);
+        ok = ok &&
+             tally_recon_queue_message(
+                 db, "obligations", "tally.obligation.v1", col(obl, j, 1),
+                 json_pack("{s:s, s:s, s:s, s:s, s:o, s:s}", "obligation_id", obligation_id,
+                           "run_id", col(obl, j, 1), "effect_id", it->effect_id, "reason",
+                           "duplicate", "external_ref", text_or_null(ref), "status", "PENDING"),
+                 err);
     }
     if (ok) {
         audit(db, res, row, "duplicate", "more than one upstream record carries the key",
@@ -825,7 +840,7 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
     PGresult *obl = NULL;
     size_t *pos = NULL;     /* the item of each RETURNING row */
     size_t *obl_pos = NULL; /* the item of each new obligation */
-    ok = ok && tx_begin(&tx, err) && cancel_if_stopped(&tx, items, n, ids, err);
+    ok = ok && tally_recon_tx_begin(&tx, err) && cancel_if_stopped(&tx, items, n, ids, err);
     for (size_t i = 0; ok && i < n; i++) {
         items[i]->won = false;
         ok = json_array_append_new(rows, record_row(items[i])) == 0;
@@ -875,7 +890,7 @@ bool tally_recon_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t
             ok = queue_item_events(&tx, res, r, items[pos[r]], pos[r], obl, obl_pos, err);
         }
     }
-    ok = tx_end(&tx, ok, err);
+    ok = tally_recon_tx_end(&tx, ok, err);
     if (!ok) {
         for (size_t i = 0; i < n; i++) {
             items[i]->won = false;
@@ -932,4 +947,387 @@ bool tally_recon_gauges(tally_recon_db_t *db, long long *unknown, double *oldest
     *stuck = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
     PQclear(res);
     return true;
+}
+
+/* ---- audits of CONFIRMED effects ---------------------------------------------------------- */
+
+/* The registry's audit policies, in one transaction: enabled tools upserted (a change of
+ * policy applies to effects confirmed from then on), disabled ones removed, and a pacing row
+ * for every tool that is paced. */
+static const char SQL_AUDIT_POLICIES[] =
+    "INSERT INTO audit_policies AS a (tool, delay_ms, again_ms, sample_rate, updated_by)"
+    " SELECT p.tool, p.delay_ms, p.again_ms, p.sample_rate, $2"
+    " FROM json_to_recordset($1::json) AS p(tool text, enabled boolean, delay_ms int,"
+    " again_ms int, sample_rate float8)"
+    " WHERE p.enabled"
+    " ON CONFLICT (tool) DO UPDATE SET delay_ms = EXCLUDED.delay_ms,"
+    " again_ms = EXCLUDED.again_ms, sample_rate = EXCLUDED.sample_rate,"
+    " updated_by = EXCLUDED.updated_by, updated_at = now()"
+    " WHERE (a.delay_ms, a.again_ms, a.sample_rate)"
+    "   IS DISTINCT FROM (EXCLUDED.delay_ms, EXCLUDED.again_ms, EXCLUDED.sample_rate)";
+
+static const char SQL_AUDIT_UNPUBLISH[] =
+    "DELETE FROM audit_policies WHERE tool IN (SELECT p.tool"
+    " FROM json_to_recordset($1::json) AS p(tool text, enabled boolean) WHERE NOT p.enabled)";
+
+/* audits queued before a tool's audit was turned off are not made */
+static const char SQL_AUDIT_DROP[] =
+    "DELETE FROM audits WHERE tool IN (SELECT p.tool"
+    " FROM json_to_recordset($1::json) AS p(tool text, enabled boolean) WHERE NOT p.enabled)";
+
+static const char SQL_PACING_ROWS[] =
+    "INSERT INTO tool_pacing (tool) SELECT p.tool"
+    " FROM json_to_recordset($1::json) AS p(tool text, paced boolean) WHERE p.paced"
+    " ON CONFLICT (tool) DO NOTHING";
+
+bool tally_audit_publish(tally_recon_db_t *db, tally_error_t *err)
+{
+    json_t *rows = json_array();
+    bool ok = rows != NULL;
+    for (size_t i = 0; ok && i < tally_registry_count(db->reg); i++) {
+        const tally_tool_t *t = tally_registry_at(db->reg, i);
+        const tally_audit_policy_t *a = &t->audit;
+        ok = json_array_append_new(rows,
+                                   json_pack("{s:s, s:b, s:i, s:i, s:f, s:b}", "tool", t->name,
+                                             "enabled", a->enabled, "delay_ms", a->delay_ms,
+                                             "again_ms", a->again_ms, "sample_rate", a->sample_rate,
+                                             "paced", a->enabled || a->sweep_ms > 0)) == 0;
+    }
+    if (!ok) {
+        json_decref(rows);
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory listing the audit policies");
+        return false;
+    }
+    char *text = json_dumps(rows, JSON_COMPACT);
+    json_decref(rows);
+    if (text == NULL) {
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory listing the audit policies");
+        return false;
+    }
+    const char *params[2] = {text, db->actor};
+    ok = tally_pg_begin(db->pg, err) && tally_pg_run(db->pg, SQL_AUDIT_POLICIES, 2, params, err) &&
+         tally_pg_run(db->pg, SQL_AUDIT_UNPUBLISH, 1, params, err) &&
+         tally_pg_run(db->pg, SQL_AUDIT_DROP, 1, params, err) &&
+         tally_pg_run(db->pg, SQL_PACING_ROWS, 1, params, err) && tally_pg_commit(db->pg, err);
+    if (!ok) {
+        tally_pg_rollback(db->pg);
+    }
+    free(text);
+    return ok;
+}
+
+/* Due audits, paid for from each tool's budget (pacing.h): the pacing rows with at least one
+ * slot are locked (another reconciler skips them this round), at most as many audits of each
+ * are leased as it has slots (and n), and the budget moves on by what was taken. A tool with
+ * nothing due pays nothing. */
+static const char SQL_AUDIT_CLAIM[] =
+    "WITH cfg AS ("
+    "  SELECT c.*, greatest(1000, c.slot_ms) * interval '1 millisecond' AS burst"
+    "  FROM json_to_recordset($1::json) AS c(tool text, n int, lease_ms bigint, slot_ms float8)),"
+    " open AS ("
+    "  SELECT p.tool, c.lease_ms, c.slot_ms, c.burst,"
+    "    least(c.n, floor(extract(epoch FROM now() - greatest(p.next_at, now() - c.burst))"
+    "      * 1000 / c.slot_ms))::int AS n"
+    "  FROM tool_pacing p JOIN cfg c USING (tool)"
+    "  WHERE greatest(p.next_at, now() - c.burst) + c.slot_ms * interval '1 millisecond' <= now()"
+    "  ORDER BY p.tool FOR UPDATE OF p SKIP LOCKED),"
+    " picked AS ("
+    "  SELECT a.effect_id, o.tool, o.lease_ms FROM open o CROSS JOIN LATERAL ("
+    "    SELECT x.effect_id FROM audits x WHERE x.tool = o.tool AND x.due_at <= now()"
+    "    AND (x.lease_until IS NULL OR x.lease_until < now())"
+    "    ORDER BY x.due_at LIMIT o.n FOR UPDATE OF x SKIP LOCKED) a"
+    "  LIMIT $3),"
+    " paced AS ("
+    "  UPDATE tool_pacing t SET next_at = greatest(t.next_at, now() - o.burst)"
+    "    + k.cnt * o.slot_ms * interval '1 millisecond'"
+    "  FROM (SELECT tool, count(*) AS cnt FROM picked GROUP BY tool) k JOIN open o USING (tool)"
+    "  WHERE t.tool = k.tool),"
+    " claimed AS ("
+    "  UPDATE audits a SET lease_owner = $2,"
+    "    lease_until = now() + p.lease_ms * interval '1 millisecond',"
+    "    lease_epoch = a.lease_epoch + 1"
+    "  FROM picked p WHERE a.effect_id = p.effect_id"
+    "  RETURNING a.effect_id, a.lease_epoch, a.passes, a.failures)"
+    " SELECT c.effect_id::text, c.lease_epoch, e.run_id, e.tool, e.operation_key,"
+    " e.traceparent, c.passes, c.failures, e.external_ref, e.seal_key::text,"
+    " (SELECT k.master_key_id FROM tenant_keys k WHERE k.key_id = e.seal_key),"
+    " (SELECT k.wrapped FROM tenant_keys k WHERE k.key_id = e.seal_key), e.args_sealed"
+    " FROM claimed c JOIN effects e USING (effect_id)";
+
+int tally_audit_claim(tally_recon_db_t *db, const char *tools_json, int limit,
+                      tally_recon_item_t **out, tally_error_t *err)
+{
+    char limit_text[24];
+    snprintf(limit_text, sizeof limit_text, "%d", limit);
+    const char *params[3] = {tools_json, db->actor, limit_text};
+    PGresult *res = tally_pg_exec(db->pg, SQL_AUDIT_CLAIM, 3, params, err);
+    if (res == NULL) {
+        return -1;
+    }
+    int n = 0;
+    for (int i = 0; i < PQntuples(res) && n < limit; i++) {
+        tally_recon_item_t *it = calloc(1, sizeof *it);
+        if (it == NULL) {
+            break; /* the lease runs out and another round takes it */
+        }
+        it->audit = true;
+        snprintf(it->effect_id, sizeof it->effect_id, "%s", PQgetvalue(res, i, 0));
+        it->epoch = strtoll(PQgetvalue(res, i, 1), NULL, 10);
+        it->run_id = dup_or_null(col(res, i, 2));
+        it->tool = tally_registry_find(db->reg, PQgetvalue(res, i, 3));
+        it->operation_key = dup_or_null(col(res, i, 4));
+        it->traceparent = dup_or_null(col(res, i, 5));
+        it->audit_passes = atoi(PQgetvalue(res, i, 6));
+        it->audit_failures = atoi(PQgetvalue(res, i, 7));
+        it->external_ref = dup_or_null(col(res, i, 8));
+        it->settled = true;
+        if (it->tool != NULL && tally_tool_sensitive(it->tool)) {
+            tally_sealed_row_t sr = {.effect_id = it->effect_id,
+                                     .key_id = col(res, i, 9),
+                                     .master_id = col(res, i, 10),
+                                     .wrapped = col(res, i, 11),
+                                     .args_sealed = col(res, i, 12)};
+            if (!tally_sensitive_open(db->keys, it->tool, &sr, &it->red, NULL, NULL,
+                                      &it->sealed_err) &&
+                it->sealed_err.errc == TALLY_ERR_NONE)
+                tally_error_setc(&it->sealed_err, TALLY_ERR_OOM, "out of memory");
+        }
+        if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
+            (col(res, i, 5) != NULL && it->traceparent == NULL) ||
+            (col(res, i, 8) != NULL && it->external_ref == NULL)) {
+            tally_recon_item_free(it);
+            continue;
+        }
+        out[n++] = it;
+    }
+    PQclear(res);
+    return n;
+}
+
+/* Reschedule (next_ms >= 0) or finish (delete) each audit whose lease is still ours; the effect
+ * rows of those won come back for the events. */
+static const char SQL_AUDIT_RECORD[] =
+    "WITH r AS (SELECT * FROM json_to_recordset($1::json) AS r(effect_id uuid, epoch bigint,"
+    "  next_ms bigint, counted boolean, failed boolean)),"
+    " moved AS ("
+    "  UPDATE audits a SET passes = a.passes + CASE WHEN r.counted THEN 1 ELSE 0 END,"
+    "    failures = CASE WHEN r.failed THEN a.failures + 1 ELSE 0 END,"
+    "    due_at = now() + r.next_ms * interval '1 millisecond',"
+    "    lease_owner = NULL, lease_until = NULL, lease_epoch = a.lease_epoch + 1"
+    "  FROM r WHERE a.effect_id = r.effect_id AND a.lease_epoch = r.epoch AND r.next_ms >= 0"
+    "  RETURNING a.effect_id),"
+    " gone AS ("
+    "  DELETE FROM audits a USING r"
+    "  WHERE a.effect_id = r.effect_id AND a.lease_epoch = r.epoch AND r.next_ms < 0"
+    "  RETURNING a.effect_id)"
+    " SELECT " EFFECT_COLS " FROM effects e"
+    " WHERE e.effect_id IN (SELECT effect_id FROM moved UNION ALL SELECT effect_id FROM gone)";
+
+/* Findings no obligation can settle, each paged once: ON CONFLICT skips a finding already on
+ * file (kind, tool, external ref), and RETURNING names only the new ones. */
+static const char SQL_FINDINGS[] =
+    "INSERT INTO findings (finding_id, kind, tool, external_ref, run_id, effect_id, summary,"
+    " evidence, found_by)"
+    " SELECT f.finding_id, f.kind, f.tool, f.external_ref, f.run_id, f.effect_id, f.summary,"
+    " f.evidence, $2"
+    " FROM json_to_recordset($1::json) AS f(finding_id uuid, kind text, tool text,"
+    " external_ref text, run_id text, effect_id uuid, summary text, evidence jsonb)"
+    " ON CONFLICT DO NOTHING"
+    " RETURNING finding_id::text, run_id, effect_id::text, summary, kind, tool";
+
+#define RUNBOOK_FINDING "docs/operations.md#upstream-findings"
+
+/* File @p findings (a JSON array of rows for SQL_FINDINGS) in the transaction @p tx: the new
+ * ones are paged (dedup key finding:<id>) with their evidence and the command that closes
+ * them, and each gets a "finding" audit event. */
+bool tally_recon_file_findings(tally_recon_db_t *tx, const json_t *findings, tally_error_t *err)
+{
+    if (json_array_size(findings) == 0) {
+        return true;
+    }
+    char *text = json_dumps(findings, JSON_COMPACT);
+    if (text == NULL) {
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory filing findings");
+        return false;
+    }
+    const char *params[2] = {text, tx->actor};
+    PGresult *res = tally_pg_exec(tx->pg, SQL_FINDINGS, 2, params, err);
+    free(text);
+    if (res == NULL) {
+        return false;
+    }
+    bool ok = true;
+    for (int r = 0; ok && r < PQntuples(res); r++) {
+        const char *id = PQgetvalue(res, r, 0);
+        char key[64], command[256];
+        snprintf(key, sizeof key, "finding:%s", id);
+        snprintf(command, sizeof command,
+                 "tally resolve --finding %s --as resolved --reason \"<what you did upstream>\"",
+                 id);
+        json_t *details = json_pack("{s:s, s:s, s:s?}", "finding_id", id, "kind",
+                                    PQgetvalue(res, r, 4), "tool", col(res, r, 5));
+        tally_alert_t alert = {
+            .dedup_key = key,
+            .severity = "error",
+            .summary = PQgetvalue(res, r, 3),
+            .run_id = col(res, r, 1),
+            .effect_id = col(res, r, 2),
+            .reason = strcmp(PQgetvalue(res, r, 4), "orphan") == 0 ? "orphan" : "upstream_mismatch",
+            .runbook = RUNBOOK_FINDING,
+            .resolve_command = command,
+            .details = details,
+        };
+        tally_alert_batch_add(tx->alerts, &alert);
+        tally_audit_event_t ev = {
+            .run_id = col(res, r, 1),
+            .effect_id = col(res, r, 2),
+            .kind = "finding",
+            .actor = tx->actor,
+            .reason = PQgetvalue(res, r, 3),
+            .data = details,
+        };
+        tally_audit_batch_add(tx->audit, &ev);
+        json_decref(details);
+        ok = details != NULL;
+    }
+    PQclear(res);
+    if (!ok) {
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory filing findings");
+    }
+    return ok;
+}
+
+/* The finding row of a MISSING or MISMATCH audit. */
+static json_t *audit_finding(const tally_recon_item_t *it)
+{
+    char id[37], summary[400];
+    tally_uuid(id);
+    bool missing = it->audit_decision.result == TALLY_AUDIT_MISSING;
+    json_t *rec = missing ? NULL : json_array_get(it->records, 0);
+    char *ref = rec != NULL ? tally_conn_external_ref(it->tool, rec) : NULL;
+    size_t over = 0;
+    ref = tally_conn_ref_within_limit(ref, &over);
+    if (missing)
+        tally_fmt(summary, sizeof summary,
+                  "tool '%s' holds no record for CONFIRMED effect %s (key %s): the receipt names "
+                  "%s",
+                  it->tool->name, it->effect_id, it->operation_key,
+                  it->external_ref ? it->external_ref : "no ref");
+    else
+        tally_fmt(summary, sizeof summary,
+                  "tool '%s' holds record %s for CONFIRMED effect %s (key %s), not the %s the "
+                  "ledger keeps",
+                  it->tool->name, ref ? ref : "(no ref)", it->effect_id, it->operation_key,
+                  it->external_ref ? it->external_ref : "record");
+    json_t *row = json_pack(
+        "{s:s, s:s, s:s, s:o, s:s, s:s, s:s, s:{s:s, s:s, s:o, s:O}}", "finding_id", id, "kind",
+        "ledger", "tool", it->tool->name, "external_ref",
+        text_or_null(missing ? it->external_ref : ref), "run_id", it->run_id, "effect_id",
+        it->effect_id, "summary", summary, "evidence", "check", "audit", "found",
+        tally_audit_result_name(it->audit_decision.result), "ledger_ref",
+        text_or_null(it->external_ref), "records", it->records ? it->records : json_null());
+    free(ref);
+    return row;
+}
+
+bool tally_audit_record(tally_recon_db_t *db, tally_recon_item_t **items, size_t n,
+                        tally_error_t *err)
+{
+    json_t *rows = json_array();
+    json_t *obligations = json_array();
+    json_t *findings = json_array();
+    const char **ids = calloc(n + 1, sizeof *ids);
+    bool ok = rows != NULL && obligations != NULL && findings != NULL && ids != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+        const tally_audit_decision_t *d = &items[i]->audit_decision;
+        items[i]->won = false;
+        ids[i] = items[i]->effect_id;
+        ok = json_array_append_new(rows, json_pack("{s:s, s:I, s:I, s:b, s:b}", "effect_id",
+                                                   items[i]->effect_id, "epoch",
+                                                   (json_int_t)items[i]->epoch, "next_ms",
+                                                   (json_int_t)d->next_in_ms, "counted", d->counted,
+                                                   "failed", d->result == TALLY_AUDIT_RETRY)) == 0;
+    }
+    if (!ok) {
+        tally_error_setc_retriable(err, TALLY_ERR_OOM, false,
+                                   "out of memory building the audit batch");
+    }
+    tally_recon_db_t tx = *db;
+    PGresult *res = NULL;
+    PGresult *obl = NULL;
+    size_t *pos = NULL;
+    size_t *obl_pos = NULL;
+    ok = ok && tally_recon_tx_begin(&tx, err);
+    if (ok) {
+        res = tally_pg_exec_json(tx.pg, SQL_AUDIT_RECORD, rows, err);
+        pos = res != NULL ? tally_columns_positions(res, C_EFFECT_ID, ids, n) : NULL;
+        if (res != NULL && pos == NULL) {
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the audits recorded");
+        }
+        ok = pos != NULL;
+    }
+    for (int r = 0; ok && r < PQntuples(res); r++) {
+        if (pos[r] == SIZE_MAX) {
+            continue;
+        }
+        tally_recon_item_t *it = items[pos[r]];
+        it->won = true;
+        switch (it->audit_decision.result) {
+        case TALLY_AUDIT_DUPLICATE: {
+            json_t *refs = json_array();
+            ok = refs != NULL && duplicate_rows(it, obligations, refs);
+            json_decref(refs);
+            break;
+        }
+        case TALLY_AUDIT_MISSING:
+        case TALLY_AUDIT_MISMATCH:
+            ok = json_array_append_new(findings, audit_finding(it)) == 0;
+            break;
+        default:
+            break;
+        }
+    }
+    if (ok && json_array_size(obligations) > 0) {
+        obl = tally_pg_exec_json(tx.pg, SQL_OBLIGATIONS, obligations, err);
+        obl_pos = obl != NULL ? tally_columns_positions(obl, 2, ids, n) : NULL;
+        if (obl != NULL && obl_pos == NULL) {
+            tally_error_setc(err, TALLY_ERR_OOM, "out of memory reading the obligations written");
+        }
+        ok = obl_pos != NULL;
+    }
+    ok = ok && tally_recon_file_findings(&tx, findings, err);
+    for (int r = 0; ok && r < PQntuples(res); r++) {
+        if (pos[r] == SIZE_MAX) {
+            continue;
+        }
+        tally_recon_item_t *it = items[pos[r]];
+        const tally_audit_decision_t *d = &it->audit_decision;
+        audit(&tx, res, r, "audit", it->verdict.message,
+              json_pack("{s:s, s:i, s:s, s:i, s:I, s:s?}", "found",
+                        tally_audit_result_name(d->result), "pass",
+                        it->audit_passes + (d->counted ? 1 : 0), "verdict",
+                        tally_verdict_name(it->verdict.verdict), "http_status",
+                        (int)it->http_status, "records", (json_int_t)json_array_size(it->records),
+                        "code", it->verdict.code[0] ? it->verdict.code : NULL));
+        if (d->result == TALLY_AUDIT_DUPLICATE) {
+            ok = queue_duplicate(&tx, res, r, it, pos[r], obl, obl_pos, err);
+        }
+    }
+    ok = tally_recon_tx_end(&tx, ok, err);
+    if (!ok) {
+        for (size_t i = 0; i < n; i++) {
+            items[i]->won = false;
+        }
+    }
+    PQclear(res);
+    PQclear(obl);
+    free(pos);
+    free(obl_pos);
+    free(ids);
+    json_decref(rows);
+    json_decref(obligations);
+    json_decref(findings);
+    return ok;
 }

@@ -7,20 +7,26 @@
 
 #include <libpq-fe.h>
 
-/* A token bucket kept as one timestamp: the bucket is full when next_at is a second or more in
- * the past, and each slot moves next_at on by 1/rate seconds. A take succeeds when next_at has
- * come; taking from a full bucket starts from one second ago, so a burst is at most one second's
- * worth. The upsert makes the first take for a tool create its row. */
+/* A token bucket kept as one timestamp, next_at: at time t it holds (t - next_at) / slot slots,
+ * at most one second's worth (or one slot, when a slot is longer). A take of n slots needs them
+ * all: it succeeds when greatest(next_at, t - burst) + n * slot <= t, and moves next_at there.
+ * $2 is n * slot in ms, $3 the burst in ms. The upsert makes the first take create the row. */
 static const char SQL_TAKE[] =
     "INSERT INTO tool_pacing AS p (tool, next_at)"
-    " VALUES ($1, now() - interval '1 second' + $2::float8 * interval '1 millisecond')"
-    " ON CONFLICT (tool) DO UPDATE SET next_at = greatest(p.next_at, now() - interval '1 second')"
+    " VALUES ($1, now() - $3::float8 * interval '1 millisecond'"
+    "   + $2::float8 * interval '1 millisecond')"
+    " ON CONFLICT (tool) DO UPDATE"
+    " SET next_at = greatest(p.next_at, now() - $3::float8 * interval '1 millisecond')"
     "   + $2::float8 * interval '1 millisecond'"
-    " WHERE p.next_at <= now()"
+    " WHERE greatest(p.next_at, now() - $3::float8 * interval '1 millisecond')"
+    "   + $2::float8 * interval '1 millisecond' <= now()"
     " RETURNING 1";
 
+/* How long until a take of the same size would succeed. */
 static const char SQL_WAIT[] =
-    "SELECT greatest(0, ceil(extract(epoch FROM next_at - now()) * 1000))::bigint"
+    "SELECT greatest(1, ceil(extract(epoch FROM"
+    "   greatest(next_at, now() - $3::float8 * interval '1 millisecond')"
+    "   + $2::float8 * interval '1 millisecond' - now()) * 1000))::bigint"
     " FROM tool_pacing WHERE tool = $1";
 
 int tally_pace_burst(double rate_per_s)
@@ -36,17 +42,19 @@ int tally_pace_take(tally_pg_t *pg, const char *tool, double rate_per_s, int wan
                     long long *wait_ms, tally_error_t *err)
 {
     *wait_ms = 0;
-    int burst = tally_pace_burst(rate_per_s);
-    if (want > burst) {
-        want = burst;
+    int most = tally_pace_burst(rate_per_s);
+    if (want > most) {
+        want = most;
     }
     if (want < 1) {
         want = 1;
     }
-    char cost[64];
-    snprintf(cost, sizeof cost, "%.3f", (double)want * 1000.0 / rate_per_s);
-    const char *params[] = {tool, cost};
-    PGresult *res = tally_pg_exec(pg, SQL_TAKE, 2, params, err);
+    double slot_ms = 1000.0 / rate_per_s;
+    char cost[64], burst[64]; /* ms */
+    snprintf(cost, sizeof cost, "%.3f", (double)want * slot_ms);
+    snprintf(burst, sizeof burst, "%.3f", slot_ms > 1000.0 ? slot_ms : 1000.0);
+    const char *params[] = {tool, cost, burst};
+    PGresult *res = tally_pg_exec(pg, SQL_TAKE, 3, params, err);
     if (res == NULL) {
         return -1;
     }
@@ -55,7 +63,7 @@ int tally_pace_take(tally_pg_t *pg, const char *tool, double rate_per_s, int wan
     if (granted > 0) {
         return granted;
     }
-    res = tally_pg_exec(pg, SQL_WAIT, 1, params, err);
+    res = tally_pg_exec(pg, SQL_WAIT, 3, params, err);
     if (res == NULL) {
         return -1;
     }

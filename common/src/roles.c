@@ -39,7 +39,7 @@ static const struct {
     {"tally_migrations", {S, S, S, S, S}},
     {"schema_machines", {NONE, NONE, NONE, S, S}},
     /* upstream audit (012): the confirm trigger queues audits as their owner */
-    {"audit_policies", {NONE, SIU, NONE, S, S}},
+    {"audit_policies", {NONE, SIUD, NONE, S, S}},
     {"audits", {NONE, SIUD, NONE, S, S}},
     {"tool_pacing", {NONE, SIU, NONE, SIU, S}}, /* tally verify --tools paces too */
     {"sweep_cursors", {NONE, SIU, NONE, S, S}},

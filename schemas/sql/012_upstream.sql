@@ -29,6 +29,7 @@ CREATE TABLE audits (
     effect_id   uuid PRIMARY KEY REFERENCES effects (effect_id) ON DELETE CASCADE,
     tool        text NOT NULL,
     passes      smallint NOT NULL DEFAULT 0 CHECK (passes >= 0),
+    failures    smallint NOT NULL DEFAULT 0 CHECK (failures >= 0), -- inconclusive checks in a row
     due_at      timestamptz NOT NULL,
     lease_owner text,
     lease_until timestamptz,

@@ -28,7 +28,7 @@ EXPECTED = {
     "reconciler": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U},
                    "obligations": {S, I}, "alerts": {S, I, U}, "events": {S, I},
                    "message_outbox": {S, I, U, D}, "replies": {S}, "tenant_keys": {S},
-                   "tally_migrations": {S}, "audit_policies": {S, I, U},
+                   "tally_migrations": {S}, "audit_policies": {S, I, U, D},
                    "audits": {S, I, U, D}, "tool_pacing": {S, I, U},
                    "sweep_cursors": {S, I, U}, "findings": {S, I, U}},
     "compensator": {"runs": {S, U}, "effects": {S}, "obligations": {S, I, U},

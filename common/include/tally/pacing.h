@@ -17,7 +17,7 @@ int tally_pace_burst(double rate_per_s);
 /**
  * @brief Take up to @p want slots (clamped to tally_pace_burst) of @p tool's budget at
  * @p rate_per_s calls per second, by the database clock, in one statement. The bucket refills
- * continuously and holds at most one second's worth.
+ * continuously and holds at most one second's worth (or one slot, when slots are longer).
  * @returns the slots granted (all of them, or 0 when the budget is spent, with the time until
  * it opens again in @p wait_ms), or -1 with @p err.
  */
