@@ -308,6 +308,155 @@ static void test_alert_batch_refuses_incomplete_alerts(void **state)
     tally_alert_batch_free(NULL);
 }
 
+/* ---- audits and sweeps (DESIGN §12) ----------------------------------------------------- */
+
+static tally_audit_input_t audit_in(tally_verdict_t v)
+{
+    tally_audit_input_t in = {.verdict = v,
+                              .kept_matches = true,
+                              .passes = 0,
+                              .again_ms = 0,
+                              .failures = 0,
+                              .max_attempts = 3,
+                              .backoff_ms = 200,
+                              .max_backoff_ms = 2000,
+                              .random = 7};
+    return in;
+}
+
+static void test_audit_decisions(void **state)
+{
+    (void)state;
+    tally_audit_input_t in = audit_in(TALLY_VERDICT_FOUND);
+    tally_audit_decision_t d = tally_audit_decide(&in);
+    assert_int_equal(d.result, TALLY_AUDIT_CLEAN);
+    assert_true(d.counted);
+    assert_int_equal(d.next_in_ms, -1);
+    in.kept_matches = false;
+    assert_int_equal(tally_audit_decide(&in).result, TALLY_AUDIT_MISMATCH);
+    in = audit_in(TALLY_VERDICT_DUPLICATE);
+    assert_int_equal(tally_audit_decide(&in).result, TALLY_AUDIT_DUPLICATE);
+    in = audit_in(TALLY_VERDICT_NOT_FOUND);
+    assert_int_equal(tally_audit_decide(&in).result, TALLY_AUDIT_MISSING);
+    /* a second pass follows the first only */
+    in = audit_in(TALLY_VERDICT_FOUND);
+    in.again_ms = 3600000;
+    assert_int_equal(tally_audit_decide(&in).next_in_ms, 3600000);
+    in.passes = 1;
+    assert_int_equal(tally_audit_decide(&in).next_in_ms, -1);
+    /* inconclusive: retried within the tool's backoff, given up at max_attempts in a row */
+    in = audit_in(TALLY_VERDICT_INCONCLUSIVE);
+    d = tally_audit_decide(&in);
+    assert_int_equal(d.result, TALLY_AUDIT_RETRY);
+    assert_false(d.counted);
+    assert_in_range(d.next_in_ms, 100, 200);
+    in.failures = 2;
+    d = tally_audit_decide(&in);
+    assert_int_equal(d.result, TALLY_AUDIT_GIVE_UP);
+    assert_int_equal(d.next_in_ms, -1);
+    assert_string_equal(tally_audit_result_name(TALLY_AUDIT_GIVE_UP), "gave_up");
+}
+
+static void test_sweep_classification(void **state)
+{
+    (void)state;
+    tally_sweep_record_t r = {.ours = true,
+                              .known = true,
+                              .status = TALLY_EFFECT_CONFIRMED,
+                              .ledger_ref = "ch_1",
+                              .ref = "ch_1",
+                              .can_compensate = true};
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_OURS);
+    r.ref = "ch_2";
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_DUPLICATE);
+    r.has_obligation = true;
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_OURS);
+    r.has_obligation = false;
+    r.can_compensate = false;
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_FINDING);
+    r.ledger_ref = NULL; /* a receipt without a ref cannot be told from an extra */
+    r.can_compensate = true;
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_DUPLICATE);
+    tally_effect_state_t settled[] = {TALLY_EFFECT_FAILED, TALLY_EFFECT_CANCELLED,
+                                      TALLY_EFFECT_REJECTED};
+    for (size_t i = 0; i < sizeof settled / sizeof settled[0]; i++) {
+        r.status = settled[i];
+        r.can_compensate = true;
+        assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_ORPHAN);
+        r.can_compensate = false;
+        assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_FINDING);
+    }
+    tally_effect_state_t open[] = {TALLY_EFFECT_PLANNED, TALLY_EFFECT_AWAITING_APPROVAL,
+                                   TALLY_EFFECT_DISPATCHING, TALLY_EFFECT_UNKNOWN,
+                                   TALLY_EFFECT_STUCK};
+    for (size_t i = 0; i < sizeof open / sizeof open[0]; i++) {
+        r.status = open[i];
+        assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_UNSETTLED);
+    }
+    r.known = false;
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_FINDING);
+    r.ours = false;
+    assert_int_equal(tally_sweep_classify(&r), TALLY_SWEEP_FOREIGN);
+}
+
+static void test_sweep_uuid_and_page(void **state)
+{
+    (void)state;
+    assert_true(tally_sweep_uuid_valid("01a218f1-6236-7e8d-8bd9-7f1744a708be"));
+    assert_true(tally_sweep_uuid_valid("01A218F1-6236-7E8D-8BD9-7F1744A708BE"));
+    assert_false(tally_sweep_uuid_valid(NULL));
+    assert_false(tally_sweep_uuid_valid(""));
+    assert_false(tally_sweep_uuid_valid("01a218f1-6236-7e8d-8bd9-7f1744a708be0"));
+    assert_false(tally_sweep_uuid_valid("01a218f1x6236-7e8d-8bd9-7f1744a708be"));
+    assert_false(tally_sweep_uuid_valid("01a218f1-6236-7e8d-8bd9-7f1744a708bg"));
+    assert_false(tally_sweep_uuid_valid("'; DROP TABLE effects; --00000000000"));
+
+    json_t *recs = NULL;
+    char *next = NULL;
+    char why[200];
+    const char ok[] = "{\"records\":[{\"id\":\"a\"},{\"id\":\"b\"}],\"next_cursor\":\"c2\"}";
+    assert_true(tally_sweep_page(ok, strlen(ok), &recs, &next, why, sizeof why));
+    assert_int_equal(json_array_size(recs), 2);
+    assert_string_equal(next, "c2");
+    json_decref(recs);
+    free(next);
+    const char last[] = "{\"records\":[],\"next_cursor\":null}";
+    assert_true(tally_sweep_page(last, strlen(last), &recs, &next, why, sizeof why));
+    assert_null(next);
+    json_decref(recs);
+    const char *bad[] = {
+        "",
+        "[]",
+        "{\"records\":{}}",
+        "{\"records\":[1]}",
+        "{\"records\":[],\"next_cursor\":5}",
+        "{\"records\":[],\"next_cursor\":\"\"}",
+        "{\"records\":[{\"id\":\"\\u0000\"}]}",
+        "{\"records\":[{\"id\":\"a\"}]",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        why[0] = '\0';
+        assert_false(tally_sweep_page(bad[i], strlen(bad[i]), &recs, &next, why, sizeof why));
+        assert_null(recs);
+        assert_null(next);
+        assert_true(why[0] != '\0');
+    }
+    /* a cursor at and over its limit */
+    char *big = malloc(TALLY_SWEEP_CURSOR_MAX + 64);
+    assert_non_null(big);
+    int n = snprintf(big, 64, "{\"records\":[],\"next_cursor\":\"");
+    memset(big + n, 'x', TALLY_SWEEP_CURSOR_MAX);
+    snprintf(big + n + TALLY_SWEEP_CURSOR_MAX, 8, "\"}");
+    assert_true(tally_sweep_page(big, strlen(big), &recs, &next, why, sizeof why));
+    assert_int_equal(strlen(next), TALLY_SWEEP_CURSOR_MAX);
+    json_decref(recs);
+    free(next);
+    memset(big + n, 'x', TALLY_SWEEP_CURSOR_MAX + 1);
+    snprintf(big + n + TALLY_SWEEP_CURSOR_MAX + 1, 8, "\"}");
+    assert_false(tally_sweep_page(big, strlen(big), &recs, &next, why, sizeof why));
+    free(big);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -322,6 +471,9 @@ int main(void)
         cmocka_unit_test(test_records_usable),
         cmocka_unit_test(test_alert_helpers),
         cmocka_unit_test(test_alert_batch_refuses_incomplete_alerts),
+        cmocka_unit_test(test_audit_decisions),
+        cmocka_unit_test(test_sweep_classification),
+        cmocka_unit_test(test_sweep_uuid_and_page),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -247,7 +247,78 @@ static const rule_case_t rule_cases[] = {
     {"read", "sensitive.args", "[\"/payment_id/last4\"]", NULL, "sensitive-operation-key",
      "args.payment_id"},
     {"read", "sensitive.receipt", "[\"/id\"]", NULL, "sensitive-receipt-ref", "/id"},
+    /* audits and sweeps (DESIGN §12) */
+    {"read", "audit", "{}", NULL, "audit-needs-status", "connector.status"},
+    {"reversible", "audit", "[1]", NULL, "audit", "must be an object"},
+    {"reversible", "audit.delay", "1000", NULL, "audit", "\"delay\""},
+    {"reversible", "audit.enabled", "\"yes\"", NULL, "field-type", "audit.enabled"},
+    {"reversible", "audit.sample_rate", "0", NULL, "numeric-range", "audit.sample_rate"},
+    {"reversible", "audit.sample_rate", "1.01", NULL, "numeric-range", "audit.sample_rate"},
+    {"reversible", "audit.sample_rate", "\"all\"", NULL, "numeric-range", "audit.sample_rate"},
+    {"reversible", "audit.rate_per_s", "0", NULL, "numeric-range", "audit.rate_per_s"},
+    {"reversible", "audit.rate_per_s", "-3", NULL, "numeric-range", "audit.rate_per_s"},
+    {"reversible", "audit.delay_ms", "-1", NULL, "numeric-range", "audit.delay_ms"},
+    {"reversible", "audit.again_ms", "86400001", NULL, "numeric-range", "audit.again_ms"},
+    {"reversible", "audit.lookback_ms", "999", NULL, "numeric-range", "audit.lookback_ms"},
+    {"reversible", "audit.sweep_ms", "60000", NULL, "sweep-needs-list", "connector.list"},
+    {"reversible", "connector.list", "{\"method\": \"GET\", \"path\": \"/x?since=1\"}", NULL,
+     "endpoint", "query string"},
+    {"reversible", "connector.list", "{\"method\": \"GET\"}", NULL, "endpoint",
+     "connector.list.path"},
+    {"reversible", "compensation.deadline_ms", "999", NULL, "numeric-range",
+     "compensation.deadline_ms"},
+    {"reversible", "compensation.deadline_ms", "2073600001", NULL, "numeric-range",
+     "compensation.deadline_ms"},
 };
+
+/* An audit's and a sweep's settings are kept; their defaults are the documented ones. */
+static void test_audit_fields(void **state)
+{
+    (void)state;
+    json_t *tool = base_tool("t1", "reversible");
+    set_path(tool, "audit",
+             "{\"delay_ms\": 5000, \"again_ms\": 3600000, \"sample_rate\": 0.25, "
+             "\"rate_per_s\": 0.5, \"sweep_ms\": 60000, \"lookback_ms\": 3600000}");
+    set_path(tool, "connector.list", "{\"method\": \"GET\", \"path\": \"/charges/list\"}");
+    set_path(tool, "compensation.deadline_ms", "86400000");
+    tally_registry_t *reg = load_one_ok(tool);
+    const tally_tool_t *t = tally_registry_find(reg, "t1");
+    assert_true(t->audit.enabled);
+    assert_int_equal(t->audit.delay_ms, 5000);
+    assert_int_equal(t->audit.again_ms, 3600000);
+    assert_true(t->audit.sample_rate == 0.25);
+    assert_true(t->audit.rate_per_s == 0.5);
+    assert_int_equal(t->audit.sweep_ms, 60000);
+    assert_int_equal(t->audit.lookback_ms, 3600000);
+    assert_string_equal(t->list.path, "/charges/list");
+    assert_int_equal(t->deadline_ms, 86400000);
+    tally_registry_free(reg);
+
+    /* defaults: no audit, no sweep, no deadline; with list, a sweep every 5 minutes */
+    reg = load_one_ok(base_tool("t2", "reversible"));
+    t = tally_registry_find(reg, "t2");
+    assert_false(t->audit.enabled);
+    assert_int_equal(t->audit.sweep_ms, 0);
+    assert_int_equal(t->deadline_ms, 0);
+    assert_null(t->list.path);
+    tally_registry_free(reg);
+    tool = base_tool("t3", "reversible");
+    set_path(tool, "audit", "{\"enabled\": false}");
+    set_path(tool, "connector.list", "{\"method\": \"GET\", \"path\": \"/l\"}");
+    reg = load_one_ok(tool);
+    t = tally_registry_find(reg, "t3");
+    assert_false(t->audit.enabled);
+    assert_int_equal(t->audit.sweep_ms, 300000);
+    assert_int_equal(t->audit.delay_ms, 60000);
+    assert_true(t->audit.sample_rate == 1.0);
+    assert_true(t->audit.rate_per_s == 5.0);
+    tally_registry_free(reg);
+    /* a read tool without a status check may still be swept */
+    tool = base_tool("t4", "read");
+    set_path(tool, "audit", "{\"enabled\": false, \"sweep_ms\": 1000}");
+    set_path(tool, "connector.list", "{\"method\": \"GET\", \"path\": \"/l\"}");
+    tally_registry_free(load_one_ok(tool));
+}
 
 static void test_each_rule_refused(void **state)
 {
@@ -877,6 +948,7 @@ int main(void)
         cmocka_unit_test(test_signing),
         cmocka_unit_test(test_registry_shape),
         cmocka_unit_test(test_sensitive_fields),
+        cmocka_unit_test(test_audit_fields),
         cmocka_unit_test(test_duplicate_names),
         cmocka_unit_test(test_several_problems_reported_together),
         cmocka_unit_test(test_defaults_applied),
