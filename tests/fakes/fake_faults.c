@@ -23,7 +23,7 @@ static const struct {
     {"fail_after_apply", FAKE_FAULT_FAIL_AFTER_APPLY, 0, 500, 400, 599, 0},
     {"apply_then_hang", FAKE_FAULT_APPLY_THEN_HANG, 30000, 0, 0, 0, 0},
     {"hang_before_apply", FAKE_FAULT_HANG_BEFORE_APPLY, 30000, 503, 0, 0, 0},
-    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 0, 500, 599, 0},
+    {"apply_twice", FAKE_FAULT_APPLY_TWICE, 0, 201, 200, 599, 0}, /* no 3xx: see fake_faults_add */
     {"reverse_412", FAKE_FAULT_REVERSE_412, 0, 412, 0, 0, 0},
     {"reverse_500", FAKE_FAULT_REVERSE_500, 0, 500, 0, 0, 0},
     {"reverse_409", FAKE_FAULT_REVERSE_409, 0, 409, 0, 0, 0},
@@ -40,7 +40,7 @@ static const struct {
 #define MAX_DELAY_MS 3600000
 #define MAX_SIZE     (16LL << 20)
 
-static const char *const OPS[] = {"*", "execute", "status", "reverse", "contain"};
+static const char *const OPS[] = {"*", "execute", "status", "reverse", "contain", "list"};
 
 typedef struct rule {
     unsigned id;
@@ -188,7 +188,7 @@ json_t *fake_faults_add(fake_faults_t *ff, const json_t *rule, char *errstr, siz
     while (oi < sizeof OPS / sizeof OPS[0] && strcmp(OPS[oi], op) != 0)
         oi++;
     if (oi == sizeof OPS / sizeof OPS[0]) {
-        snprintf(errstr, errsz, "\"op\" must be execute, status, reverse, contain or *");
+        snprintf(errstr, errsz, "\"op\" must be execute, status, reverse, contain, list or *");
         return NULL;
     }
     long long times, delay, status, size = 0;
@@ -204,6 +204,11 @@ json_t *fake_faults_add(fake_faults_t *ff, const json_t *rule, char *errstr, siz
         if (!int_member(rule, "status", FAULTS[fi].default_status, FAULTS[fi].min_status,
                         FAULTS[fi].max_status, &status, errstr, errsz))
             return NULL;
+        /* no fault answers a redirect (apply_twice's range is the one that spans them) */
+        if (status >= 300 && status <= 399) {
+            snprintf(errstr, errsz, "\"status\" must be 2xx, 4xx or 5xx");
+            return NULL;
+        }
     } else {
         status = FAULTS[fi].default_status;
     }

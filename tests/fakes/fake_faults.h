@@ -16,8 +16,9 @@ typedef enum fake_fault_kind {
     FAKE_FAULT_FAIL_AFTER_APPLY,  /* apply, then answer `status` (500) */
     FAKE_FAULT_APPLY_THEN_HANG,   /* apply, sleep delay_ms (30000), then answer */
     FAKE_FAULT_HANG_BEFORE_APPLY, /* sleep delay_ms (30000), answer 503, not applied */
-    FAKE_FAULT_APPLY_TWICE,       /* create two records for one key, answer with the first, or
-                                    with `status` (5xx) when given: a duplicate whose answer is lost */
+    FAKE_FAULT_APPLY_TWICE,       /* create two records for one key; answer `status`: 2xx (201)
+                                     with the first record (a duplicate behind a success), 4xx or
+                                     5xx with an error (a duplicate whose answer is lost) */
     FAKE_FAULT_REVERSE_412,       /* 412, not applied */
     FAKE_FAULT_REVERSE_500,       /* 500, not applied */
     FAKE_FAULT_REVERSE_409,       /* 409 (same key in progress), not applied */

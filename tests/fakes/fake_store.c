@@ -6,7 +6,9 @@
  * the benchmark this process shares two cores with what it measures. */
 #include "fake_store.h"
 
+#include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +24,11 @@ typedef struct record {
     size_t etag_len;
     bool containment;
     char created_at[32], reversed_at[32];
+    long long created_ms;         /* created_at; never less than the record's before it */
+    size_t pos;                   /* index in st->recs: creation order */
     struct record *same_key_next; /* another record with the same key (apply_twice) */
+    struct record *run_next;      /* the next record of the same collection and run id */
+    struct record *run_tail;      /* the first of a run's records: its last (for appending) */
 } record_t;
 
 enum { LOG_FIELDS = 9 }; /* the strings of fake_request_info_t, in the order log_json shows them */
@@ -42,25 +48,129 @@ struct fake_store {
     uint64_t next_id;
     record_t **recs; /* creation order, records and containments */
     size_t nrecs, caprecs;
-    json_t *by_key;       /* "collection\nkey" -> index of the first record with that key */
-    json_t *by_id;        /* record id -> index */
-    json_t *reversals;    /* array, creation order */
-    json_t *rev_by_key;   /* "collection\nreverse key" -> index into reversals */
-    log_entry_t *log;     /* ring of FAKE_STORE_LOG_SIZE */
-    uint64_t log_next;    /* sequence number of the next request, from 1 */
-    uint64_t log_started; /* log_next at the last reset */
+    json_t *by_key;         /* "collection\nkey" -> index of the first record with that key */
+    json_t *by_id;          /* record id -> index */
+    json_t *by_run;         /* "collection\nrun id" -> index of the run's first record (list) */
+    uint64_t generation;    /* bumped by a reset: older list cursors are refused */
+    unsigned char salt[16]; /* in every list cursor's check: cursors of another process fail */
+    json_t *reversals;      /* array, creation order */
+    json_t *rev_by_key;     /* "collection\nreverse key" -> index into reversals */
+    log_entry_t *log;       /* ring of FAKE_STORE_LOG_SIZE */
+    uint64_t log_next;      /* sequence number of the next request, from 1 */
+    uint64_t log_started;   /* log_next at the last reset */
 };
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000L;
+}
+
+/* `ms` (since the epoch, not negative) as RFC 3339 UTC with milliseconds. */
+static void format_ms(long long ms, char *buf, size_t bufsz)
+{
+    struct tm tm;
+    time_t sec = (time_t)(ms / 1000);
+    gmtime_r(&sec, &tm);
+    size_t n = strftime(buf, bufsz, "%Y-%m-%dT%H:%M:%S", &tm);
+    if (n > 0 && n < bufsz)
+        snprintf(buf + n, bufsz - n, ".%03uZ", (unsigned)(ms % 1000));
+}
 
 void fake_now_rfc3339(char *buf, size_t bufsz)
 {
-    struct timespec ts;
-    struct tm tm;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    gmtime_r(&ts.tv_sec, &tm);
-    size_t n = strftime(buf, bufsz, "%Y-%m-%dT%H:%M:%S", &tm);
-    unsigned ms = (unsigned)(ts.tv_nsec / 1000000L) % 1000u;
-    if (n > 0 && n < bufsz)
-        snprintf(buf + n, bufsz - n, ".%03uZ", ms);
+    format_ms(now_ms(), buf, bufsz);
+}
+
+/* Days from 1970-01-01 to y-m-d of the proleptic Gregorian calendar (Howard Hinnant's
+ * days_from_civil), negative before 1970. */
+static long long days_from_civil(long long y, unsigned m, unsigned d)
+{
+    y -= m <= 2;
+    long long era = (y >= 0 ? y : y - 399) / 400;
+    unsigned yoe = (unsigned)(y - era * 400);
+    unsigned doy = (153 * (m > 2 ? m - 3 : m + 9) + 2) / 5 + d - 1;
+    unsigned doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    return era * 146097 + (long long)doe - 719468;
+}
+
+/* `n` digits at *p as a number (advancing *p); -1 when they are not all digits. */
+static int digits(const char **p, int n)
+{
+    int v = 0;
+    for (int i = 0; i < n; i++) {
+        char c = (*p)[i];
+        if (c < '0' || c > '9')
+            return -1;
+        v = v * 10 + (c - '0');
+    }
+    *p += n;
+    return v;
+}
+
+bool fake_rfc3339_ms(const char *s, long long *ms)
+{
+    static const unsigned char MDAYS[] = {31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+    const char *p = s;
+    int y = digits(&p, 4);
+    if (y < 0 || *p++ != '-')
+        return false;
+    int mo = digits(&p, 2);
+    if (mo < 1 || mo > 12 || *p++ != '-')
+        return false;
+    int d = digits(&p, 2);
+    bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    if (d < 1 || d > MDAYS[mo - 1] + (mo == 2 && leap) || (*p != 'T' && *p != 't'))
+        return false;
+    p++;
+    int h = digits(&p, 2);
+    if (h < 0 || h > 23 || *p++ != ':')
+        return false;
+    int mi = digits(&p, 2);
+    if (mi < 0 || mi > 59 || *p++ != ':')
+        return false;
+    int sec = digits(&p, 2);
+    if (sec < 0 || sec > 60)
+        return false;
+    long long ns = 0;
+    if (*p == '.') {
+        p++;
+        if (*p < '0' || *p > '9')
+            return false;
+        int n = 0;
+        bool beyond = false; /* a non-zero digit past nanoseconds: round up */
+        for (; *p >= '0' && *p <= '9'; p++, n++) {
+            if (n < 9)
+                ns = ns * 10 + (*p - '0');
+            else
+                beyond |= *p != '0';
+        }
+        for (; n < 9; n++)
+            ns *= 10;
+        ns += beyond;
+    }
+    long long offset = 0;
+    if (*p == 'Z' || *p == 'z') {
+        p++;
+    } else if (*p == '+' || *p == '-') {
+        int sign = *p++ == '-' ? -1 : 1;
+        int oh = digits(&p, 2);
+        if (oh < 0 || oh > 23 || *p++ != ':')
+            return false;
+        int om = digits(&p, 2);
+        if (om < 0 || om > 59)
+            return false;
+        offset = sign * (oh * 3600LL + om * 60LL);
+    } else {
+        return false;
+    }
+    if (*p)
+        return false;
+    long long t = days_from_civil(y, (unsigned)mo, (unsigned)d) * 86400 + h * 3600LL + mi * 60LL +
+                  sec - offset;
+    *ms = t * 1000 + (ns + 999999) / 1000000;
+    return true;
 }
 
 /* A growing JSON text. `ok` turns false at the first failed allocation or string that is not
@@ -269,8 +379,9 @@ static char *strdup_or_null(const char *s)
 }
 
 /* The record as answered, appended to `t`. Its "body" is the raw request body, which the
- * server checked is JSON before the record was made. */
-static void record_text(text_t *t, const record_t *r)
+ * server checked is JSON before the record was made. With `tally_headers` (a list answer), also
+ * the Tally headers its creating request carried, as received. */
+static void record_text(text_t *t, const record_t *r, bool tally_headers)
 {
     text_put(t, "{", 1);
     text_member(t, "id", r->id);
@@ -293,6 +404,16 @@ static void record_text(text_t *t, const record_t *r)
         text_member(t, "reversed_by", r->reversed_by);
         text_member(t, "reversed_at", r->reversed_at);
     }
+    if (tally_headers) {
+        /* an execute or contain always carries Idempotency-Key; the others when sent */
+        text_lit(t, ",\"tally_headers\":{");
+        text_member(t, "idempotency-key", r->key);
+        if (r->run_id)
+            text_member(t, "tally-run-id", r->run_id);
+        if (r->effect_id)
+            text_member(t, "tally-effect-id", r->effect_id);
+        text_put(t, "}", 1);
+    }
     text_put(t, "}", 1);
 }
 
@@ -300,7 +421,7 @@ static void record_text(text_t *t, const record_t *r)
 static json_t *record_json(const record_t *r)
 {
     text_t t = {.ok = true};
-    record_text(&t, r);
+    record_text(&t, r, false);
     json_t *j = t.ok ? json_loadb(t.s, t.len, 0, NULL) : NULL;
     free(t.s);
     return j;
@@ -309,7 +430,7 @@ static json_t *record_json(const record_t *r)
 static void reply_record(fake_reply_t *out, unsigned status, const record_t *r)
 {
     text_t t = {.ok = true};
-    record_text(&t, r);
+    record_text(&t, r, false);
     reply_text(out, status, &t);
 }
 
@@ -320,6 +441,8 @@ static void clear_locked(fake_store_t *st)
     st->nrecs = 0;
     json_object_clear(st->by_key);
     json_object_clear(st->by_id);
+    json_object_clear(st->by_run);
+    st->generation++;
     json_array_clear(st->reversals);
     json_object_clear(st->rev_by_key);
     for (size_t i = 0; i < FAKE_STORE_LOG_SIZE; i++) {
@@ -338,15 +461,20 @@ fake_store_t *fake_store_new(void)
     pthread_mutex_init(&st->mu, NULL);
     st->by_key = json_object();
     st->by_id = json_object();
+    st->by_run = json_object();
     st->reversals = json_array();
     st->rev_by_key = json_object();
     st->log = calloc(FAKE_STORE_LOG_SIZE, sizeof *st->log);
     st->next_id = 1;
     st->log_next = 1;
     st->log_started = 1;
-    if (!st->by_key || !st->by_id || !st->reversals || !st->rev_by_key || !st->log) {
+    if (!st->by_key || !st->by_id || !st->by_run || !st->reversals || !st->rev_by_key || !st->log) {
         fake_store_free(st);
         return NULL;
+    }
+    if (RAND_bytes(st->salt, sizeof st->salt) != 1) {
+        long long seed = now_ms();
+        memcpy(st->salt, &seed, sizeof seed); /* a weaker salt still tells processes apart */
     }
     return st;
 }
@@ -361,6 +489,7 @@ void fake_store_free(fake_store_t *st)
     free(st->log);
     json_decref(st->by_key);
     json_decref(st->by_id);
+    json_decref(st->by_run);
     json_decref(st->reversals);
     json_decref(st->rev_by_key);
     pthread_mutex_destroy(&st->mu);
@@ -451,12 +580,34 @@ static record_t *create_record_locked(fake_store_t *st, const char *collection, 
     r->version = 1;
     r->etag_len = shape ? shape->etag_bytes : 0;
     r->containment = containment;
-    fake_now_rfc3339(r->created_at, sizeof r->created_at);
-    if (!r->id || !r->collection || !r->key || (run_id && !r->run_id) ||
+    r->pos = st->nrecs;
+    /* created_at never goes back in creation order, even when the clock does: a list by time
+     * finds its first record by binary search */
+    r->created_ms = now_ms();
+    if (st->nrecs > 0 && r->created_ms < st->recs[st->nrecs - 1]->created_ms)
+        r->created_ms = st->recs[st->nrecs - 1]->created_ms;
+    format_ms(r->created_ms, r->created_at, sizeof r->created_at);
+    char *run_key = run_id ? pair_key(collection, run_id) : NULL;
+    size_t first;
+    record_t *run_first =
+        run_key && index_get(st->by_run, run_key, &first) ? st->recs[first] : NULL;
+    if (!r->id || !r->collection || !r->key || (run_id && (!r->run_id || !run_key)) ||
         (effect_id && !r->effect_id) || !r->raw || (r->etag_len && !etag_update(r)) ||
-        json_object_set_new(st->by_id, r->id, json_integer((json_int_t)st->nrecs)) != 0) {
+        (run_key && !run_first &&
+         json_object_set_new(st->by_run, run_key, json_integer((json_int_t)r->pos)) != 0) ||
+        json_object_set_new(st->by_id, r->id, json_integer((json_int_t)r->pos)) != 0) {
+        if (run_key && !run_first)
+            json_object_del(st->by_run, run_key);
+        free(run_key);
         record_free(r);
         return NULL;
+    }
+    free(run_key);
+    if (run_first) {
+        run_first->run_tail->run_next = r;
+        run_first->run_tail = r;
+    } else if (run_id) {
+        r->run_tail = r;
     }
     memcpy(r->raw, raw, raw_len);
     r->raw_len = raw_len;
@@ -522,13 +673,139 @@ void fake_store_status(fake_store_t *st, const char *collection, const char *key
         for (record_t *r = st->recs[idx]; r; r = r->same_key_next) {
             if (r != st->recs[idx])
                 text_put(&t, ",", 1);
-            record_text(&t, r);
+            record_text(&t, r, false);
         }
     }
     pthread_mutex_unlock(&st->mu);
     text_put(&t, "]", 1);
     reply_text(out, 200, &t);
     free(k);
+}
+
+/* The check of a list cursor into `hex` (16 hex digits and a NUL): SHA-256 over the store's
+ * salt and generation, the position and the query it pages (collection, and since or run id),
+ * so that another query, another process or a reset refuses it. False when out of memory. */
+static bool cursor_check(const fake_store_t *st, const char *collection, const fake_list_query_t *q,
+                         size_t pos, char hex[17])
+{
+    char head[160];
+    snprintf(head, sizeof head, "%llu\n%zu\n%s\n%lld\n", (unsigned long long)st->generation, pos,
+             collection, q->by_run ? 0 : q->since_ms);
+    const char *run = q->by_run ? q->run_id : "";
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int mdlen = 0;
+    EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+    bool ok = ctx && EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) == 1 &&
+              EVP_DigestUpdate(ctx, st->salt, sizeof st->salt) == 1 &&
+              EVP_DigestUpdate(ctx, head, strlen(head)) == 1 &&
+              EVP_DigestUpdate(ctx, q->by_run ? "run " : "since", 5) == 1 &&
+              EVP_DigestUpdate(ctx, run, strlen(run)) == 1 &&
+              EVP_DigestFinal_ex(ctx, md, &mdlen) == 1 && mdlen >= 8;
+    EVP_MD_CTX_free(ctx);
+    if (!ok)
+        return false;
+    static const char HEX[] = "0123456789abcdef";
+    for (size_t i = 0; i < 8; i++) {
+        hex[2 * i] = HEX[md[i] >> 4];
+        hex[2 * i + 1] = HEX[md[i] & 0xf];
+    }
+    hex[16] = '\0';
+    return true;
+}
+
+/* A cursor is "<position>.<check>": the index in creation order of the next record to show,
+ * and cursor_check's digits. Sets *pos when `cursor` is one this store gave for this query. */
+static bool cursor_parse(const fake_store_t *st, const char *collection, const fake_list_query_t *q,
+                         size_t *pos)
+{
+    const char *c = q->cursor;
+    size_t nd = strspn(c, "0123456789");
+    if (nd == 0 || nd > 19 || c[nd] != '.' || strlen(c + nd + 1) != 16)
+        return false;
+    unsigned long long v = strtoull(c, NULL, 10);
+    char want[17];
+    if (v > st->nrecs || !cursor_check(st, collection, q, (size_t)v, want) ||
+        CRYPTO_memcmp(want, c + nd + 1, 16) != 0)
+        return false;
+    *pos = (size_t)v;
+    return true;
+}
+
+void fake_store_list(fake_store_t *st, const char *collection, const fake_list_query_t *q,
+                     fake_reply_t *out)
+{
+    char *run_key = q->by_run ? pair_key(collection, q->run_id) : NULL;
+    if (q->by_run && !run_key) {
+        fake_reply_error(out, 500, "out of memory");
+        return;
+    }
+    text_t t = {.ok = true};
+    text_lit(&t, "{\"records\":[");
+    pthread_mutex_lock(&st->mu);
+    size_t pos = 0;
+    if (q->cursor && !cursor_parse(st, collection, q, &pos)) {
+        pthread_mutex_unlock(&st->mu);
+        free(t.s);
+        free(run_key);
+        fake_reply_error(out, 400,
+                         "unknown cursor: not one this service gave for this query (or the "
+                         "records were reset since)");
+        return;
+    }
+    unsigned n = 0;
+    const record_t *next = NULL; /* the first record of the next page */
+    if (q->by_run) {
+        size_t first;
+        const record_t *r = q->cursor ? (pos < st->nrecs ? st->recs[pos] : NULL)
+                            : index_get(st->by_run, run_key, &first) ? st->recs[first]
+                                                                     : NULL;
+        for (; r; r = r->run_next) {
+            if (n == q->limit) {
+                next = r;
+                break;
+            }
+            if (n++)
+                text_put(&t, ",", 1);
+            record_text(&t, r, true);
+        }
+    } else {
+        /* created_ms never decreases along st->recs: find the first at or after since */
+        size_t lo = 0, hi = st->nrecs;
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (st->recs[mid]->created_ms < q->since_ms)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        for (size_t i = lo > pos ? lo : pos; i < st->nrecs; i++) {
+            const record_t *r = st->recs[i];
+            if (strcmp(r->collection, collection) != 0)
+                continue;
+            if (n == q->limit) {
+                next = r;
+                break;
+            }
+            if (n++)
+                text_put(&t, ",", 1);
+            record_text(&t, r, true);
+        }
+    }
+    char cursor[48], hex[17];
+    bool cursor_ok = !next || cursor_check(st, collection, q, next->pos, hex);
+    if (next && cursor_ok)
+        snprintf(cursor, sizeof cursor, "%zu.%s", next->pos, hex);
+    pthread_mutex_unlock(&st->mu);
+    free(run_key);
+    if (!cursor_ok) {
+        free(t.s);
+        fake_reply_error(out, 500, "out of memory");
+        return;
+    }
+    text_lit(&t, "],\"next_cursor\":");
+    text_str(&t, next ? cursor : NULL);
+    text_put(&t, "}", 1);
+    reply_text(out, 200, &t);
 }
 
 /* The version named by an If-Match header: `2`, `"2"` or `W/"2"`; -1 when it is not a

@@ -68,6 +68,33 @@ void fake_store_execute(fake_store_t *st, const char *collection, bool containme
 void fake_store_status(fake_store_t *st, const char *collection, const char *key,
                        fake_reply_t *out);
 
+/* A list query (GET /<c>/list), already checked by the HTTP layer: `by_run` selects the
+ * records whose creating request carried Tally-Run-Id `run_id`, else those created at or after
+ * `since_ms`. Strings are borrowed. */
+typedef struct fake_list_query {
+    bool by_run;
+    const char *run_id; /* by_run: UTF-8, not empty */
+    long long since_ms; /* !by_run: ms since the epoch, rounded up (fake_rfc3339_ms) */
+    unsigned limit;     /* 1..FAKE_LIST_MAX */
+    const char *cursor; /* NULL: the first page */
+} fake_list_query_t;
+
+#define FAKE_LIST_DEFAULT 100
+#define FAKE_LIST_MAX     1000
+
+/* List: 200 with {"records":[...],"next_cursor":"..."|null}, the records of `collection` (a
+ * containment collection "C_containments" too) oldest first, at most q->limit of them, each as
+ * the status check shows it plus "tally_headers" (the Idempotency-Key, Tally-Run-Id and
+ * Tally-Effect-Id it was created with, those sent). A cursor that is not one this store gave
+ * for this query since the last reset: 400. */
+void fake_store_list(fake_store_t *st, const char *collection, const fake_list_query_t *q,
+                     fake_reply_t *out);
+
+/* Reads an RFC 3339 date-time ("2026-11-26T23:32:27.123Z", "...+01:00"; any number of
+ * fraction digits, leap second 60 allowed) into ms since the epoch, rounded up so that a record
+ * whose created_at (ms) is at or after the time passes `>=`. Returns false when malformed. */
+bool fake_rfc3339_ms(const char *s, long long *ms);
+
 /* Reverse `external_ref` of `collection` under `reverse_key` (see README for the answers).
  * `if_match` is the raw If-Match header or NULL. Does not take ownership of `request`. */
 void fake_store_reverse(fake_store_t *st, const char *collection, const char *reverse_key,

@@ -56,9 +56,9 @@ typedef struct server {
     bool verbose;
 } server_t;
 
-typedef enum op { OP_EXECUTE, OP_STATUS, OP_REVERSE, OP_CONTAIN } op_t;
+typedef enum op { OP_EXECUTE, OP_STATUS, OP_REVERSE, OP_CONTAIN, OP_LIST } op_t;
 
-static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain"};
+static const char *const OP_NAMES[] = {"execute", "status", "reverse", "contain", "list"};
 
 /* One request: its body, gathered over the upload calls, and, while it waits in a fault,
  * what it has done so far. */
@@ -82,8 +82,9 @@ typedef struct request {
     const char *key;
     fake_request_info_t info;
     uint64_t seq;
-    json_t *json;       /* the parsed body, for the apply after a slow wait */
-    fake_reply_t reply; /* the answer already made (apply_then_hang) */
+    json_t *json;           /* the parsed body, for the apply after a slow wait */
+    fake_list_query_t list; /* a list's query (its strings are MHD's, valid until the end) */
+    fake_reply_t reply;     /* the answer already made (apply_then_hang) */
 } request_t;
 
 /* ---- requests that wait ------------------------------------------------------------------ */
@@ -448,8 +449,9 @@ static void capture(server_t *srv, struct MHD_Connection *conn, const request_t 
 
 /* ---- the tool API ------------------------------------------------------------------------ */
 
-/* "/<collection>", "/<collection>/reverse" or "/<collection>/contain"; collection [a-z_]+.
- * Returns the suffix ("", "/reverse", "/contain") or NULL when the path is none of these. */
+/* "/<collection>", "/<collection>/reverse", "/<collection>/contain" or "/<collection>/list";
+ * collection [a-z_]+. Returns the suffix ("", "/reverse", "/contain", "/list") or NULL when the
+ * path is none of these. */
 static const char *parse_tool_path(const char *url, char *collection, size_t sz)
 {
     if (url[0] != '/')
@@ -458,7 +460,8 @@ static const char *parse_tool_path(const char *url, char *collection, size_t sz)
     if (n == 0 || n > MAX_COLLECTION || n >= sz)
         return NULL;
     const char *rest = url + 1 + n;
-    if (*rest && strcmp(rest, "/reverse") != 0 && strcmp(rest, "/contain") != 0)
+    if (*rest && strcmp(rest, "/reverse") != 0 && strcmp(rest, "/contain") != 0 &&
+        strcmp(rest, "/list") != 0)
         return NULL;
     memcpy(collection, url + 1, n);
     collection[n] = '\0';
@@ -512,7 +515,96 @@ static void apply(server_t *srv, op_t op, const char *collection, const char *ke
                            json_string_value(json_object_get(body, "external_ref")), body,
                            info->if_match, info->run_id, info->effect_id, out);
         break;
+    case OP_LIST:
+        fake_store_list(srv->st, collection, &rq->list, out);
+        break;
     }
+}
+
+/* The query parameters of a list request, as MHD decoded them (percent-escapes, and '+' as a
+ * space). */
+enum { LIST_SINCE, LIST_RUN_ID, LIST_LIMIT, LIST_CURSOR, LIST_NPARAMS };
+static const char *const LIST_PARAMS[LIST_NPARAMS] = {"since", "run_id", "limit", "cursor"};
+
+typedef struct list_args {
+    const char *value[LIST_NPARAMS]; /* NULL: not given; "" for "?since" without '=' */
+    const char *why;                 /* the first unknown or repeated parameter, or a NUL */
+    char *msg;                       /* the caller's buffer for a message naming one */
+    size_t msgsz;
+} list_args_t;
+
+static enum MHD_Result list_arg(void *cls, enum MHD_ValueKind kind, const char *key,
+                                size_t key_size, const char *value, size_t value_size)
+{
+    list_args_t *a = cls;
+    (void)kind;
+    if (a->why)
+        return MHD_YES;
+    size_t i = 0;
+    while (i < LIST_NPARAMS && strcmp(key, LIST_PARAMS[i]) != 0)
+        i++;
+    bool nul = key_size != strlen(key) || (value && value_size != strlen(value));
+    if (nul) {
+        a->why = "a query parameter holds a NUL byte";
+    } else if (i == LIST_NPARAMS) {
+        /* named back only when it is short UTF-8: the answer is JSON */
+        if (key_size <= 64 && fake_utf8_valid(key))
+            snprintf(a->msg, a->msgsz,
+                     "unknown query parameter \"%s\" (list takes since or run_id, limit, cursor)",
+                     key);
+        else
+            snprintf(a->msg, a->msgsz,
+                     "unknown query parameter (list takes since or run_id, limit, cursor)");
+        a->why = a->msg;
+    } else if (a->value[i]) {
+        snprintf(a->msg, a->msgsz, "query parameter %s given twice", LIST_PARAMS[i]);
+        a->why = a->msg;
+    } else {
+        a->value[i] = value ? value : "";
+    }
+    return MHD_YES;
+}
+
+/* Reads a list request's query into *q (docs/connectors.md, "list"). Returns NULL, or why the
+ * query is refused (400): a static string or `msg`. */
+static const char *list_query(struct MHD_Connection *conn, fake_list_query_t *q, char *msg,
+                              size_t msgsz)
+{
+    list_args_t a = {.msg = msg, .msgsz = msgsz};
+    MHD_get_connection_values_n(conn, MHD_GET_ARGUMENT_KIND, list_arg, &a);
+    if (a.why)
+        return a.why;
+    const char *since = a.value[LIST_SINCE], *run_id = a.value[LIST_RUN_ID];
+    const char *limit = a.value[LIST_LIMIT], *cursor = a.value[LIST_CURSOR];
+    *q = (fake_list_query_t){.limit = FAKE_LIST_DEFAULT, .cursor = cursor};
+    if (since && run_id)
+        return "give since or run_id, not both";
+    if (!since && !run_id)
+        return "since or run_id is required";
+    if (since && !fake_rfc3339_ms(since, &q->since_ms))
+        return "since must be an RFC 3339 date-time such as 2026-11-26T23:32:27.123Z (a '+' in "
+               "the offset sent as %2B)";
+    if (run_id && !*run_id)
+        return "run_id must not be empty";
+    if (run_id && !fake_utf8_valid(run_id))
+        return "run_id must be UTF-8";
+    q->by_run = run_id != NULL;
+    q->run_id = run_id;
+    if (limit) {
+        /* digits only; any number above the maximum is served as the maximum */
+        size_t nd = strspn(limit, "0123456789");
+        if (nd == 0 || limit[nd])
+            return "limit must be a positive integer";
+        unsigned long v = 0;
+        for (size_t i = 0; i < nd && v <= FAKE_LIST_MAX; i++)
+            v = v * 10 + (unsigned long)(limit[i] - '0');
+        if (v == 0)
+            return "limit must be a positive integer";
+        q->limit = v > FAKE_LIST_MAX ? FAKE_LIST_MAX : (unsigned)v;
+    }
+    if (cursor && !*cursor)
+        return "cursor must not be empty (leave it out for the first page)";
+    return NULL;
 }
 
 /* Checks what a well-formed request of `op` needs; on success *body is the parsed body (NULL
@@ -627,8 +719,10 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         op = OP_REVERSE;
     else if (strcmp(suffix, "/contain") == 0 && strcmp(method, "POST") == 0)
         op = OP_CONTAIN;
+    else if (strcmp(suffix, "/list") == 0 && strcmp(method, "GET") == 0)
+        op = OP_LIST;
     else
-        allow = *suffix ? "POST" : "GET, POST";
+        allow = strcmp(suffix, "/list") == 0 ? "GET" : *suffix ? "POST" : "GET, POST";
     if (allow)
         return send_error(conn, 405, "method not allowed", allow);
 
@@ -639,6 +733,8 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
     if (op == OP_STATUS) {
         const char *q = MHD_lookup_connection_value(conn, MHD_GET_ARGUMENT_KIND, "idempotency_key");
         key = q && *q ? q : NULL;
+    } else if (op == OP_LIST) {
+        key = NULL; /* a list asks about no key; rules select it with key "*" */
     }
     const char *sig_error = NULL;
     if (srv->nsecrets)
@@ -669,13 +765,16 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
     fake_reply_t r = {0};
     json_t *body = NULL;
     const char *why;
+    char why_list[160];
     fake_fault_t f = {FAKE_FAULT_NONE, 0, 0, 0};
 
     if (sig_error) {
         fake_reply_error(&r, 401, sig_error);
     } else if (rq->too_large) {
         fake_reply_error(&r, 413, "request body too large");
-    } else if ((why = not_utf8(op, key, &info)) || (why = validate(op, key, rq, &body))) {
+    } else if ((why = not_utf8(op, key, &info)) ||
+               (why = op == OP_LIST ? list_query(conn, &rq->list, why_list, sizeof why_list)
+                                    : validate(op, key, rq, &body))) {
         fake_reply_error(&r, 400, why);
     } else {
         f = fake_faults_take(srv->ff, collection, OP_NAMES[op], key);
@@ -722,13 +821,19 @@ static enum MHD_Result handle_tool(server_t *srv, struct MHD_Connection *conn, r
         case FAKE_FAULT_FAIL_AFTER_APPLY:
             apply(srv, op, collection, key, rq, &info, body, 1, NULL, &r);
             fake_reply_clear(&r);
-            fake_reply_error(&r, f.status, "injected server error after applying");
+            fake_reply_error(&r, f.status,
+                             f.status >= 500 ? "injected server error after applying"
+                                             : "injected client error after applying");
             break;
         case FAKE_FAULT_APPLY_TWICE:
             apply(srv, op, collection, key, rq, &info, body, 2, NULL, &r);
-            if (f.status != 0) { /* an upstream duplicate whose answer never reached tally */
+            if (f.status >= 300) { /* the answer lost (5xx) or taken for a failure (4xx) */
                 fake_reply_clear(&r);
-                fake_reply_error(&r, f.status, "injected server error after applying twice");
+                fake_reply_error(&r, f.status,
+                                 f.status >= 500 ? "injected server error after applying twice"
+                                                 : "injected client error after applying twice");
+            } else if (r.status == 201) { /* a duplicate behind a success: the first record */
+                r.status = f.status;
             }
             break;
         case FAKE_FAULT_HUGE_ID:
@@ -912,7 +1017,18 @@ static void usage(FILE *out)
             "  --rfc9421-key ID=VAR  require an RFC 9421 signature (label \"tally\",\n"
             "                      hmac-sha256) by key id ID with the key in $VAR (repeatable:\n"
             "                      every configured key id is accepted, for rotations)\n"
-            "  --verbose           log one JSON line per request on stderr\n");
+            "  --verbose           log one JSON line per request on stderr\n"
+            "Tool API, for any collection C: POST /C (execute), GET /C?idempotency_key=K\n"
+            "(status), GET /C/list?since=RFC3339|run_id=R[&limit=N][&cursor=X] (list),\n"
+            "POST /C/reverse, POST /C/contain (records in C_containments).\n"
+            "Faults: POST /_control/faults {\"fault\", \"collection\", \"op\", \"key\",\n"
+            "\"times\", \"delay_ms\", \"status\", \"size\"}; op: execute, status, reverse,\n"
+            "contain, list or *. For example:\n"
+            "  apply_twice         execute/contain: two records for one key, then\n"
+            "                      answer \"status\": 2xx (default 201) with the first\n"
+            "                      record, or 4xx/5xx with an error\n"
+            "  fail_after_apply    apply once, then answer \"status\" (400-599, default 500)\n"
+            "Every fault and the control API: tests/fakes/README.md.\n");
 }
 
 static bool parse_listen(const char *arg, struct sockaddr_in *sa, char *host, size_t hostsz)

@@ -1,8 +1,10 @@
 """tally-fake-tool on its own: the connector protocol (DESIGN.md §6) as a tool service speaks
-it, every switchable fault, request signatures and the control API the other tests rely on.
+it (list included: docs/connectors.md), every switchable fault, request signatures and the
+control API the other tests rely on.
 No PostgreSQL or Kafka: the binary is started directly and spoken to with urllib."""
 
 import concurrent.futures
+import datetime
 import hashlib
 import hmac
 import http.client
@@ -80,7 +82,32 @@ class FakeTool:
         return self.request("POST", f"/{collection}/reverse", body,
                             {"Idempotency-Key": reverse_key, **headers})
 
+    def list_records(self, collection, headers=None, **params):
+        """GET /<collection>/list with `params` percent-encoded, as tally sends it."""
+        query = urllib.parse.urlencode(params, quote_via=urllib.parse.quote)
+        return self.request("GET", f"/{collection}/list?{query}", headers=headers)
+
+    def list_all(self, collection, **params):
+        """Every page of a list, followed by next_cursor: (records, number of pages)."""
+        records, pages, cursor = [], 0, None
+        while True:
+            extra = {"cursor": cursor} if cursor else {}
+            status, _, page = self.list_records(collection, **params, **extra)
+            assert status == 200, (status, page)
+            records += page["records"]
+            pages += 1
+            cursor = page["next_cursor"]
+            if cursor is None:
+                return records, pages
+            assert pages < 10000, "next_cursor never ends"
+
     def fault(self, **rule):
+        """Adds a fault rule (tests/fakes/README.md): fault, collection, op (execute, status,
+        reverse, contain, list), key, times, delay_ms, status, size. For example
+        fault(fault="apply_twice", key=K) applies K's execute twice and answers 201 with the
+        first record (a duplicate behind a success; status=200..299 for another 2xx,
+        4xx/5xx for an error answer instead), and fault(fault="fail_after_apply", status=422)
+        applies once and answers 422 (a record for an effect tally holds as FAILED)."""
         status, _, body = self.request("POST", "/_control/faults", rule)
         assert status == 201, (status, body)
         return body
@@ -344,6 +371,71 @@ class FaultTest(FakeToolCase):
         self.assertEqual(self.tool.execute("charges", "k2", {"a": 1})[0], 502)
         self.assertEqual(len(self.tool.records()["records"]), 2)
 
+    def test_fail_after_apply_with_a_4xx_leaves_a_record(self):
+        """A call applied but answered 4xx: tally holds the effect FAILED, the tool holds a
+        record for it — the orphan the sweep must find."""
+        self.tool.fault(fault="fail_after_apply", status=422, key="k4")
+        status, _, body = self.tool.execute("charges", "k4", {"a": 1},
+                                            **{"Tally-Run-Id": "run-4", "Tally-Effect-Id": "e4"})
+        self.assertEqual(status, 422, body)
+        self.assertIn("error", body)
+        found = self.tool.status_of("charges", "k4")[2]
+        self.assertEqual(len(found), 1)
+        listed = self.tool.list_records("charges", run_id="run-4")[2]["records"]
+        self.assertEqual([r["id"] for r in listed], [found[0]["id"]])
+        self.assertEqual(listed[0]["tally_headers"],
+                         {"idempotency-key": "k4", "tally-run-id": "run-4",
+                          "tally-effect-id": "e4"})
+        self.assertEqual(self.tool.requests()[0]["fault"], "fail_after_apply")
+
+    def test_apply_twice_answering_success(self):
+        """Applied twice, answered 2xx once with the first record: the duplicate only an audit
+        of a CONFIRMED effect can find."""
+        headers = {"Tally-Run-Id": "run-2x", "Tally-Effect-Id": "eff-2x"}
+        rule = self.tool.fault(fault="apply_twice", collection="charges", key="d1")
+        self.assertEqual(rule["status"], 201)
+        status, hdrs, answer = self.tool.execute("charges", "d1", {"a": 1}, **headers)
+        self.assertEqual(status, 201, answer)
+        self.assertIsNone(hdrs.get("Idempotent-Replayed"))
+        found = self.tool.status_of("charges", "d1")[2]
+        self.assertEqual(len(found), 2)
+        self.assertEqual(answer, found[0])
+        self.assertNotEqual(found[0]["id"], found[1]["id"])
+        listed = self.tool.list_records("charges", run_id="run-2x")[2]["records"]
+        self.assertEqual([r["id"] for r in listed], [r["id"] for r in found])
+        want = {"idempotency-key": "d1", "tally-run-id": "run-2x", "tally-effect-id": "eff-2x"}
+        self.assertEqual([r["tally_headers"] for r in listed], [want, want])
+        self.assertEqual({(r["run_id"], r["effect_id"]) for r in listed}, {("run-2x", "eff-2x")})
+        log = self.tool.requests()[0]
+        self.assertEqual((log["fault"], log["status"]), ("apply_twice", 201))
+        # The same key again is an ordinary replay of the first record.
+        status, hdrs, again = self.tool.execute("charges", "d1", {"a": 1}, **headers)
+        self.assertEqual((status, hdrs.get("Idempotent-Replayed"), again["id"]),
+                         (200, "true", found[0]["id"]))
+        self.assertEqual(len(self.tool.records()["records"]), 2)
+
+        # Another 2xx is answered as given, with the first record.
+        self.tool.fault(fault="apply_twice", key="d2", status=200)
+        status, hdrs, answer = self.tool.execute("charges", "d2", {"a": 2})
+        self.assertEqual(status, 200, answer)
+        self.assertIsNone(hdrs.get("Idempotent-Replayed"))
+        self.assertEqual(answer, self.tool.status_of("charges", "d2")[2][0])
+        self.assertEqual(len(self.tool.status_of("charges", "d2")[2]), 2)
+        # A 4xx: applied twice, answered as a definite failure.
+        self.tool.fault(fault="apply_twice", key="d3", status=409)
+        self.assertEqual(self.tool.execute("charges", "d3", {"a": 3})[0], 409)
+        self.assertEqual(len(self.tool.status_of("charges", "d3")[2]), 2)
+        # Containments too.
+        self.tool.fault(fault="apply_twice", op="contain", status=202)
+        status, _, c = self.tool.request("POST", "/emails/contain", {"x": 1},
+                                         {"Idempotency-Key": "contain:o1"})
+        self.assertEqual((status, c["collection"]), (202, "emails_containments"))
+        self.assertEqual(len(self.tool.records()["containments"]), 2)
+        # A redirect is no answer apply_twice gives.
+        status, _, body = self.tool.request("POST", "/_control/faults",
+                                            {"fault": "apply_twice", "status": 302})
+        self.assertEqual(status, 400, body)
+
     def test_apply_then_hang_times_the_caller_out_after_applying(self):
         self.tool.fault(fault="apply_then_hang", delay_ms=2000)
         with self.assertRaises(NETWORK_ERRORS):
@@ -418,6 +510,225 @@ class FaultTest(FakeToolCase):
             self.assertEqual(status, 400, rule)
             self.assertIn("error", body)
 
+def as_header(text):
+    """A str whose Latin-1 encoding (what http.client sends) is the UTF-8 of `text`."""
+    return text.encode().decode("latin-1")
+
+
+def rfc3339(dt):
+    """A datetime with tzinfo as RFC 3339 with milliseconds and a numeric offset."""
+    return dt.isoformat(timespec="milliseconds")
+
+
+def parse_created(text):
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+class ListTest(FakeToolCase):
+    """GET /<collection>/list: the records a tool holds for a run or since a time, with the Tally
+    headers each was created with (docs/connectors.md, "list")."""
+
+    def make(self, collection, key, run=None, effect=None, pause=0.003):
+        headers = {}
+        if run is not None:
+            headers["Tally-Run-Id"] = as_header(run)
+        if effect is not None:
+            headers["Tally-Effect-Id"] = effect
+        status, _, rec = self.tool.execute(collection, key, {"k": key}, **headers)
+        self.assertEqual(status, 201, rec)
+        time.sleep(pause)  # distinct created_at milliseconds, so since can fall between them
+        return rec
+
+    def with_headers(self, rec):
+        h = {"idempotency-key": rec["idempotency_key"]}
+        if rec["run_id"] is not None:
+            h["tally-run-id"] = rec["run_id"]
+        if rec["effect_id"] is not None:
+            h["tally-effect-id"] = rec["effect_id"]
+        return dict(rec, tally_headers=h)
+
+    def test_list_since_a_time(self):
+        a = self.make("charges", "a", run="r1", effect="e-a")
+        other = self.make("emails", "m", run="r1")
+        b = self.make("charges", "b")
+        self.tool.request("POST", "/charges/contain", {"c": 1}, {"Idempotency-Key": "contain:1"})
+        c = self.make("charges", "c", run="r2", effect="e-c")
+        self.tool.reverse("charges", "reverse:x", b["id"])
+        b = self.tool.status_of("charges", "b")[2][0]  # now reversed, version 2
+
+        since = parse_created(a["created_at"])
+        status, _, page = self.tool.list_records("charges", since=a["created_at"])
+        self.assertEqual(status, 200, page)
+        # Oldest first, only this collection, each as status shows it plus tally_headers.
+        self.assertEqual(page, {"records": [self.with_headers(r) for r in (a, b, c)],
+                                "next_cursor": None})
+        self.assertEqual(page["records"][1]["status"], "reversed")
+        # "At or after": the same instant in another offset, and the boundaries around b.
+        same = rfc3339(since.astimezone(datetime.timezone(datetime.timedelta(hours=-5, minutes=-30))))
+        self.assertEqual(self.tool.list_records("charges", since=same)[2], page)
+        self.assertEqual([r["id"] for r in self.tool.list_records(
+            "charges", since=b["created_at"])[2]["records"]], [b["id"], c["id"]])
+        just_after_b = b["created_at"].replace("Z", "0001Z")  # 100 ns later
+        self.assertEqual([r["id"] for r in self.tool.list_records(
+            "charges", since=just_after_b)[2]["records"]], [c["id"]])
+        later = rfc3339(parse_created(c["created_at"]) + datetime.timedelta(milliseconds=1))
+        self.assertEqual(self.tool.list_records("charges", since=later)[2],
+                         {"records": [], "next_cursor": None})
+        self.assertEqual(self.tool.list_records("charges", since="1970-01-01T00:00:00Z")[2],
+                         page)
+        # The other collections list their own: emails, and charges' containments.
+        self.assertEqual(self.tool.list_records("emails", since=a["created_at"])[2]["records"],
+                         [self.with_headers(other)])
+        conts = self.tool.list_records("charges_containments", since="2000-01-01T00:00:00Z")
+        self.assertEqual([r["idempotency_key"] for r in conts[2]["records"]], ["contain:1"])
+        self.assertEqual(self.tool.list_records("refunds", since="2000-01-01T00:00:00Z")[:3:2],
+                         (200, {"records": [], "next_cursor": None}))
+        self.assertEqual([r["op"] for r in self.tool.requests() if r["path"].endswith("/list")],
+                         ["list"] * 9)
+
+    def test_list_for_a_run(self):
+        run = "run-\u00e9\u00df-\u65e5\u672c-\U0001F600"  # two-, three- and four-byte UTF-8
+        a = self.make("charges", "a", run=run, effect="e1")
+        self.make("charges", "x", run=run + "-other", effect="e2")
+        self.make("charges", "y", run="run-")  # a prefix of the others
+        self.make("charges", "z")
+        m = self.make("emails", "m", run=run)
+        b = self.make("charges", "b", run=run)
+        status, _, page = self.tool.list_records("charges", run_id=run)
+        self.assertEqual(status, 200, page)
+        self.assertEqual(page, {"records": [self.with_headers(a), self.with_headers(b)],
+                                "next_cursor": None})
+        self.assertEqual(page["records"][0]["tally_headers"],
+                         {"idempotency-key": "a", "tally-run-id": run, "tally-effect-id": "e1"})
+        self.assertEqual(page["records"][1]["tally_headers"],
+                         {"idempotency-key": "b", "tally-run-id": run})
+        self.assertEqual(self.tool.list_records("emails", run_id=run)[2]["records"],
+                         [self.with_headers(m)])
+        self.assertEqual(self.tool.list_records("charges", run_id="no-such-run")[2],
+                         {"records": [], "next_cursor": None})
+        self.assertEqual(self.tool.list_records("charges", run_id="run")[2]["records"], [])
+
+    def test_paging_with_cursors(self):
+        mine = [self.make("charges", f"p{i}", run="paged", pause=0)["id"] for i in range(7)]
+        self.make("charges", "noise", run="other", pause=0)
+        mine += [self.make("charges", f"p{i}", run="paged", pause=0)["id"] for i in range(7, 9)]
+        everything = [r["id"] for r in self.tool.records("charges")["records"]]
+        self.assertEqual(len(everything), 10)
+        for params, want in (({"run_id": "paged"}, mine),
+                             ({"since": "2000-01-01T00:00:00Z"}, everything)):
+            for limit in (1, 2, 3, 4, 9, 10, 11):
+                records, pages = self.tool.list_all("charges", limit=limit, **params)
+                self.assertEqual([r["id"] for r in records], want, (params, limit))
+                self.assertEqual(pages, max(1, -(-len(want) // limit)), (params, limit))
+            status, _, first = self.tool.list_records("charges", limit=3, **params)
+            self.assertEqual((status, len(first["records"])), (200, 3))
+            self.assertIsInstance(first["next_cursor"], str)
+            # A cursor belongs to its query: another since or run, or a reset, refuses it.
+            cursor = first["next_cursor"]
+            for other in ({"run_id": "other"}, {"since": "2000-01-01T00:00:00.001Z"}):
+                status, _, body = self.tool.list_records("charges", cursor=cursor, **other)
+                self.assertEqual(status, 400, (other, body))
+                self.assertIn("cursor", body["error"])
+            self.assertEqual(self.tool.list_records("emails", cursor=cursor, **params)[0], 400)
+
+        # A record created between pages shows on a later page.
+        status, _, first = self.tool.list_records("charges", run_id="paged", limit=8)
+        late = self.make("charges", "late", run="paged")["id"]
+        status, _, rest = self.tool.list_records("charges", run_id="paged", limit=8,
+                                                 cursor=first["next_cursor"])
+        self.assertEqual([r["id"] for r in first["records"] + rest["records"]], mine + [late])
+        self.assertIsNone(rest["next_cursor"])
+
+        cursor = first["next_cursor"]
+        self.assertEqual(self.tool.request("POST", "/_control/reset", b"")[0], 200)
+        self.make("charges", "p0", run="paged")
+        self.assertEqual(self.tool.list_records("charges", run_id="paged", cursor=cursor)[0], 400)
+
+    def test_default_and_maximum_page(self):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            statuses = list(pool.map(
+                lambda i: self.tool.execute("charges", f"m{i}", {"i": i},
+                                            **{"Tally-Run-Id": "big"})[0], range(1003)))
+        self.assertEqual(statuses, [201] * 1003)
+        status, _, page = self.tool.list_records("charges", run_id="big")
+        self.assertEqual((status, len(page["records"])), (200, 100))  # the default limit
+        # A limit above 1000, however large, is served as 1000.
+        for limit in ("1000", "1001", "99999999999999999999999999999999"):
+            status, _, page = self.tool.list_records("charges", since="2000-01-01T00:00:00Z",
+                                                     limit=limit)
+            self.assertEqual((status, len(page["records"])), (200, 1000), limit)
+            self.assertIsNotNone(page["next_cursor"])
+        records, pages = self.tool.list_all("charges", run_id="big", limit=10 ** 40)
+        self.assertEqual((len(records), pages), (1003, 2))
+        self.assertEqual(len({r["id"] for r in records}), 1003)
+        ids = [int(r["id"].split("_")[1]) for r in records]
+        self.assertEqual(ids, sorted(ids))
+
+    def test_bad_parameters_are_400_and_the_service_keeps_serving(self):
+        rec = self.make("charges", "k", run="r")
+        since = "2000-01-01T00:00:00Z"
+        bad = [
+            "", "limit=5", "since=", "since", "run_id=", "run_id",
+            "since=yesterday", "since=1764200000", "since=2026-11-26",
+            "since=2026-11-26T23:32:27", "since=2026-11-26%2023:32:27Z",
+            "since=2026-11-26T23:32:27+00:00",  # '+' unencoded arrives as a space
+            "since=2026-11-26T23:32:27.Z", "since=2026-13-01T00:00:00Z",
+            "since=2026-02-29T00:00:00Z", "since=2026-11-26T24:00:00Z",
+            "since=2026-11-26T23:32:27%2B24:00", "since=2026-11-26T23:32:27Zjunk",
+            "since=%C3%A9", "since=2026-11-26T23:32:27%00Z",
+            "run_id=%FF", "run_id=r%00x", f"run_id=r&since={since}", "run_id=r&run_id=r",
+            f"since={since}&since={since}", "run_id=r&extra=1", "run_id=r&%C3%A9=1",
+            "run_id=r&idempotency_key=k", "run_id=r&Limit=5",
+            "run_id=r&limit=", "run_id=r&limit=0", "run_id=r&limit=-1", "run_id=r&limit=abc",
+            "run_id=r&limit=1e3", "run_id=r&limit=%2B5", "run_id=r&limit=5.0",
+            "run_id=r&cursor=", "run_id=r&cursor=garbage", "run_id=r&cursor=1.",
+            "run_id=r&cursor=0.0000000000000000", "run_id=r&cursor=-1.0123456789abcdef",
+            "run_id=r&cursor=99999999999999999999.0123456789abcdef",
+            "run_id=r&cursor=%C3%A9", "run_id=r&cursor=%00", "run_id=r&cursor=" + "9" * 5000,
+        ]
+        for query in bad:
+            status, hdrs, body = self.tool.request("GET", "/charges/list?" + query)
+            self.assertEqual(status, 400, (query, body))
+            self.assertIsInstance(body, dict, query)
+            self.assertIsInstance(body.get("error"), str, query)
+            self.assertEqual(hdrs.get("Content-Type"), "application/json")
+        self.assertEqual(self.tool.request("GET", "/charges/list?foo=1")[2]["error"],
+                         'unknown query parameter "foo" (list takes since or run_id, limit, '
+                         'cursor)')
+        status, hdrs, _ = self.tool.request("POST", "/charges/list", b"{}")
+        self.assertEqual((status, hdrs.get("Allow")), (405, "GET"))
+        self.assertEqual(self.tool.request("GET", "/charges/list/more?run_id=r")[0], 404)
+        # Still serving, and nothing was created or changed by any of it.
+        self.assertIsNone(self.tool.proc.poll())
+        self.assertEqual(self.tool.list_records("charges", run_id="r")[2]["records"],
+                         [self.with_headers(rec)])
+        self.assertEqual(self.tool.execute("charges", "k2", {})[0], 201)
+        self.assertEqual(self.tool.status_of("charges", "k")[2], [rec])
+        self.assertEqual(len(self.tool.records()["records"]), 2)
+        logged = [r for r in self.tool.requests() if r["op"] == "list"]
+        self.assertGreaterEqual(len(logged), len(bad))
+        self.assertEqual({r["status"] for r in logged}, {400, 200})
+
+    def test_list_faults(self):
+        self.make("charges", "k", run="r")
+        self.tool.fault(op="list", fault="status_500")
+        self.assertEqual(self.tool.list_records("charges", run_id="r")[0], 500)
+        self.tool.fault(op="list", fault="status_garbage")
+        status, _, body = self.tool.list_records("charges", run_id="r")
+        self.assertEqual(status, 200)
+        self.assertIsInstance(body, str)
+        self.tool.fault(op="list", fault="refuse_429")
+        self.assertEqual(self.tool.list_records("charges", run_id="r")[0], 429)
+        self.tool.fault(op="list", fault="slow", delay_ms=200)
+        start = time.monotonic()
+        status, _, body = self.tool.list_records("charges", run_id="r")
+        self.assertEqual((status, len(body["records"])), (200, 1))
+        self.assertGreaterEqual(time.monotonic() - start, 0.19)
+        # A rule for another op leaves list alone, and a list does not consume it.
+        self.tool.fault(op="execute", fault="error_4xx")
+        self.assertEqual(self.tool.list_records("charges", run_id="r")[0], 200)
+        self.assertEqual(self.tool.execute("charges", "k2", {})[0], 400)
+
 
 SECRET = "s3cret-for-tests"
 
@@ -440,7 +751,11 @@ class SignatureTest(FakeToolCase):
         status, _, found = self.tool.request("GET", "/charges?idempotency_key=k",
                                              headers={"Tally-Signature": signature(b"")})
         self.assertEqual((status, len(found)), (200, 1))
-        self.assertEqual([r["signature_ok"] for r in self.tool.requests()], [True, True])
+        # A list is a GET like status: it signs the empty body.
+        status, _, page = self.tool.request("GET", "/charges/list?since=2000-01-01T00:00:00Z",
+                                            headers={"Tally-Signature": signature(b"")})
+        self.assertEqual((status, len(page["records"])), (200, 1))
+        self.assertEqual([r["signature_ok"] for r in self.tool.requests()], [True, True, True])
 
     def test_missing_bad_or_stale_signature_is_401(self):
         body = b'{"amount":1}'
@@ -458,6 +773,11 @@ class SignatureTest(FakeToolCase):
             self.assertEqual(status, 401, name)
             self.assertIn("error", err)
         self.assertEqual(self.tool.records()["records"], [])
+        for sig in (None, signature(b"", secret="other"), signature(b"", t=int(time.time()) - 301)):
+            status, _, err = self.tool.request("GET", "/charges/list?run_id=r",
+                                               headers={"Tally-Signature": sig} if sig else {})
+            self.assertEqual(status, 401, sig)
+            self.assertIn("error", err)
         self.assertEqual({r["signature_ok"] for r in self.tool.requests()}, {False})
         # The control API is for tests and is not signed.
         self.assertEqual(self.tool.request("GET", "/_control/faults")[0], 200)
