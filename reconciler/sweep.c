@@ -39,7 +39,7 @@ static const char SQL_CLAIM[] =
 /* The cursor moves forward only (a sweep that saw nothing new leaves it). */
 static const char SQL_FINISH[] =
     "UPDATE sweep_cursors SET since = greatest(since, coalesce($2::timestamptz, since)),"
-    " last_error = $3 WHERE tool = $1";
+    " last_error = $3, ended_at = now() WHERE tool = $1";
 
 /* What the ledger holds for each listed record. */
 static const char SQL_LOOKUP[] =

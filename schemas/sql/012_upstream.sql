@@ -72,8 +72,9 @@ CREATE TABLE tool_pacing (
 CREATE TABLE sweep_cursors (
     tool       text PRIMARY KEY,
     since      timestamptz NOT NULL,
-    swept_at   timestamptz,
+    swept_at   timestamptz, -- when the latest sweep began
     swept_by   text,
+    ended_at   timestamptz, -- when the latest sweep that ended did (last_error: why, if it failed)
     last_error text
 );
 

@@ -6,12 +6,19 @@ timeout, dropped connections, double applies). When it settles, the ledger must 
 the tool one for one, every obligation must be finished, no reversal may be made twice,
 and every event must have left the outbox.
 
+The audit and the orphan sweep (issue 24) run through it all for two of the tools: double
+applies that answered 201, and 4xx answers to calls that were in fact applied, are found only by
+them; when it settles every upstream record of those tools that is not a CONFIRMED effect's
+receipt must be reversed, and `tally verify --tools` must find nothing.
+
 The schedule is drawn from a seeded generator: TALLY_CHAOS_SEED picks another one (the
 seed is printed, so a failure can be replayed), TALLY_CHAOS_RUNS and TALLY_CHAOS_SECONDS
 make it larger."""
 
+import json
 import os
 import random
+import tempfile
 import time
 
 from dispatchcase import main
@@ -35,11 +42,30 @@ TOOLS = [
 FAULTS = [("refuse_503", {}), ("fail_after_apply", {}), ("apply_then_hang", {"delay_ms": 3000}),
           ("slow", {"delay_ms": 600}), ("drop_connection", {}), ("apply_twice", {}),
           ("hang_before_apply", {"delay_ms": 3000})]
+AUDITED = ("create_hold", "charge_card")
+# what only the audit and the sweep find: a double apply answered 201, an applied call answered
+# 4xx (the ledger has it FAILED); only for the audited tools
+AUDITED_FAULTS = [("apply_twice", {"status": 201}), ("fail_after_apply", {"status": 422})]
 BUSY_EFFECTS = ("PLANNED", "DISPATCHING", "UNKNOWN")
 BUSY_OBLIGATIONS = ("PENDING", "RUNNING")
 
 
 class ChaosTest(CompensateCase):
+
+    def setUp(self):
+        with open(self.tools_file) as f:
+            doc = json.load(f)
+        for tool in doc["tools"]:
+            if tool["name"] in AUDITED:
+                path = tool["connector"]["execute"]["path"]
+                tool["connector"]["list"] = {"method": "GET", "path": path + "/list"}
+                tool["audit"] = {"delay_ms": 500, "rate_per_s": 100, "sweep_ms": 2000,
+                                 "lookback_ms": 3600000}
+        self.tools_file = os.path.join(tempfile.mkdtemp(prefix="tally-chaos-tools-"),
+                                       "tools.json")
+        with open(self.tools_file, "w") as f:
+            json.dump(doc, f)
+        super().setUp()
 
     def test_the_ledger_agrees_with_the_tool_after_crashes_disconnects_and_faults(self):
         rnd = random.Random(SEED)
@@ -64,7 +90,7 @@ class ChaosTest(CompensateCase):
                 tool, key, make = rnd.choice(TOOLS)
                 args = make(f"{run}-{step}")
                 if rnd.random() < 0.25:
-                    fault, kw = rnd.choice(FAULTS)
+                    fault, kw = rnd.choice(FAULTS + (AUDITED_FAULTS if tool in AUDITED else []))
                     self.fault(fault, key=key.format(**args), **kw)
                 intents.append(self.intent(run, step, tool, args))
         rnd.shuffle(intents)
@@ -109,19 +135,38 @@ class ChaosTest(CompensateCase):
             effects = dict(self.query("SELECT status, count(*) FROM effects GROUP BY 1"))
             obligations = dict(self.query("SELECT status, count(*) FROM obligations GROUP BY 1"))
             busy = any(s in effects for s in BUSY_EFFECTS) or \
-                any(s in obligations for s in BUSY_OBLIGATIONS)
+                any(s in obligations for s in BUSY_OBLIGATIONS) or \
+                self.scalar("SELECT count(*) FROM audits") > 0
             if busy or sum(effects.values()) < len(intents):
                 return None
             return effects, obligations
+
+        def swept_since(at):
+            """Every audited tool swept to the end, without an error, by a sweep begun after
+            @at."""
+            rows = self.query("SELECT tool, swept_at, ended_at, last_error FROM sweep_cursors")
+            done = {t for t, began, ended, err in rows
+                    if began and began > at and ended and ended >= began and err is None}
+            return set(AUDITED) <= done
         try:
+            wait_for(settled, timeout=240, interval=1, what="the ledger to settle")
+            # the sweeps see every record made so far, and what they file settles too
+            at = self.scalar("SELECT now()")
+            wait_for(lambda: swept_since(at), timeout=60, interval=1, what="a sweep of each tool")
+            time.sleep(2)
             effects, obligations = wait_for(settled, timeout=240, interval=1,
-                                            what="the ledger to settle")
+                                            what="the ledger to settle after the sweeps")
         except AssertionError:
             self.fail(f"not settled:\n  {told}\n  effects"
                       f" {self.query('SELECT status, count(*) FROM effects GROUP BY 1')}"
                       f"\n  obligations"
                       f" {self.query('SELECT status, count(*) FROM obligations GROUP BY 1')}")
         print(f"chaos: effects {effects}, obligations {obligations}")
+        print("chaos: obligations by reason"
+              f" {dict(self.query('SELECT reason, count(*) FROM obligations GROUP BY 1'))},"
+              f" audits {dict(self.query('SELECT data->>%s, count(*) FROM events'
+                                         ' WHERE kind = %s GROUP BY 1', ('found', 'audit')))},"
+              f" findings {self.scalar('SELECT count(*) FROM findings')}")
         for name, p in workers.items():
             self.assertTrue(p.alive(), f"{name} exited:\n{p.log()[-5000:]}")
         wait_for(lambda: self.scalar("SELECT count(*) FROM message_outbox") == 0, timeout=60,
@@ -129,7 +174,7 @@ class ChaosTest(CompensateCase):
         self.assertEqual(self.scalar("SELECT count(*) FROM effects"), len(intents))
         # Double applies upstream may stay (their obligations are compensated or, for tools
         # that cannot be reversed, recorded); every other upstream record is one effect's.
-        self.invariants(allow_duplicates=True, obligations_settled=True)
+        self.invariants(allow_duplicates=True, obligations_settled=True, reversed_extras=AUDITED)
         self.compensation_invariants()
 
 
