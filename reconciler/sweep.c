@@ -41,13 +41,14 @@ static const char SQL_FINISH[] =
     "UPDATE sweep_cursors SET since = greatest(since, coalesce($2::timestamptz, since)),"
     " last_error = $3, ended_at = now() WHERE tool = $1";
 
-/* What the ledger holds for each listed record. */
+/* What the ledger holds for each listed record: an effect of another tool is no effect of
+ * this one (its obligation would reverse this tool's record through the other's endpoint). */
 static const char SQL_LOOKUP[] =
     "SELECT r.n, e.status, e.external_ref, e.run_id,"
     " EXISTS (SELECT 1 FROM obligations o"
     "   WHERE o.effect_id = r.effect_id AND o.external_ref = r.external_ref)"
     " FROM json_to_recordset($1::json) AS r(n int, effect_id uuid, external_ref text)"
-    " LEFT JOIN effects e ON e.effect_id = r.effect_id ORDER BY r.n";
+    " LEFT JOIN effects e ON e.effect_id = r.effect_id AND e.tool = $2 ORDER BY r.n";
 
 /* One obligation per record to reverse; UNIQUE (effect_id, external_ref) makes a second sweep
  * of the same record a no-op, and RETURNING names only the new ones. */
@@ -280,7 +281,13 @@ bool tally_sweep_record_page(tally_recon_db_t *db, const tally_tool_t *tool, jso
     PGresult *obl = NULL;
     ok = ok && tally_recon_tx_begin(&tx, err);
     if (ok && json_array_size(rows) > 0) {
-        res = tally_pg_exec_json(tx.pg, SQL_LOOKUP, rows, err);
+        char *text = json_dumps(rows, JSON_COMPACT);
+        const char *params[2] = {text, tool->name};
+        res = text != NULL ? tally_pg_exec(tx.pg, SQL_LOOKUP, 2, params, err) : NULL;
+        if (text == NULL) {
+            tally_error_setc_retriable(err, TALLY_ERR_OOM, false, "out of memory");
+        }
+        free(text);
         ok = res != NULL;
     }
     bool can_compensate =

@@ -146,6 +146,10 @@ class SweepTest(UpstreamCase):
         stranger = str(uuid.uuid4())
         made = self.hand_made_record("/holds", "create_hold:stale-replay", run, stranger,
                                      {"hold_id": "stale-replay", "amount": 7})
+        # a hold naming the charge's effect is no record of that charge: reversing it through
+        # the charge's obligation would call the wrong tool
+        borrowed = self.hand_made_record("/holds", "create_hold:borrowed", run,
+                                         failed["effect_id"], {"hold_id": "borrowed"})
 
         # the FAILED effect's record: an orphan obligation, reversed
         self.wait_count("SELECT count(*) FROM obligations WHERE effect_id = %s"
@@ -168,15 +172,23 @@ class SweepTest(UpstreamCase):
         self.assertEqual(len(page), 1)
         self.assertIn(f"tally resolve --finding {finding_id}", page[0]["data"]["resolve_command"])
 
+        wait_for(lambda: self.scalar("SELECT count(*) FROM findings WHERE external_ref = %s",
+                                     (borrowed["id"],)) == 1, timeout=60,
+                 what="the finding for the hold that names a charge")
+        self.assertEqual(self.scalar("SELECT tool FROM findings WHERE external_ref = %s",
+                                     (borrowed["id"],)), "create_hold")
+        self.assertEqual(self.scalar("SELECT count(*) FROM obligations WHERE external_ref = %s",
+                                     (borrowed["id"],)), 0)
+
         # later sweeps find the same records and file nothing new
         swept = self.scalar("SELECT swept_at FROM sweep_cursors WHERE tool = 'create_hold'")
         wait_for(lambda: self.scalar("SELECT swept_at FROM sweep_cursors"
                                      " WHERE tool = 'create_hold'") > swept,
                  timeout=30, what="another sweep")
-        self.assertEqual(self.scalar("SELECT count(*) FROM findings"), 1)
+        self.assertEqual(self.scalar("SELECT count(*) FROM findings"), 2)
         self.assertEqual(self.scalar("SELECT count(*) FROM obligations"), 1)
         self.assertEqual(self.scalar("SELECT count(*) FROM alerts WHERE dedup_key LIKE"
-                                     " 'finding:%%'"), 1)
+                                     " 'finding:%%'"), 2)
 
 
 class PacingTest(UpstreamCase):
