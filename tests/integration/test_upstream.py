@@ -191,6 +191,31 @@ class SweepTest(UpstreamCase):
                                      " 'finding:%%'"), 2)
 
 
+class HostileListTest(UpstreamCase):
+
+    def test_broken_list_answers_stop_the_sweep_and_the_next_period_goes_on(self):
+        run = run_id()
+        stranger = str(uuid.uuid4())
+        self.hand_made_record("/holds", "create_hold:garbled", run, stranger, {"hold_id": "g"})
+        # two truncated answers, then a 500, for the holds' list; the charges' list is fine
+        self.fault("status_garbage", collection="holds", op="list", times=2)
+        self.fault("status_500", collection="holds", op="list", times=1)
+        rec = self.reconciler()
+        wait_for(lambda: (self.query("SELECT last_error FROM sweep_cursors"
+                                     " WHERE tool = 'create_hold'") or [[None]])[0][0],
+                 timeout=30, what="a failed sweep of create_hold")
+        error = self.scalar("SELECT last_error FROM sweep_cursors WHERE tool = 'create_hold'")
+        self.assertTrue("not JSON" in error or "answered 500" in error, error)
+        # the worker goes on, and once the tool answers, the sweep finds the orphan
+        wait_for(lambda: self.scalar("SELECT count(*) FROM findings WHERE effect_id = %s",
+                                     (stranger,)) == 1, timeout=60, what="the orphan finding")
+        self.assertIsNone(self.scalar("SELECT last_error FROM sweep_cursors"
+                                      " WHERE tool = 'create_hold'"))
+        self.assertTrue(rec.alive())
+        self.assertGreaterEqual(self.metric(rec, 'tally_orphan_sweeps_total{tool="create_hold",'
+                                                 'result="failed"}'), 1)
+
+
 class PacingTest(UpstreamCase):
 
     AUDIT = {"delay_ms": 200, "rate_per_s": 4}
