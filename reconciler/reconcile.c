@@ -672,7 +672,12 @@ static int audit_round(reconciler_t *rc, tally_error_t *err)
         if (n > capacity) {
             n = capacity;
         }
+        /* as an UNKNOWN's check: the lease outlives the call and its recording, through an
+         * outage as long as TALLY_LEASE_MS */
         long long lease = (long long)t->timeout_ms * 2 + LEASE_MARGIN_MS;
+        if (lease < rc->cfg->lease_ms) {
+            lease = rc->cfg->lease_ms;
+        }
         json_array_append_new(tools, json_pack("{s:s, s:i, s:I, s:f}", "tool", t->name, "n", n,
                                                "lease_ms", (json_int_t)lease, "slot_ms",
                                                1000.0 / t->audit.rate_per_s));

@@ -14,6 +14,7 @@ tally-fake-tool."""
 
 import datetime
 import json
+import time
 import urllib.request
 import uuid
 
@@ -189,6 +190,40 @@ class SweepTest(UpstreamCase):
         self.assertEqual(self.scalar("SELECT count(*) FROM obligations"), 1)
         self.assertEqual(self.scalar("SELECT count(*) FROM alerts WHERE dedup_key LIKE"
                                      " 'finding:%%'"), 2)
+
+
+class OutageTest(UpstreamCase):
+
+    AUDIT = {"delay_ms": AUDIT_DELAY_MS, "rate_per_s": 50}  # swept once, at the start
+
+    def test_an_audit_answered_during_a_postgres_outage_is_recorded_after_it(self):
+        run = run_id()
+        key = f"charge_card:t1:{run}-p1"
+        self.fault("apply_twice", key=key, status=201)
+        # the audit's status check is held (within the tool's timeout) until the database has
+        # gone away
+        self.fault("slow", key=key, op="status", delay_ms=600, times=1)
+        self.dispatcher()
+        rec = self.reconciler()
+        self.charge(run, 1)
+        effect = self.wait_status("charge_card", key, ["CONFIRMED"])
+        wait_for(lambda: self.metric(rec, "tally_reconciler_inflight_checks") >= 1, timeout=30,
+                 what="the audit's status check in flight")
+        self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS false')
+        try:
+            self.assertTrue(self.terminate_backends())
+            time.sleep(4)
+            self.assertTrue(rec.alive(), rec.log()[-3000:])
+        finally:
+            self.admin(f'ALTER DATABASE "{self.dbname}" ALLOW_CONNECTIONS true')
+        self.wait_count("SELECT count(*) FROM obligations WHERE effect_id = %s"
+                        " AND reason = 'duplicate'", 1, (effect["effect_id"],))
+        wait_for(lambda: self.scalar("SELECT count(*) FROM audits") == 0, timeout=30,
+                 what="the audit to be done")
+        # the slow answer was the only status call: recorded after the outage, not asked again
+        self.assertEqual(len([r for r in self.requests(key=key, op="status")]), 1)
+        self.assertEqual(self.scalar("SELECT count(*) FROM events WHERE effect_id = %s"
+                                     " AND kind = 'audit'", (effect["effect_id"],)), 1)
 
 
 class HostileListTest(UpstreamCase):
