@@ -11,7 +11,8 @@
  * as the compensator writes it) and an "operator" event with the actor, the
  * reason and the evidence; the outcome event on the message outbox; and, when the item
  * was what kept a page open, the page's resolve (alert.h). Nothing is half
- * done. */
+ * done. `tally resolve --finding ID` closes an upstream finding (tally verify, the
+ * reconciler's audits and sweeps) the same way: the row, an "operator" event, and its page. */
 #include <ctype.h>
 #include <getopt.h>
 #include <stdarg.h>
@@ -29,6 +30,7 @@
 #include "tally/ledger.h"
 #include "tally/outbox.h"
 #include "tally/runops.h"
+#include "tally/text.h"
 
 typedef enum { VERB_RESOLVE, VERB_APPROVE, VERB_DENY, VERB__COUNT } verb_t;
 
@@ -110,6 +112,22 @@ static const char SQL_ITEM_ALERTS[] =
     "  CASE WHEN $2 = 'obligation' THEN obligation_id = $1::uuid"
     "       ELSE effect_id = $1::uuid AND obligation_id IS NULL END)";
 
+/* The two states of a finding, as the findings table's CHECK spells them. Findings are no
+ * machine of schemas/machines.json: OPEN until an operator says what was done, then RESOLVED. */
+#define FINDING_OPEN     "OPEN"
+#define FINDING_RESOLVED "RESOLVED"
+
+/* resolve --finding: the finding, locked; $2 FINDING_OPEN. */
+static const char SQL_FINDING_LOCK[] =
+    "SELECT status = $2, coalesce(run_id, ''), effect_id::text, kind, tool, external_ref,"
+    "  summary, resolved_by, to_char(resolved_at, 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), resolution"
+    " FROM findings WHERE finding_id = $1::uuid FOR UPDATE";
+
+/* $4 FINDING_RESOLVED, $5 FINDING_OPEN. */
+static const char SQL_FINDING_RESOLVE[] =
+    "UPDATE findings SET status = $4, resolved_at = now(), resolved_by = $2, resolution = $3"
+    " WHERE finding_id = $1::uuid AND status = $5 RETURNING finding_id";
+
 /* ---------------------------------------------------------------------------------------- */
 /* What was asked, and what was done                                                        */
 
@@ -118,7 +136,8 @@ typedef struct op {
     const char *name; /* "resolve", ... */
     const char *effect_id;
     const char *obligation_id;
-    const char *alert_key; /* resolve --alert */
+    const char *alert_key;  /* resolve --alert */
+    const char *finding_id; /* resolve --finding */
     const char *as;
     int as_state; /* --as parsed: a tally_effect_state_t or tally_obligation_state_t */
     const char *ref;
@@ -791,7 +810,8 @@ static void report(const op_t *o, const done_t *d)
         return;
     }
     printf("%s %s %s: %s → %s, by %s\n", CLI_SYM_OK, d->kind, d->id, d->from, d->to, o->actor);
-    cli_field(stdout, 2, 8, "run", d->run_id);
+    if (d->run_id[0] != '\0')
+        cli_field(stdout, 2, 8, "run", d->run_id);
     cli_field(stdout, 2, 8, "reason", o->reason);
     if (o->ref != NULL)
         cli_field(stdout, 2, 8, "ref", o->ref);
@@ -897,6 +917,93 @@ static int alert_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
     return CLI_EXIT_OK;
 }
 
+/* resolve --finding: an OPEN finding becomes RESOLVED (who, when, what was done), an
+ * "operator" event records the decision, and the finding's page (finding:<id>) is resolved.
+ * The event carries the finding's two states in its data, not as a move: a finding is no
+ * machine of the ledger. */
+static int finding_close(tally_pg_t *pg, const op_t *o, tally_outbox_batch_t *ob,
+                         tally_audit_batch_t *ab, done_t *d)
+{
+    tally_error_t err;
+    const char *id = o->finding_id;
+    const char *lock_params[2] = {id, FINDING_OPEN};
+    PGresult *res = tally_pg_exec(pg, SQL_FINDING_LOCK, 2, lock_params, &err);
+    if (res == NULL)
+        return cli_pg_fail(o->name, "nothing was changed", &err);
+    if (PQntuples(res) == 0) {
+        PQclear(res);
+        fprintf(stderr,
+                "tally %s: no finding %s in this ledger (`tally verify` lists findings; the "
+                "findings table holds those filed). Nothing was changed.\n",
+                o->name, id);
+        return CLI_EXIT_REFUSED;
+    }
+    snprintf(d->run_id, sizeof d->run_id, "%s", PQgetvalue(res, 0, 1));
+    if (strcmp(PQgetvalue(res, 0, 0), "t") != 0) {
+        char line[1024];
+        tally_fmt(line, sizeof line,
+                  "tally %s: finding %s is already resolved (%s by %s: %s); "
+                  "nothing to do",
+                  o->name, id, PQgetisnull(res, 0, 8) ? "?" : PQgetvalue(res, 0, 8),
+                  PQgetisnull(res, 0, 7) ? "?" : PQgetvalue(res, 0, 7),
+                  PQgetisnull(res, 0, 9) ? "?" : PQgetvalue(res, 0, 9));
+        cli_wrap(stderr, line, 0, 0);
+        PQclear(res);
+        return CLI_EXIT_REFUSED;
+    }
+    json_t *evidence =
+        json_pack("{s:s, s:s, s:s?, s:s?, s:s, s:s, s:s}", "finding_id", id, "kind",
+                  PQgetvalue(res, 0, 3), "tool", col(res, 0, 4), "external_ref", col(res, 0, 5),
+                  "summary", PQgetvalue(res, 0, 6), "from", FINDING_OPEN, "to", FINDING_RESOLVED);
+    char effect_id[40] = "";
+    if (col(res, 0, 2) != NULL)
+        snprintf(effect_id, sizeof effect_id, "%s", col(res, 0, 2));
+    PQclear(res);
+    const char *params[5] = {id, o->actor, o->reason, FINDING_RESOLVED, FINDING_OPEN};
+    res = tally_pg_exec(pg, SQL_FINDING_RESOLVE, 5, params, &err);
+    if (res == NULL) {
+        json_decref(evidence);
+        return cli_pg_fail(o->name, "nothing was changed", &err);
+    }
+    bool moved = PQntuples(res) == 1;
+    PQclear(res);
+    if (!moved) {
+        json_decref(evidence);
+        return changed_meanwhile(o, d);
+    }
+    snprintf(d->from, sizeof d->from, "%s", FINDING_OPEN);
+    snprintf(d->to, sizeof d->to, "%s", FINDING_RESOLVED);
+    tally_audit_event_t ev = {.run_id = d->run_id[0] != '\0' ? d->run_id : NULL,
+                              .effect_id = effect_id[0] != '\0' ? effect_id : NULL,
+                              .kind = "operator",
+                              .actor = o->actor,
+                              .reason = o->reason,
+                              .data = evidence};
+    tally_audit_batch_add(ab, &ev);
+    json_decref(evidence);
+
+    /* its page, raised when it was filed (the reconciler pages what it files) */
+    char key[64];
+    snprintf(key, sizeof key, "finding:%s", id);
+    const char *keys[1] = {key};
+    char why[1024];
+    tally_fmt(why, sizeof why, "finding %s is %s: resolved by %s: %s", id, FINDING_RESOLVED,
+              o->actor, o->reason);
+    size_t n_resolved = 0;
+    if (!tally_alert_resolve(pg, keys, 1, o->actor, o->source, why, ob, ab, &n_resolved, &err))
+        return cli_pg_fail(o->name, "nothing was changed", &err);
+    if (n_resolved > 0 &&
+        (json_array_append_new(d->alerts, json_string(key)) != 0 ||
+         json_array_append_new(d->events, json_string("tally.alert.resolve.v1")) != 0)) {
+        fprintf(stderr, "tally %s: out of memory\n", o->name);
+        return CLI_EXIT_REFUSED;
+    }
+    snprintf(d->note, sizeof d->note,
+             "The finding stays on file, resolved; `tally verify --file-findings` does not file "
+             "the same record again.");
+    return CLI_EXIT_OK;
+}
+
 static int run_op(op_t *o, tally_config_t *cfg)
 {
     tally_pg_t *pg = cli_connect(o->name, cfg);
@@ -906,9 +1013,11 @@ static int run_op(op_t *o, tally_config_t *cfg)
     tally_audit_batch_t *ab = tally_audit_batch_new();
     done_t d = {.kind = o->effect_id != NULL       ? "effect"
                         : o->obligation_id != NULL ? "obligation"
+                        : o->finding_id != NULL    ? "finding"
                                                    : "alert",
                 .id = o->effect_id != NULL       ? o->effect_id
                       : o->obligation_id != NULL ? o->obligation_id
+                      : o->finding_id != NULL    ? o->finding_id
                                                  : o->alert_key,
                 .events = json_array(),
                 .alerts = json_array()};
@@ -922,7 +1031,9 @@ static int run_op(op_t *o, tally_config_t *cfg)
         rc = cli_pg_fail(o->name, "cannot start the transaction", &err);
         goto out;
     }
-    rc = o->alert_key != NULL ? alert_close(pg, o, ob, ab, &d) : item_move(pg, o, ob, ab, &d);
+    rc = o->alert_key != NULL    ? alert_close(pg, o, ob, ab, &d)
+         : o->finding_id != NULL ? finding_close(pg, o, ob, ab, &d)
+                                 : item_move(pg, o, ob, ab, &d);
     if (rc != CLI_EXIT_OK) {
         tally_pg_rollback(pg);
         goto out;
@@ -958,6 +1069,7 @@ static const char USAGE_RESOLVE_HEAD[] =
     "       tally resolve --obligation ID --as resolved|skipped [--ref REF] [--receipt JSON]\n"
     "                     --reason TEXT\n"
     "       tally resolve --alert DEDUP_KEY --reason TEXT\n"
+    "       tally resolve --finding ID --as resolved --reason TEXT\n"
     "\n"
     "Settle what tally could not decide on its own, from what you verified upstream.\n"
     "An UNKNOWN or STUCK effect becomes CONFIRMED (it happened: --ref is the upstream record's\n"
@@ -968,7 +1080,10 @@ static const char USAGE_RESOLVE_HEAD[] =
     "<prefix>alerts). Every write happens in one transaction, or none does.\n"
     "--alert closes a page whose item needs no further state change (a destructive effect that\n"
     "was escalated as UNCOMPENSATABLE, once you have dealt with it); it is refused while the\n"
-    "item is still STUCK, which must be resolved itself.\n";
+    "item is still STUCK, which must be resolved itself.\n"
+    "--finding closes an upstream finding (an orphan or duplicate record a tool holds, or a\n"
+    "broken ledger row, filed by `tally verify --file-findings` or the reconciler) once you\n"
+    "have dealt with it: --reason says what you did; its page is resolved too.\n";
 
 static const char USAGE_RESOLVE_TAIL[] =
     "Exit status: 0 done; 1 refused (the item is in a state this does not apply to, or does\n"
@@ -1032,12 +1147,19 @@ static const opt_row_t OPTIONS[] = {
      VERB_BIT(VERB_RESOLVE),
      offsetof(op_t, alert_key),
      {"an open page, by its dedup key (as `tally status` prints it)"}},
+    {"finding",
+     0,
+     "ID",
+     VERB_BIT(VERB_RESOLVE),
+     offsetof(op_t, finding_id),
+     {"an upstream finding, by id (as `tally verify` and its page print it)"}},
     {"as",
      0,
      "OUTCOME",
      VERB_BIT(VERB_RESOLVE),
      offsetof(op_t, as),
-     {"confirmed | failed (effects); resolved | skipped (obligations)"}},
+     {"confirmed | failed (effects); resolved | skipped (obligations);\n"
+      "resolved (findings)"}},
     {"ref",
      0,
      "REF",
@@ -1189,10 +1311,27 @@ static int parse(op_t *o, int argc, char **argv)
         return cli_usage_error(o->name, "%s belong%s to %s", foreign, n_foreign == 1 ? "s" : "",
                                verbs);
     }
+    if (o->finding_id != NULL) {
+        if (o->effect_id != NULL || o->obligation_id != NULL || o->alert_key != NULL)
+            return cli_usage_error(o->name, "name exactly one item: --effect, --obligation, "
+                                            "--alert or --finding");
+        if (!cli_is_uuid(o->finding_id))
+            return cli_usage_error(o->name, "'%s' is not a finding id (a UUID such as %s)",
+                                   o->finding_id, "0b6d5f4e-8f3c-4a8e-9d0c-6a1f3e2b7c44");
+        if (o->ref != NULL || o->receipt_text != NULL)
+            return cli_usage_error(o->name, "--finding takes no --ref or --receipt: say what you "
+                                            "did in --reason");
+        if (o->as == NULL || strcmp(o->as, "resolved") != 0)
+            return cli_usage_error(o->name, "--finding needs --as resolved (a finding is open "
+                                            "until an operator resolves it)");
+        return cli_check_decision(o->name, o->reason, true, &o->actor, o->source, sizeof o->source)
+                   ? -1
+                   : CLI_EXIT_USAGE;
+    }
     if (o->alert_key != NULL) {
         if (o->effect_id != NULL || o->obligation_id != NULL)
-            return cli_usage_error(o->name, "name exactly one item: --effect, --obligation or "
-                                            "--alert");
+            return cli_usage_error(o->name, "name exactly one item: --effect, --obligation, "
+                                            "--alert or --finding");
         if (o->as != NULL || o->ref != NULL || o->receipt_text != NULL)
             return cli_usage_error(o->name, "--alert takes no --as, --ref or --receipt: it only "
                                             "closes the page");
