@@ -9,7 +9,8 @@
  * environment's configuration (owned by main). Returns the process exit code: 0 success,
  * 1 a problem found or refused, 2 usage error, 3 could not reach PostgreSQL/Kafka — unless
  * the verb documents its own (status: 0 clean, 1 aging UNKNOWN, 2 STUCK; publish: 1 the
- * command failed, 2 usage, 3-8 what the answer was, cmd_publish.c PUB_EXIT_*).
+ * command failed, 2 usage, 3-8 what the answer was, cmd_publish.c PUB_EXIT_*; verify: 0 clean,
+ * 1 findings, 2 could not check).
  * Each verb answers --help with its options.
  */
 typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);
@@ -29,6 +30,7 @@ int tally_cmd_compensate(int argc, char **argv, tally_config_t *cfg); /* cmd_run
 int tally_cmd_cancel(int argc, char **argv, tally_config_t *cfg);     /* cmd_run.c */
 int tally_cmd_forget(int argc, char **argv, tally_config_t *cfg);     /* cmd_forget.c */
 int tally_cmd_prune(int argc, char **argv, tally_config_t *cfg);      /* cmd_prune.c */
+int tally_cmd_verify(int argc, char **argv, tally_config_t *cfg);     /* cmd_verify.c */
 
 /** The OS user, for --actor defaults. Never NULL. */
 const char *tally_cli_default_actor(void);
