@@ -12,16 +12,17 @@
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-typedef enum { PARAM_STRING, PARAM_INT } param_type_t;
+typedef enum { PARAM_STRING, PARAM_INT, PARAM_SHARE } param_type_t;
 
 typedef struct param {
     const char *env;      /**< the environment variable */
-    param_type_t type;    /**< char * or int field */
+    param_type_t type;    /**< char *, int, or double field (a share: a number in (0, 1]) */
     size_t offset;        /**< of the field in tally_config_t */
     const char *def;      /**< default as text, for both types */
     int min;              /**< ints: smallest meaningful value (0 or 1) */
@@ -37,6 +38,10 @@ typedef struct param {
 #define INT(field, env, def, min, help)                                                            \
     {                                                                                              \
         env, PARAM_INT, offsetof(tally_config_t, field), def, min, NULL, NULL, help                \
+    }
+#define SHARE(field, env, def, help)                                                               \
+    {                                                                                              \
+        env, PARAM_SHARE, offsetof(tally_config_t, field), def, 0, NULL, NULL, help                \
     }
 
 static const param_t params[] = {
@@ -105,10 +110,14 @@ static const param_t params[] = {
         "Kafka consumer session timeout"),
     INT(run_idle_timeout_ms, "TALLY_RUN_IDLE_TIMEOUT_MS", "0", 0,
         "the reconciler completes ACTIVE runs whose effects have not changed this long; 0: off"),
+    SHARE(deadline_warn_share, "TALLY_DEADLINE_WARN_SHARE", "0.8",
+          "share of an obligation's time to its compensation deadline after which a warning "
+          "page goes out (critical at the deadline); 1: no warning"),
 };
 
 #undef STR
 #undef INT
+#undef SHARE
 
 #define N_PARAMS (sizeof params / sizeof params[0])
 
@@ -161,6 +170,16 @@ static int int_value(const tally_config_t *cfg, const param_t *p)
     return *(const int *)((const char *)cfg + p->offset);
 }
 
+static double *share_field(tally_config_t *cfg, const param_t *p)
+{
+    return (double *)((char *)cfg + p->offset);
+}
+
+static double share_value(const tally_config_t *cfg, const param_t *p)
+{
+    return *(const double *)((const char *)cfg + p->offset);
+}
+
 /* Digits only, with an optional '-' so that "-5" is named as negative rather than junk. */
 static bool parse_int(const param_t *p, const char *v, int *out, char *errstr, size_t errsz)
 {
@@ -189,6 +208,30 @@ static bool parse_int(const param_t *p, const char *v, int *out, char *errstr, s
     return true;
 }
 
+/* A share of something: a decimal number above 0 and at most 1 ("0.8", "1"), nothing else. */
+static bool parse_share(const param_t *p, const char *v, double *out, char *errstr, size_t errsz)
+{
+    static const char what[] = "a number above 0 and at most 1 (e.g. 0.8)";
+    if (!(isdigit((unsigned char)v[0]) || (v[0] == '.' && isdigit((unsigned char)v[1])) ||
+          v[0] == '-')) {
+        snprintf(errstr, errsz, "%s: '%s' is not %s", p->env, v, what);
+        return false;
+    }
+    errno = 0;
+    char *end = NULL;
+    double x = strtod(v, &end);
+    if (end == v || *end != '\0' || errno == ERANGE || !isfinite(x)) {
+        snprintf(errstr, errsz, "%s: '%s' is not %s", p->env, v, what);
+        return false;
+    }
+    if (!(x > 0.0 && x <= 1.0)) {
+        snprintf(errstr, errsz, "%s: '%s' is out of range: it must be %s", p->env, v, what);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
 static bool in_choices(const char *choices, const char *v)
 {
     size_t n = strlen(v);
@@ -207,6 +250,8 @@ static bool set_param(tally_config_t *cfg, const param_t *p, const char *v, char
 {
     if (p->type == PARAM_INT)
         return parse_int(p, v, int_field(cfg, p), errstr, errsz);
+    if (p->type == PARAM_SHARE)
+        return parse_share(p, v, share_field(cfg, p), errstr, errsz);
     if (p->choices != NULL && !in_choices(p->choices, v)) {
         snprintf(errstr, errsz, "%s: '%s' is not one of %s", p->env, v, p->choices);
         return false;
@@ -584,6 +629,9 @@ void tally_config_describe(const tally_config_t *cfg, FILE *out)
         char num[16];
         if (p->type == PARAM_INT) {
             snprintf(num, sizeof num, "%d", int_value(cfg, p));
+            values[i] = strdup(num);
+        } else if (p->type == PARAM_SHARE) {
+            snprintf(num, sizeof num, "%g", share_value(cfg, p));
             values[i] = strdup(num);
         } else {
             values[i] = shown(p->env, str_value(cfg, p));

@@ -73,6 +73,7 @@ static void test_defaults(void **state)
     assert_int_equal(cfg->shutdown_grace_ms, 20000);
     assert_int_equal(cfg->unknown_age_s, 300);
     assert_int_equal(cfg->session_timeout_ms, 45000);
+    assert_true(cfg->deadline_warn_share == 0.8);
     assert_int_equal(cfg->n_kafka_props, 0);
     assert_int_equal(cfg->n_unknown_vars, 0);
 
@@ -112,6 +113,7 @@ static void test_overrides(void **state)
         "TALLY_MAX_MESSAGE_BYTES=2147483647",
         "TALLY_POLL_MS=10",
         "TALLY_POLL_MS=20", /* the later entry wins */
+        "TALLY_DEADLINE_WARN_SHARE=.5",
         NULL,
     };
     tally_config_t *cfg = load(envp);
@@ -130,6 +132,7 @@ static void test_overrides(void **state)
     assert_int_equal(cfg->session_timeout_ms, 6000);
     assert_int_equal(cfg->max_message_bytes, 2147483647);
     assert_int_equal(cfg->poll_ms, 20);
+    assert_true(cfg->deadline_warn_share == 0.5);
     assert_int_equal(cfg->relay_batch, 1000); /* untouched */
     assert_int_equal(cfg->n_kafka_props, 0);  /* BROKERS is not a passthrough */
     assert_int_equal(cfg->n_unknown_vars, 0);
@@ -180,6 +183,28 @@ static void test_bad_values_name_the_variable(void **state)
     load_fails("TALLY_BACKLOG_LIMIT=99999999999999999999999",
                "TALLY_BACKLOG_LIMIT: '99999999999999999999999' is not a positive integer of at "
                "most 2147483647");
+    /* a share: a number above 0 and at most 1; 1 is allowed (no warning page) */
+    load_fails("TALLY_DEADLINE_WARN_SHARE=0",
+               "TALLY_DEADLINE_WARN_SHARE: '0' is out of range: it must be a number above 0 and "
+               "at most 1 (e.g. 0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE=1.01",
+               "TALLY_DEADLINE_WARN_SHARE: '1.01' is out of range: it must be a number above 0 "
+               "and at most 1 (e.g. 0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE=-0.5",
+               "TALLY_DEADLINE_WARN_SHARE: '-0.5' is out of range: it must be a number above 0 "
+               "and at most 1 (e.g. 0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE=80%",
+               "TALLY_DEADLINE_WARN_SHARE: '80%' is not a number above 0 and at most 1 (e.g. 0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE=nan",
+               "TALLY_DEADLINE_WARN_SHARE: 'nan' is not a number above 0 and at most 1 (e.g. 0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE= 0.8",
+               "TALLY_DEADLINE_WARN_SHARE: ' 0.8' is not a number above 0 and at most 1 (e.g. "
+               "0.8)");
+    load_fails("TALLY_DEADLINE_WARN_SHARE=",
+               "TALLY_DEADLINE_WARN_SHARE: '' is not a number above 0 and at most 1 (e.g. 0.8)");
+    tally_config_t *one = load((char *[]){"TALLY_DEADLINE_WARN_SHARE=1", NULL});
+    assert_true(one->deadline_warn_share == 1.0);
+    tally_config_free(one);
     load_fails("TALLY_LOG_LEVEL=verbose",
                "TALLY_LOG_LEVEL: 'verbose' is not one of debug|info|warn|error");
     load_fails("TALLY_LOG_LEVEL=INFO",
@@ -273,6 +298,7 @@ static void test_describe_masks_secrets_and_aligns(void **state)
         "TALLY_KAFKA_SASL_USERNAME=svc-tally",
         "TALLY_KAFKA_SECURITY_PROTOCOL=SASL_SSL",
         "TALLY_LEASE_MS=1500",
+        "TALLY_DEADLINE_WARN_SHARE=0.75",
         NULL,
     };
     tally_config_t *cfg = load(envp);
@@ -303,6 +329,11 @@ static void test_describe_masks_secrets_and_aligns(void **state)
     column_at(lease, dcol, buf, sizeof buf);
     assert_string_equal(buf, "30000");
     assert_non_null(strstr(lease, "how long a claim is held"));
+    const char *share = line_of(out, "TALLY_DEADLINE_WARN_SHARE");
+    column_at(share, vcol, buf, sizeof buf);
+    assert_string_equal(buf, "0.75");
+    column_at(share, dcol, buf, sizeof buf);
+    assert_string_equal(buf, "0.8");
 
     column_at(line_of(out, "TALLY_WORKER_ID"), dcol, buf, sizeof buf);
     assert_string_equal(buf, "<hostname>:<pid>");
@@ -317,7 +348,7 @@ static void test_describe_masks_secrets_and_aligns(void **state)
         assert_true(l[dcol - 1] == ' ' && l[dcol] != ' ');
         assert_true(l[hcol - 1] == ' ' && l[hcol] != ' ');
     }
-    assert_int_equal(rows, 37);
+    assert_int_equal(rows, 38);
 
     assert_non_null(strstr(out, "TALLY_KAFKA_SASL_PASSWORD"));
     assert_non_null(strstr(out, "sasl.password = ***\n"));

@@ -57,10 +57,13 @@ typedef struct tally_config {
     int shutdown_grace_ms; /**< TALLY_SHUTDOWN_GRACE_MS: how long SIGTERM waits for in-flight work
                             */
     int unknown_age_s;     /**< TALLY_UNKNOWN_AGE_S: an UNKNOWN older than this is "aging" */
-    int session_timeout_ms;  /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
-    int run_idle_timeout_ms; /**< TALLY_RUN_IDLE_TIMEOUT_MS: complete ACTIVE runs idle this long
-                                  (reconciler); 0 is off */
-    tally_kv_t *kafka_props; /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
+    int session_timeout_ms;     /**< TALLY_SESSION_TIMEOUT_MS: Kafka consumer session timeout */
+    int run_idle_timeout_ms;    /**< TALLY_RUN_IDLE_TIMEOUT_MS: complete ACTIVE runs idle this long
+                                     (reconciler); 0 is off */
+    double deadline_warn_share; /**< TALLY_DEADLINE_WARN_SHARE: the share (0, 1] of an
+                                     obligation's time to its compensation deadline after which
+                                     the compensator pages a warning; 1: no warning page */
+    tally_kv_t *kafka_props;    /**< TALLY_KAFKA_<PROPERTY> passthrough, in environment order */
     size_t n_kafka_props;
     char **unknown_vars; /**< TALLY_* names that are neither settings nor Kafka properties;
                               ignored, but listed as warnings by tally_config_describe */
