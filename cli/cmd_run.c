@@ -8,6 +8,7 @@
  * The SQL is runops.h's, shared with the dispatcher (which does the same for
  * tally.compensate_run.v1 and tally.cancel_run.v1) and the compensator; this
  * file adds the operator's audit event and the report. */
+#include <ctype.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,7 +22,7 @@
 #include "tally/runops.h"
 
 static const char USAGE_COMPENSATE[] =
-    "usage: tally compensate --run R --reason TEXT [--actor NAME] [--json]\n"
+    "usage: tally compensate --run R --reason TEXT [--deadline D] [--actor NAME] [--json]\n"
     "       tally compensate --run R --dry-run [--json]\n"
     "\n"
     "Undo what run R did: one obligation per CONFIRMED effect, run by the compensator last\n"
@@ -34,6 +35,11 @@ static const char USAGE_COMPENSATE[] =
     "  --run R        the run id\n"
     "  --dry-run      print the plan only; nothing is written (read-only transaction)\n"
     "  --reason TEXT  why (required unless --dry-run; goes into the audit trail)\n"
+    "  --deadline D   the compensation must be finished within D: milliseconds (90000) or a\n"
+    "                 number with a unit, ms s m h d (90s, 15m, 24h), 1 s to 24 d. An\n"
+    "                 obligation still open after a share of it pages a warning\n"
+    "                 (TALLY_DEADLINE_WARN_SHARE), at it a critical page; an earlier deadline\n"
+    "                 of the run still running is kept\n"
     "  --actor NAME   who decided (default: the OS user)\n"
     "  --json         print the result and the plan as JSON\n"
     "  -h, --help     this text\n"
@@ -42,7 +48,8 @@ static const char USAGE_COMPENSATE[] =
     "be reached.\n";
 
 static const char USAGE_CANCEL[] =
-    "usage: tally cancel --run R --reason TEXT [--compensate] [--actor NAME] [--json]\n"
+    "usage: tally cancel --run R --reason TEXT [--compensate [--deadline D]] [--actor NAME]\n"
+    "                    [--json]\n"
     "       tally cancel --run R --dry-run [--compensate] [--json]\n"
     "\n"
     "Stop run R: its PLANNED and AWAITING_APPROVAL effects become CANCELLED and are never\n"
@@ -52,6 +59,8 @@ static const char USAGE_CANCEL[] =
     "\n"
     "  --run R        the run id\n"
     "  --compensate   also compensate the run's CONFIRMED effects\n"
+    "  --deadline D   with --compensate: finish the compensation within D (as for\n"
+    "                 tally compensate: 90000, 90s, 15m, 24h, 1d)\n"
     "  --dry-run      print the plan only; nothing is written (read-only transaction)\n"
     "  --reason TEXT  why (required unless --dry-run; goes into the audit trail)\n"
     "  --actor NAME   who decided (default: the OS user)\n"
@@ -72,14 +81,48 @@ typedef struct run_op {
     bool compensate;
     bool dry_run;
     bool as_json;
+    int deadline_ms; /* --deadline; 0: none */
     char source[300];
 } run_op_t;
 
+/* --deadline: milliseconds alone, or a number with a unit (ms, s, m, h, d), within the bounds
+ * a compensate_run's data.deadline_ms takes. @returns false with a sentence on stderr. */
+static bool parse_deadline(const char *verb, const char *text, int *out)
+{
+    static const struct {
+        const char *unit;
+        long long ms;
+    } units[] = {{"", 1}, {"ms", 1}, {"s", 1000}, {"m", 60000}, {"h", 3600000}, {"d", 86400000}};
+    char *end = NULL;
+    long long n = isdigit((unsigned char)text[0]) ? strtoll(text, &end, 10) : -1;
+    long long ms = -1;
+    for (size_t i = 0; n >= 0 && end != NULL && i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(end, units[i].unit) == 0)
+            ms = n <= TALLY_RUNOP_DEADLINE_MS_MAX / units[i].ms ? n * units[i].ms
+                                                                : TALLY_RUNOP_DEADLINE_MS_MAX + 1LL;
+    }
+    if (ms < 0) {
+        fprintf(stderr,
+                "tally %s: --deadline '%s' is not a duration: give milliseconds (90000) or a "
+                "number with a unit, ms s m h d (90s, 15m, 24h)\n",
+                verb, text);
+        return false;
+    }
+    if (ms < TALLY_RUNOP_DEADLINE_MS_MIN || ms > TALLY_RUNOP_DEADLINE_MS_MAX) {
+        fprintf(stderr, "tally %s: --deadline '%s' is out of range: 1 s to 24 d (%d to %d ms)\n",
+                verb, text, TALLY_RUNOP_DEADLINE_MS_MIN, TALLY_RUNOP_DEADLINE_MS_MAX);
+        return false;
+    }
+    *out = (int)ms;
+    return true;
+}
+
 static int parse(run_op_t *o, const char *usage, int argc, char **argv)
 {
-    enum { O_RUN = 256, O_REASON, O_ACTOR, O_COMPENSATE, O_DRY_RUN, O_JSON };
+    enum { O_RUN = 256, O_REASON, O_ACTOR, O_COMPENSATE, O_DRY_RUN, O_JSON, O_DEADLINE };
     static const struct option all[] = {
         {"run", required_argument, NULL, O_RUN},
+        {"deadline", required_argument, NULL, O_DEADLINE},
         {"reason", required_argument, NULL, O_REASON},
         {"actor", required_argument, NULL, O_ACTOR},
         {"dry-run", no_argument, NULL, O_DRY_RUN},
@@ -110,10 +153,16 @@ static int parse(run_op_t *o, const char *usage, int argc, char **argv)
         case O_JSON:
             o->as_json = true;
             break;
+        case O_DEADLINE:
+            if (!parse_deadline(o->verb, optarg, &o->deadline_ms))
+                return CLI_EXIT_USAGE;
+            break;
         }
     }
     if (rc >= 0)
         return rc;
+    if (o->deadline_ms > 0 && o->kind == TALLY_RUNOP_CANCEL && !o->compensate)
+        return cli_usage_error(o->verb, "--deadline is for the compensation: add --compensate");
     if (o->kind == TALLY_RUNOP_COMPENSATE && o->compensate)
         return cli_usage_error(o->verb, "--compensate belongs to tally cancel (tally compensate "
                                         "always compensates)");
@@ -208,6 +257,9 @@ static bool report(const run_op_t *o, const tally_runop_result_t *r, const char 
                                 json_integer((json_int_t)r->effects_cancelled));
             json_object_set_new(doc, "effects_waiting",
                                 json_integer((json_int_t)r->effects_waiting));
+            json_object_set_new(doc, "compensation_deadline_at",
+                                r->deadline_at[0] != '\0' ? json_string(r->deadline_at)
+                                                          : json_null());
         }
         bool ok = doc != NULL && cli_print_json(doc);
         json_decref(doc);
@@ -242,6 +294,12 @@ static bool report(const run_op_t *o, const tally_runop_result_t *r, const char 
                          "none new: %zu already there (asking again creates nothing)",
                          r->obligations_existing);
             cli_field(stdout, 2, 11, "obligations", line);
+            if (r->deadline_at[0] != '\0') {
+                snprintf(line, sizeof line,
+                         "%s: an obligation still open then pages (a warning before it)",
+                         r->deadline_at);
+                cli_field(stdout, 2, 11, "deadline", line);
+            }
         }
         if (o->kind == TALLY_RUNOP_CANCEL) {
             snprintf(line, sizeof line, "%zu effect%s CANCELLED (never dispatched)",
@@ -304,7 +362,8 @@ static int run_verb(run_op_t *o, tally_config_t *cfg)
                         .run_id = o->run,
                         .compensate = o->compensate,
                         .reason = o->reason,
-                        .intent_id = NULL};
+                        .intent_id = NULL,
+                        .deadline_ms = o->deadline_ms};
     tally_runop_result_t result;
     memset(&result, 0, sizeof result);
     tally_error_t err;
@@ -345,6 +404,10 @@ static int run_verb(run_op_t *o, tally_config_t *cfg)
                                  "obligations_existing", (json_int_t)result.obligations_existing,
                                  "effects_cancelled", (json_int_t)result.effects_cancelled,
                                  "effects_waiting", (json_int_t)result.effects_waiting);
+        if (data != NULL && o->deadline_ms > 0) {
+            json_object_set_new(data, "deadline_ms", json_integer(o->deadline_ms));
+            json_object_set_new(data, "compensation_deadline_at", json_string(result.deadline_at));
+        }
         tally_audit_event_t ev = {.run_id = o->run,
                                   .kind = "operator",
                                   .actor = o->actor,

@@ -662,7 +662,8 @@ bool intake_write(dispatcher_t *d, size_t lo, size_t hi, tally_audit_batch_t *ab
                                 .run_id = in->run_id,
                                 .compensate = in->type == TALLY_MSG_CANCEL_RUN && in->compensate,
                                 .reason = in->reason,
-                                .intent_id = in->id};
+                                .intent_id = in->id,
+                                .deadline_ms = in->deadline_ms};
             break;
         }
     }

@@ -17,6 +17,7 @@
 
 #include "tally/id.h"
 #include "tally/json.h"
+#include "tally/runops.h"
 #include "tally/text.h"
 
 #define EXCERPT_MAX_BYTES 60
@@ -600,6 +601,32 @@ static bool parse_intent_data(const json_t *data, tally_intent_t *out, check_t *
     return true;
 }
 
+/* compensate_run's optional data.deadline_ms: the run's compensation must be finished within
+ * it (runops.h). Absent or null: none. The bounds are the registry's compensation.deadline_ms. */
+static bool parse_deadline(const json_t *data, tally_intent_t *out, check_t *ck)
+{
+    json_t *v = json_object_get(data, "deadline_ms");
+    if (v == NULL || json_is_null(v))
+        return true;
+    json_int_t ms = json_is_integer(v) ? json_integer_value(v) : 0;
+    if (!json_is_integer(v) || ms < TALLY_RUNOP_DEADLINE_MS_MIN ||
+        ms > TALLY_RUNOP_DEADLINE_MS_MAX) {
+        ck->reason = TALLY_DLQ_INVALID_FIELD;
+        if (json_is_integer(v))
+            set_detail(ck->detail, ck->detailsz,
+                       "data.deadline_ms must be an integer from %d to %d (milliseconds), not "
+                       "%" JSON_INTEGER_FORMAT,
+                       TALLY_RUNOP_DEADLINE_MS_MIN, TALLY_RUNOP_DEADLINE_MS_MAX, ms);
+        else
+            set_detail(ck->detail, ck->detailsz,
+                       "data.deadline_ms must be an integer from %d to %d (milliseconds), not %s",
+                       TALLY_RUNOP_DEADLINE_MS_MIN, TALLY_RUNOP_DEADLINE_MS_MAX, json_type_name(v));
+        return false;
+    }
+    out->deadline_ms = (int)ms;
+    return true;
+}
+
 static bool parse_run_data(const json_t *data, tally_intent_t *out, check_t *ck)
 {
     out->run_id = data_string(data, "run_id", true, true, TALLY_LIMIT_RUN_ID, true,
@@ -627,6 +654,8 @@ static bool parse_run_data(const json_t *data, tally_intent_t *out, check_t *ck)
             out->compensate = json_is_true(c);
         }
     }
+    if (out->type == TALLY_MSG_COMPENSATE_RUN && !parse_deadline(data, out, ck))
+        return false;
     return true;
 }
 

@@ -167,9 +167,26 @@ void tally_comp_decide(const tally_tool_t *tool, const char *tool_name, tally_ef
 /* ---------------------------------------------------------------------------------------- */
 /* SQL                                                                                      */
 
-static const char SQL_LOCK_RUNS[] = "SELECT run_id, status FROM runs"
-                                    " WHERE run_id IN (SELECT json_array_elements_text($1::json))"
-                                    " ORDER BY run_id FOR UPDATE";
+/* SQL: timestamptz @p X as RFC 3339 in UTC with milliseconds, as tally writes times. */
+#define SQL_RFC3339(X) "to_char((" X ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+
+static const char SQL_LOCK_RUNS[] = "SELECT run_id, status, " SQL_RFC3339(
+    "compensation_deadline_at") " FROM runs"
+                                " WHERE run_id IN (SELECT json_array_elements_text($1::json))"
+                                " ORDER BY run_id FOR UPDATE";
+
+/* The compensation deadline a request asks for: now() + deadline_ms, unless the run has an
+ * earlier one still running (a redelivered request, or a second one asking for more time, never
+ * moves it later; one that has passed is replaced). The shortest wins when a batch asks twice. */
+static const char SQL_DEADLINE[] =
+    "UPDATE runs r SET compensation_deadline_at = CASE"
+    "   WHEN r.compensation_deadline_at > now()"
+    "   THEN least(r.compensation_deadline_at, now() + x.ms * interval '1 millisecond')"
+    "   ELSE now() + x.ms * interval '1 millisecond' END"
+    " FROM (SELECT run_id, min(ms) AS ms FROM json_to_recordset($1::json) AS q(run_id text,"
+    "   ms bigint) GROUP BY run_id) x"
+    " WHERE r.run_id = x.run_id"
+    " RETURNING r.run_id, " SQL_RFC3339("r.compensation_deadline_at");
 
 /* Outbox rows first, then the effects (the dispatcher's claim locks them in that order). A row
  * a dispatcher already claimed belongs to an effect that is DISPATCHING and is left alone.
@@ -384,6 +401,7 @@ typedef struct run_state {
     tally_run_state_t initial; /* as locked */
     tally_run_state_t status;  /* after the requests so far */
     char reason[256];
+    char deadline_at[32]; /* RFC 3339; "" for none */
     size_t confirmed, waiting, created, cancelled;
     bool created_counted, cancelled_counted;
 } run_state_t;
@@ -465,6 +483,7 @@ static bool lock_runs(tally_pg_t *pg, run_state_t *runs, size_t n_runs, tally_er
         }
         rs->found = true;
         rs->status = rs->initial;
+        snprintf(rs->deadline_at, sizeof rs->deadline_at, "%s", PQgetvalue(res, row, 2));
     }
     PQclear(res);
     res = tally_pg_exec_json(pg, SQL_COUNTS, ids, err);
@@ -605,6 +624,38 @@ static bool create_obligations(tally_pg_t *pg, const tally_runop_t *ops, size_t 
     return ok;
 }
 
+/* The compensation deadlines the requests ask for (SQL_DEADLINE), one statement for the batch. */
+static bool set_deadlines(tally_pg_t *pg, const tally_runop_t *ops, size_t n, run_state_t *runs,
+                          size_t n_runs, tally_error_t *err)
+{
+    json_t *req = json_array();
+    bool ok = req != NULL;
+    for (size_t i = 0; ok && i < n; i++) {
+        const run_state_t *rs = find_run(runs, n_runs, ops[i].run_id);
+        if (!wants_compensation(&ops[i]) || ops[i].deadline_ms <= 0 || !rs->found)
+            continue;
+        ok = json_array_append_new(req, json_pack("{s:s, s:i}", "run_id", ops[i].run_id, "ms",
+                                                  ops[i].deadline_ms)) == 0;
+    }
+    if (!ok) {
+        json_decref(req);
+        tally_error_setc(err, TALLY_ERR_OOM, "out of memory building the deadlines");
+        return false;
+    }
+    if (json_array_size(req) > 0) {
+        PGresult *res = tally_pg_exec_json(pg, SQL_DEADLINE, req, err);
+        ok = res != NULL;
+        for (int row = 0; ok && row < PQntuples(res); row++) {
+            run_state_t *rs = find_run(runs, n_runs, PQgetvalue(res, row, 0));
+            if (rs != NULL)
+                snprintf(rs->deadline_at, sizeof rs->deadline_at, "%s", PQgetvalue(res, row, 1));
+        }
+        PQclear(res);
+    }
+    json_decref(req);
+    return ok;
+}
+
 bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, const char *actor,
                         const char *source, tally_outbox_batch_t *ob, tally_audit_batch_t *ab,
                         tally_runop_result_t *results, tally_error_t *err)
@@ -632,7 +683,8 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
     }
     if (!lock_runs(pg, runs, n_runs, err) ||
         !cancel_effects(pg, ops, n, runs, n_runs, actor, source, ob, ab, err) ||
-        !create_obligations(pg, ops, n, runs, n_runs, actor, source, ob, ab, err)) {
+        !create_obligations(pg, ops, n, runs, n_runs, actor, source, ob, ab, err) ||
+        !set_deadlines(pg, ops, n, runs, n_runs, err)) {
         goto out;
     }
 
@@ -657,6 +709,7 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
         snprintf(r->status_before, sizeof r->status_before, "%s", tally_run_state_name(r->before));
         snprintf(r->status_after, sizeof r->status_after, "%s", tally_run_state_name(r->after));
         r->effects_waiting = rs->waiting;
+        snprintf(r->deadline_at, sizeof r->deadline_at, "%s", rs->deadline_at);
         if (wants_compensation(op)) {
             /* the counts belong to the first request of the run that asked */
             bool first = true;
@@ -681,6 +734,10 @@ bool tally_runops_apply(tally_pg_t *pg, const tally_runop_t *ops, size_t n, cons
             r->status_after, "obligations_created", (json_int_t)r->obligations_created,
             "obligations_existing", (json_int_t)r->obligations_existing, "effects_cancelled",
             (json_int_t)r->effects_cancelled, "effects_waiting", (json_int_t)r->effects_waiting);
+        if (data != NULL && wants_compensation(op) && op->deadline_ms > 0) {
+            json_object_set_new(data, "deadline_ms", json_integer(op->deadline_ms));
+            json_object_set_new(data, "compensation_deadline_at", json_string(r->deadline_at));
+        }
         tally_audit_event_t ev = {.run_id = op->run_id,
                                   .kind = op_kind_name(op),
                                   .actor = actor,

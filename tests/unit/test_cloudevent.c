@@ -423,12 +423,38 @@ static void test_compensate_run(void **state)
     assert_null(in.tool);
     assert_null(in.args);
     assert_false(in.compensate);
+    assert_int_equal(in.deadline_ms, 0); /* none asked */
     tally_intent_clear(&in);
 
     expect_field(t, BASE_COMPENSATE_DATA, "run_id", NULL, TALLY_DLQ_MISSING_FIELD);
     expect_field(t, BASE_COMPENSATE_DATA, "reason", NULL, TALLY_DLQ_MISSING_FIELD);
     expect_field(t, BASE_COMPENSATE_DATA, "reason", "false", TALLY_DLQ_INVALID_FIELD);
     expect_field(t, BASE_COMPENSATE_DATA, "run_id", "[]", TALLY_DLQ_INVALID_FIELD);
+
+    /* data.deadline_ms: optional, an integer of milliseconds from 1 s to 24 days */
+    assert_int_equal(parse_with_field(t, BASE_COMPENSATE_DATA, "deadline_ms", "86400000", &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(in.deadline_ms, 86400000);
+    tally_intent_clear(&in);
+    assert_int_equal(parse_with_field(t, BASE_COMPENSATE_DATA, "deadline_ms", "1000", &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(in.deadline_ms, 1000);
+    tally_intent_clear(&in);
+    assert_int_equal(parse_with_field(t, BASE_COMPENSATE_DATA, "deadline_ms", "2073600000", &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(in.deadline_ms, 2073600000);
+    tally_intent_clear(&in);
+    assert_int_equal(parse_with_field(t, BASE_COMPENSATE_DATA, "deadline_ms", "null", &in),
+                     TALLY_DLQ_NONE);
+    assert_int_equal(in.deadline_ms, 0);
+    tally_intent_clear(&in);
+    const char *bad[] = {"999",    "0",           "-5000", "2073600001", "99999999999999",
+                         "1500.5", "\"3600000\"", "true",  "{}"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_field(t, BASE_COMPENSATE_DATA, "deadline_ms", bad[i], TALLY_DLQ_INVALID_FIELD);
+    expect_field(t, BASE_COMPENSATE_DATA, "deadline_ms", "999", TALLY_DLQ_INVALID_FIELD);
+    assert_non_null(strstr(detail, "data.deadline_ms must be an integer from 1000 to 2073600000"));
+    assert_non_null(strstr(detail, "not 999"));
 }
 
 static void test_cancel_run(void **state)

@@ -85,6 +85,8 @@ typedef struct tally_intent {
     const char *traceparent;   /**< optional; validated as W3C when present */
     const char *reason;        /**< compensate/cancel */
     bool compensate;           /**< cancel_run only */
+    int deadline_ms;           /**< compensate_run only: data.deadline_ms (1000 to
+                                    TALLY_RUNOP_DEADLINE_MS_MAX), 0 when absent */
 } tally_intent_t;
 
 /**

@@ -88,7 +88,15 @@ typedef struct tally_runop {
     bool compensate;       /**< cancel only: also compensate the CONFIRMED effects */
     const char *reason;    /**< the requester's words for the audit trail; may be NULL */
     const char *intent_id; /**< CloudEvents id of the request message; NULL from the CLI */
+    int deadline_ms;       /**< with compensation: finish it within this many ms (1000 to
+                                TALLY_RUNOP_DEADLINE_MS_MAX; runs.compensation_deadline_at);
+                                0: no deadline asked */
 } tally_runop_t;
+
+/** The longest compensation deadline a request may ask for, in ms (24 days, as the registry's
+ * compensation.deadline_ms), and the shortest. */
+#define TALLY_RUNOP_DEADLINE_MS_MAX 2073600000
+#define TALLY_RUNOP_DEADLINE_MS_MIN 1000
 
 /** @brief What one request did. */
 typedef struct tally_runop_result {
@@ -101,6 +109,8 @@ typedef struct tally_runop_result {
     size_t obligations_existing; /**< CONFIRMED effects that already had their obligation */
     size_t effects_cancelled;    /**< PLANNED / AWAITING_APPROVAL effects now CANCELLED */
     size_t effects_waiting;      /**< DISPATCHING / UNKNOWN: compensated once they are confirmed */
+    char deadline_at[32];        /**< the run's compensation deadline after the request (RFC 3339,
+                                      UTC), "" for none */
 } tally_runop_result_t;
 
 /**
@@ -116,7 +126,11 @@ typedef struct tally_runop_result {
  *   from COMPENSATED / PARTIALLY_COMPENSATED when this created new obligations; STUCK stays
  *   STUCK). It turns COMPENSATING even when nothing is CONFIRMED yet: effects still DISPATCHING
  *   or UNKNOWN get their obligation when they are confirmed (tally_runops_sweep_confirmed), and
- *   the compensator writes the summary once nothing is left.
+ *   the compensator writes the summary once nothing is left;
+ * - a compensation with deadline_ms sets the run's compensation deadline
+ *   (runs.compensation_deadline_at) to now() + deadline_ms, or keeps an earlier one that has not
+ *   passed yet (so a redelivered request cannot move it later); without deadline_ms it is left
+ *   as it is. Every result names the run's deadline after the request.
  * Every statement handles the whole batch. Queues on @p ab an audit event per cancelled effect,
  * per new obligation, per run status change and per request (kind "compensate_run" /
  * "cancel_run", by @p actor), and on @p ob a tally.obligation.v1 (topic "obligations", key run_id,
