@@ -1,12 +1,15 @@
 /* body.c — the documents the compensator builds, without I/O so the unit tests can read them:
- * the blast radius of what cannot be undone, and the reverse call's body and If-Match. (A
- * run's compensation summary is tally/runsummary.h's, shared with `tally summary`.) */
+ * the blast radius of what cannot be undone, the reverse call's body and If-Match, and the text
+ * of a deadline page. (A run's compensation summary is tally/runsummary.h's, shared with
+ * `tally summary`.) */
 #include "compensator.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "tally/alert.h"
 
 /* Argument names that say who or what an effect reached, most specific first. */
 static const char *const TARGET_FIELDS[] = {
@@ -97,4 +100,86 @@ comp_version_t comp_if_match(const json_t *receipt, char out[COMP_IF_MATCH_SIZE]
     }
     memcpy(out, s, len + 1);
     return COMP_VERSION_OK;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Deadline pages                                                                           */
+
+/* @p s single-quoted for a POSIX shell ('it'\''s'), malloc'd; NULL on OOM. */
+static char *shell_quoted(const char *s)
+{
+    size_t n = 2;
+    for (const char *p = s; *p; p++)
+        n += *p == '\'' ? 4 : 1;
+    char *out = malloc(n + 1), *o = out;
+    if (out == NULL)
+        return NULL;
+    *o++ = '\'';
+    for (const char *p = s; *p; p++) {
+        if (*p == '\'') {
+            memcpy(o, "'\\''", 4);
+            o += 4;
+        } else {
+            *o++ = *p;
+        }
+    }
+    *o++ = '\'';
+    *o = '\0';
+    return out;
+}
+
+char *comp_deadline_command(tally_obligation_state_t state, const char *obligation_id,
+                            const char *run_id)
+{
+    switch (state) {
+    case TALLY_OBLIGATION_STUCK:
+        return tally_alert_obligation_command(obligation_id);
+    case TALLY_OBLIGATION_AWAITING_APPROVAL: {
+        const char *fmt = "tally approve --obligation %s --reason \"<why>\"  # reverse it now\n"
+                          "tally deny --obligation %s --reason \"<why>\"  # nothing is to be "
+                          "undone (SKIPPED)";
+        int len = snprintf(NULL, 0, fmt, obligation_id, obligation_id);
+        char *out = len >= 0 ? malloc((size_t)len + 1) : NULL;
+        if (out != NULL)
+            snprintf(out, (size_t)len + 1, fmt, obligation_id, obligation_id);
+        return out;
+    }
+    default:
+        break;
+    }
+    /* PENDING, RUNNING: the compensator is still at it, and no operator move applies until it
+     * stops (STUCK); say what to look at, and the resolve that applies then. */
+    char *run = shell_quoted(run_id != NULL ? run_id : "");
+    const char *fmt = "tally doctor --run %s  # why the compensator has not finished it yet\n"
+                      "tally resolve --obligation %s --as resolved --reason \"<what you did>\"  "
+                      "# once it is STUCK: you reversed it by hand\n"
+                      "tally resolve --obligation %s --as skipped --reason \"<why>\"  # once it "
+                      "is STUCK: nothing is to be undone";
+    int len = run != NULL ? snprintf(NULL, 0, fmt, run, obligation_id, obligation_id) : -1;
+    char *out = len >= 0 ? malloc((size_t)len + 1) : NULL;
+    if (out != NULL)
+        snprintf(out, (size_t)len + 1, fmt, run, obligation_id, obligation_id);
+    free(run);
+    return out;
+}
+
+void comp_deadline_summary(char *out, size_t outsz, bool passed, double share, const char *run_id,
+                           const char *step, const char *tool, const char *obligation_id,
+                           const char *status, const char *deadline_at)
+{
+    /* each quoted value cut on a character boundary (text.h): no run id can crowd out the rest */
+    char run[84], st[44], tl[64];
+    tally_text_copy(run, sizeof run, run_id != NULL ? run_id : "?");
+    tally_text_copy(st, sizeof st, step != NULL ? step : "?");
+    tally_text_copy(tl, sizeof tl, tool != NULL ? tool : "?");
+    if (passed)
+        tally_fmt(out, outsz,
+                  "run %s step %s: compensation of %s is past its deadline %s (obligation %s is "
+                  "%s)",
+                  run, st, tl, deadline_at, obligation_id, status);
+    else
+        tally_fmt(out, outsz,
+                  "run %s step %s: compensation of %s has used %.0f%% of its time to its "
+                  "deadline %s (obligation %s is %s)",
+                  run, st, tl, share * 100.0, deadline_at, obligation_id, status);
 }

@@ -1,6 +1,7 @@
 /* compensate.c — the compensator's loop (DESIGN §2): obligations arrive as wake-ups on
  * <prefix>obligations and as NOTIFY tally_obligations, and a sweep every TALLY_SWEEP_MS finds
- * due retries, expired leases, late confirmations and settled runs. Each turn leases what may
+ * due retries, expired leases, late confirmations, settled runs and obligations near or past
+ * their compensation deadline (deadline.c). Each turn leases what may
  * run now (store.c), carries out what policy.c decides for each — starting the reverse and
  * containment calls (libcurl multi, many at once) or queueing the outcome — waits on curl,
  * PostgreSQL and Kafka together, and records what finished (store.c) and the runs that
@@ -65,7 +66,19 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
                                            "PostgreSQL errors by step", "step");
     c->m_runs = tally_metrics_counter(m, "tally_runs_settled_total",
                                       "Run compensations settled, by outcome", "status");
+    c->m_past_deadline = tally_metrics_gauge(
+        m, "tally_obligations_past_deadline",
+        "Open obligations past their compensation deadline (paged critical), whatever their "
+        "state",
+        NULL);
+    c->m_near_deadline = tally_metrics_gauge(
+        m, "tally_obligations_near_deadline",
+        "Open obligations past TALLY_DEADLINE_WARN_SHARE of their time to their compensation "
+        "deadline (paged as a warning), not yet past it",
+        NULL);
     tally_metric_set(c->m_stuck, 0);
+    tally_metric_set(c->m_past_deadline, 0);
+    tally_metric_set(c->m_near_deadline, 0);
     tally_metric_add(c->m_alerts, 0, "kafka");
     tally_metric_add(c->m_alerts, 0, "pagerduty");
     tally_metric_add(c->m_alert_fail, 0, "compensator");
@@ -135,8 +148,9 @@ static bool setup(compensator_t *c, tally_worker_t *w)
     snprintf(c->source, sizeof c->source, "/tally/compensator/%s", c->worker_id);
     declare_metrics(c, tally_worker_metrics(w));
     c->approval_tools = approval_tools(c->reg);
+    c->deadline_tools = comp_deadline_tools(c->reg);
     c->settle_runs = json_array();
-    if (c->approval_tools == NULL || c->settle_runs == NULL) {
+    if (c->approval_tools == NULL || c->deadline_tools == NULL || c->settle_runs == NULL) {
         TALLY_ERROR("out of memory");
         return false;
     }
@@ -164,10 +178,11 @@ static bool setup(compensator_t *c, tally_worker_t *w)
         return false;
     }
     c->lease_wanted = true;
-    TALLY_INFO("compensator ready: %zu tools (%s need approval to compensate), %d calls in "
-               "flight at most, sweep every %d ms",
-               tally_registry_count(c->reg), c->approval_tools, c->cfg->max_inflight,
-               c->cfg->sweep_ms);
+    TALLY_INFO("compensator ready: %zu tools (%s need approval to compensate; compensation "
+               "deadlines %s, warning at %g of them), %d calls in flight at most, sweep every "
+               "%d ms",
+               tally_registry_count(c->reg), c->approval_tools, c->deadline_tools,
+               c->cfg->deadline_warn_share, c->cfg->max_inflight, c->cfg->sweep_ms);
     return true;
 }
 
@@ -520,7 +535,7 @@ static void refresh_gauges(compensator_t *c)
     }
 }
 
-/* Obligations for late confirmations, approvals, settlement, gauges. */
+/* Obligations for late confirmations, approvals, settlement, deadline pages, gauges. */
 static int sweep(compensator_t *c)
 {
     int work = 0;
@@ -529,6 +544,8 @@ static int sweep(compensator_t *c)
     n = comp_store_hold_for_approval(c);
     work += n > 0 ? n : 0;
     n = comp_settle(c, NULL);
+    work += n > 0 ? n : 0;
+    n = comp_deadline_sweep(c);
     work += n > 0 ? n : 0;
     refresh_gauges(c);
     return work;
@@ -597,7 +614,8 @@ static int next_timeout_ms(compensator_t *c, double now, int work)
     return ms <= 0 ? 0 : (int)ms + 1;
 }
 
-/* Record finished calls, then settle the runs whose obligations moved. */
+/* Record finished calls (and resolve the deadline pages of obligations they closed), then
+ * settle the runs whose obligations moved. */
 static int record_and_settle(compensator_t *c)
 {
     int work = 0;
@@ -606,6 +624,10 @@ static int record_and_settle(compensator_t *c)
         if (n > 0) {
             work += n;
             c->lease_wanted = true; /* a settled step may free an earlier one */
+            if (c->deadline_pages_open > 0) {
+                int r = comp_deadline_resolve(c); /* on an error, the sweep resolves them */
+                work += r > 0 ? r : 0;
+            }
         }
     }
     if (json_array_size(c->settle_runs) > 0) {
@@ -696,6 +718,7 @@ static void compensator_fini(tally_worker_t *w, void *state)
     free(c->done);
     json_decref(c->settle_runs);
     free(c->approval_tools);
+    free(c->deadline_tools);
     free(c);
 }
 

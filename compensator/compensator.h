@@ -7,6 +7,8 @@
  *                 counts
  *   settle.c      every statement on runs: settle them (their summary is tally/runsummary.h's),
  *                 obligations for late confirmations
+ *   deadline.c    compensation deadlines: page the open obligations near and past theirs,
+ *                 resolve those pages when the obligations close, the deadline gauges
  *   pager.c       the PagerDuty sender, on its own thread
  *
  * Saga order. Within one run an obligation is leased only when every obligation of a later
@@ -108,6 +110,8 @@ typedef struct compensator {
     const char *worker_id;
     char source[300];     /**< CloudEvents source of everything this worker publishes */
     char *approval_tools; /**< JSON array of tools whose compensation needs approval */
+    char *deadline_tools; /**< JSON array of {tool, deadline_ms} with a compensation deadline */
+    size_t deadline_pages_open; /**< open deadline pages at the last look: resolve after records */
     unsigned rand_state;
 
     bool lease_wanted; /**< a wake-up, a NOTIFY, a recorded outcome or the sweep timer */
@@ -127,17 +131,19 @@ typedef struct compensator {
     double terminal_counted_at; /**< monotonic seconds; 0: not yet */
     int settled_sweep_in;       /**< sweeps until the late-confirmation sweep reads settled runs */
 
-    tally_metric_t *m_obligations; /**< tally_obligations{state} */
-    tally_metric_t *m_stuck;       /**< tally_stuck_obligations */
-    tally_metric_t *m_drain;       /**< tally_obligation_drain_seconds */
-    tally_metric_t *m_reverse;     /**< tally_reverse_call_seconds{tool} */
-    tally_metric_t *m_alerts;      /**< tally_alerts_sent_total{channel} */
-    tally_metric_t *m_alert_fail;  /**< tally_alert_write_failures_total */
-    tally_metric_t *m_outcomes;    /**< tally_compensations_total{tool,outcome} */
-    tally_metric_t *m_lease_lost;  /**< tally_obligation_lease_lost_total */
-    tally_metric_t *m_inflight;    /**< tally_compensator_inflight */
-    tally_metric_t *m_db_errors;   /**< tally_compensator_db_errors_total{step} */
-    tally_metric_t *m_runs;        /**< tally_runs_settled_total{status} */
+    tally_metric_t *m_obligations;   /**< tally_obligations{state} */
+    tally_metric_t *m_stuck;         /**< tally_stuck_obligations */
+    tally_metric_t *m_drain;         /**< tally_obligation_drain_seconds */
+    tally_metric_t *m_reverse;       /**< tally_reverse_call_seconds{tool} */
+    tally_metric_t *m_alerts;        /**< tally_alerts_sent_total{channel} */
+    tally_metric_t *m_alert_fail;    /**< tally_alert_write_failures_total */
+    tally_metric_t *m_outcomes;      /**< tally_compensations_total{tool,outcome} */
+    tally_metric_t *m_lease_lost;    /**< tally_obligation_lease_lost_total */
+    tally_metric_t *m_inflight;      /**< tally_compensator_inflight */
+    tally_metric_t *m_db_errors;     /**< tally_compensator_db_errors_total{step} */
+    tally_metric_t *m_runs;          /**< tally_runs_settled_total{status} */
+    tally_metric_t *m_past_deadline; /**< tally_obligations_past_deadline */
+    tally_metric_t *m_near_deadline; /**< tally_obligations_near_deadline */
 } compensator_t;
 
 /* ---- compensate.c: the loop --------------------------------------------------------------- */
@@ -326,6 +332,25 @@ json_t *comp_reverse_body(const char *external_ref, const json_t *receipt, const
  */
 comp_version_t comp_if_match(const json_t *receipt, char out[COMP_IF_MATCH_SIZE]);
 
+/**
+ * @brief The commands a deadline page gives, by the state the obligation is in when paged:
+ * STUCK, `tally resolve --obligation ID --as resolved|skipped` (tally_alert_obligation_command);
+ * AWAITING_APPROVAL, `tally approve|deny --obligation ID`; otherwise (the compensator is still
+ * at it) `tally doctor --run RUN` (shell-quoted) and the resolve that applies once it is STUCK.
+ * Each line ends with a shell comment saying when it applies. Malloc'd; NULL on OOM.
+ */
+char *comp_deadline_command(tally_obligation_state_t state, const char *obligation_id,
+                            const char *run_id);
+
+/**
+ * @brief The one-line summary of a deadline page into @p out: past the deadline (@p passed), or
+ * @p share of the time used. Names the run, step, tool, obligation, its status and the deadline
+ * (RFC 3339); the run, step and tool are cut on character boundaries.
+ */
+void comp_deadline_summary(char *out, size_t outsz, bool passed, double share, const char *run_id,
+                           const char *step, const char *tool, const char *obligation_id,
+                           const char *status, const char *deadline_at);
+
 /* ---- store.c: every statement on obligations ---------------------------------------------- */
 
 /**
@@ -361,6 +386,30 @@ int comp_settle(compensator_t *c, const json_t *run_ids);
 /** @brief Obligations for CONFIRMED effects of runs under compensation that have none yet
  * (tally_runops_sweep_confirmed). @returns obligations created, -1. */
 int comp_sweep_confirmed(compensator_t *c);
+
+/* ---- deadline.c: compensation deadlines ---------------------------------------------------- */
+
+/** @brief The tools with a compensation.deadline_ms, as the deadline sweep's JSON parameter
+ * [{"tool", "deadline_ms"}]. Malloc'd (the caller frees); NULL on OOM. */
+char *comp_deadline_tools(const tally_registry_t *reg);
+
+/**
+ * @brief The deadline sweep, in one transaction: reads every open obligation (PENDING,
+ * AWAITING_APPROVAL, RUNNING, STUCK) with a deadline — the earlier of its created_at + its
+ * tool's compensation.deadline_ms and its run's compensation_deadline_at — in one statement
+ * (the tools' deadlines travel as one JSON parameter); sets tally_obligations_past_deadline and
+ * tally_obligations_near_deadline; raises a warning page ("deadline-warning:<id>") once
+ * TALLY_DEADLINE_WARN_SHARE of its time has passed and a critical one ("deadline:<id>") at the
+ * deadline, each once (a page with its key, open or resolved, is never raised again); resolves
+ * the open deadline pages of obligations that have closed. One compensator at a time does the
+ * paging (a transaction-level advisory lock; another skips it for that round).
+ * @returns pages raised and resolved, -1 on a database error (logged; the next sweep repeats).
+ */
+int comp_deadline_sweep(compensator_t *c);
+
+/** @brief Resolve the open deadline pages of obligations that have closed, at once (after
+ * outcomes were recorded), in its own transaction. @returns pages resolved, -1. */
+int comp_deadline_resolve(compensator_t *c);
 
 /* ---- pager.c ------------------------------------------------------------------------------ */
 

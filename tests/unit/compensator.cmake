@@ -1,10 +1,10 @@
 # The compensator's pure logic (compensator/policy.c, compensator/body.c, compensator/pager.c
 # and the decision table in common/src/runops.c): decisions per effect class and compensation
 # mode, per unsent call and per answer, blast radius, reverse body and If-Match, backoff, what a
-# settled run publishes, PagerDuty bodies. No services.
+# settled run publishes, PagerDuty bodies, the text of deadline pages. No services.
 set(TALLY_COMPENSATE_COMMON runops.c backoff.c registry.c json.c error.c log.c pg.c metrics.c audit.c columns.c
     outbox.c cloudevent.c id.c ledger.c config.c)
-tally_unit_test(test_compensate SOURCES ${TALLY_COMPENSATE_COMMON})
+tally_unit_test(test_compensate SOURCES ${TALLY_COMPENSATE_COMMON} alert.c)
 target_sources(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensator/policy.c
                                        ${CMAKE_SOURCE_DIR}/compensator/body.c
                                        ${CMAKE_SOURCE_DIR}/compensator/pager.c)

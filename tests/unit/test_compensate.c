@@ -1,7 +1,8 @@
 /* test_compensate.c — the compensator's pure logic: the per-class decision table (runops.c),
  * what a leased obligation, an unsent call and a call's answer make of it (policy.c), the blast
  * radius and its target, the reverse call's body and If-Match (body.c), the retry backoff, what
- * a settled run publishes, and the PagerDuty Events API v2 body. The run summary of DESIGN §7
+ * a settled run publishes, the PagerDuty Events API v2 body, and the text of deadline pages
+ * (their commands by the obligation's state). The run summary of DESIGN §7
  * is tests/unit/test_runsummary.c's. No services. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -14,6 +15,7 @@
 #include <string.h>
 
 #include "compensator.h"
+#include "tally/alert.h"
 #include "tally/runops.h"
 
 /* ---------------------------------------------------------------- helpers */
@@ -725,6 +727,73 @@ static void test_pager_resolve_and_long_summary(void **state)
     json_decref(b);
 }
 
+/* ---------------------------------------------------------------- deadline pages (body.c) */
+
+static void test_deadline_command_by_state(void **state)
+{
+    (void)state;
+    const char *oid = "0b6c3a52-7f7e-4c55-9d2e-1f0f3e6b8a11";
+    /* STUCK: the resolve an operator can run now, both ways */
+    char *cmd = comp_deadline_command(TALLY_OBLIGATION_STUCK, oid, "run-1");
+    assert_non_null(cmd);
+    assert_non_null(strstr(cmd, "tally resolve --obligation 0b6c3a52-7f7e-4c55-9d2e-1f0f3e6b8a11 "
+                                "--as resolved --reason"));
+    assert_non_null(strstr(cmd, "--as skipped"));
+    assert_null(strstr(cmd, "doctor"));
+    free(cmd);
+    /* AWAITING_APPROVAL: resolve would be refused; approve or deny is the move */
+    cmd = comp_deadline_command(TALLY_OBLIGATION_AWAITING_APPROVAL, oid, "run-1");
+    assert_non_null(strstr(cmd, "tally approve --obligation 0b6c3a52-7f7e-4c55-9d2e-1f0f3e6b8a11 "
+                                "--reason"));
+    assert_non_null(strstr(cmd, "tally deny --obligation 0b6c3a52-7f7e-4c55-9d2e-1f0f3e6b8a11"));
+    assert_null(strstr(cmd, "tally resolve"));
+    free(cmd);
+    /* PENDING and RUNNING: the compensator is still at it: look, and resolve once STUCK; the run
+     * id is quoted for the shell whatever it holds */
+    tally_obligation_state_t open[] = {TALLY_OBLIGATION_PENDING, TALLY_OBLIGATION_RUNNING};
+    for (size_t i = 0; i < 2; i++) {
+        cmd = comp_deadline_command(open[i], oid, "run 'x'; rm -rf /");
+        assert_non_null(cmd);
+        assert_non_null(strstr(cmd, "tally doctor --run 'run '\\''x'\\''; rm -rf /'  #"));
+        assert_non_null(strstr(cmd,
+                               "tally resolve --obligation 0b6c3a52-7f7e-4c55-9d2e-1f0f3e6b8a11"
+                               " --as resolved"));
+        assert_non_null(strstr(cmd, "once it is STUCK"));
+        free(cmd);
+    }
+}
+
+static void test_deadline_summary(void **state)
+{
+    (void)state;
+    char out[TALLY_ALERT_SUMMARY_MAX];
+    comp_deadline_summary(out, sizeof out, true, 0.8, "run-7", "2", "charge_card", "o-1", "STUCK",
+                          "2026-11-27T10:00:00.000Z");
+    assert_string_equal(out, "run run-7 step 2: compensation of charge_card is past its deadline "
+                             "2026-11-27T10:00:00.000Z (obligation o-1 is STUCK)");
+    comp_deadline_summary(out, sizeof out, false, 0.8, "run-7", "2", "charge_card", "o-1",
+                          "AWAITING_APPROVAL", "2026-11-27T10:00:00.000Z");
+    assert_string_equal(out, "run run-7 step 2: compensation of charge_card has used 80% of its "
+                             "time to its deadline 2026-11-27T10:00:00.000Z (obligation o-1 is "
+                             "AWAITING_APPROVAL)");
+    /* a long run id is cut between characters, and the deadline still fits */
+    char run[400];
+    size_t o = 0;
+    while (o + 2 < sizeof run) {
+        run[o++] = (char)0xC3;
+        run[o++] = (char)0xA9;
+    }
+    run[o] = '\0';
+    comp_deadline_summary(out, sizeof out, true, 0.8, run, "2", "charge_card", "o-1", "PENDING",
+                          "2026-11-27T10:00:00.000Z");
+    assert_non_null(strstr(out, "past its deadline 2026-11-27T10:00:00.000Z"));
+    const char *cut = out + strlen("run ");
+    size_t n = (size_t)(strchr(cut, ' ') - cut);
+    assert_true(n > 3 && n < 84);
+    assert_memory_equal(cut + n - 3, "...", 3); /* said to be cut, */
+    assert_int_equal((n - 3) % 2, 0);           /* after whole 2-byte characters */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -747,6 +816,8 @@ int main(void)
         cmocka_unit_test(test_policy_count_terminal),
         cmocka_unit_test(test_pager_trigger_body),
         cmocka_unit_test(test_pager_resolve_and_long_summary),
+        cmocka_unit_test(test_deadline_command_by_state),
+        cmocka_unit_test(test_deadline_summary),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
