@@ -615,6 +615,8 @@ static bool print_doctor(const json_t *doc)
     cli_field(stdout, 2, 13, "when", line);
     if (cli_str(run, "tenant", NULL) != NULL)
         cli_field(stdout, 2, 13, "tenant", cli_str(run, "tenant", NULL));
+    if (cli_str(run, "compensation_deadline_at", NULL) != NULL) /* compensate_run deadline_ms */
+        cli_field(stdout, 2, 13, "deadline", cli_str(run, "compensation_deadline_at", NULL));
     size_t open = 0, i;
     json_t *row;
     json_array_foreach(alerts, i, row)
