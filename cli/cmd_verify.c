@@ -405,7 +405,8 @@ static const check_t CHECKS[] = {
      "           AND o.external_ref IS NOT DISTINCT FROM e.external_ref))))"
      CHECK_TAIL},
     {"alert_page_settled",
-     "a page is still open although what it paged for was settled",
+     "a page is still open although what it paged for was settled (an obligation's, for longer "
+     "than --stale-after)",
      "alert", "ledger", ACT_CLOSE_ALERT, NULL,
      CHECK_HEAD
      "SELECT a.dedup_key, a.run_id, e.tool, a.effect_id::text, a.obligation_id::text, a.dedup_key,"
@@ -422,8 +423,14 @@ static const check_t CHECKS[] = {
      "   THEN substr(a.dedup_key, 9)::uuid END"
      " WHERE a.status = " A_TRIGGERED " AND" IN_RANGE("a", "created_at")
      "   AND ((f.finding_id IS NOT NULL AND f.status <> 'OPEN')"
+     /* an obligation's own page (obligation:<id>) stays open on an UNCOMPENSATABLE one (an
+      * escalation an operator closes); any other page of it (a deadline's) closes when it
+      * settles, which the compensator does after the settling transaction: hence the wait */
      "     OR (f.finding_id IS NULL AND o.obligation_id IS NOT NULL"
-     "       AND o.status IN (" O_RESOLVED ", " O_SKIPPED ", " O_CANCELLED "))"
+     "       AND NOT o.status = ANY (" P_O_OPEN "::text[])"
+     "       AND (o.status IN (" O_RESOLVED ", " O_SKIPPED ", " O_CANCELLED ")"
+     "         OR a.dedup_key <> 'obligation:' || o.obligation_id::text)"
+     "       AND coalesce(o.finished_at, o.updated_at) <" STALE_BEFORE ")"
      "     OR (f.finding_id IS NULL AND a.obligation_id IS NULL AND e.effect_id IS NOT NULL"
      "       AND a.dedup_key = 'effect:' || a.effect_id::text AND e.status <> " E_STUCK "))"
      CHECK_TAIL},

@@ -229,7 +229,7 @@ class VerifyTest(VerifyCase):
         self.dispatcher()
         runs = {name: run_id() for name in (
             "ref", "unknown", "planned", "outbox", "overdue", "ob_lease", "ob_overdue", "dup",
-            "not_stuck", "cancelled", "not_settled")}
+            "not_stuck", "cancelled", "not_settled", "page_resolved", "page_escalated")}
         eff = {name: self.confirmed_charges(run)[0] for name, run in runs.items()}
         self._terminate_all()  # nothing may repair what is broken below
         ref_of = dict(self.query("SELECT effect_id::text, external_ref FROM effects"))
@@ -237,12 +237,20 @@ class VerifyTest(VerifyCase):
         def obligation(name, status, **cols):
             oid = str(uuid.uuid4())
             self.force("INSERT INTO obligations (obligation_id, run_id, effect_id, reason,"
-                       " external_ref, status, lease_owner, lease_until, next_attempt_at)"
+                       " external_ref, status, lease_owner, lease_until, next_attempt_at,"
+                       " finished_at, updated_at)"
                        " VALUES (%s, %s, %s, 'compensate_run', %s, %s, %s, %s,"
+                       " now() - %s * interval '1 second', now() - %s * interval '1 second',"
                        " now() - %s * interval '1 second')",
                        (oid, runs[name], eff[name], ref_of[eff[name]], status,
-                        cols.get("lease_owner"), cols.get("lease_until"), cols.get("age_s", 0)))
+                        cols.get("lease_owner"), cols.get("lease_until"), cols.get("age_s", 0),
+                        cols.get("age_s", 0), cols.get("age_s", 0)))
             return oid
+
+        def page(key, name, oid):
+            self.query("INSERT INTO alerts (dedup_key, severity, summary, run_id, effect_id,"
+                       " obligation_id, reason, resolve_command) VALUES (%s, 'critical', 'p',"
+                       " %s, %s, %s, 'r', 'tally resolve ...')", (key, runs[name], eff[name], oid))
 
         self.query("UPDATE effects SET external_ref = NULL WHERE effect_id = %s", (eff["ref"],))
         self.force("UPDATE effects SET status = 'UNKNOWN', unknown_since = NULL"
@@ -272,6 +280,13 @@ class VerifyTest(VerifyCase):
         obligation("not_settled", "RESOLVED")
         self.force("UPDATE runs SET status = 'COMPENSATING', updated_at = now() - interval"
                    " '1 hour' WHERE run_id = %s", (runs["not_settled"],))
+        # Pages left open: a reversed obligation's own page, and a deadline page of an
+        # UNCOMPENSATABLE one (whose own page, the escalation, stays open until closed by hand).
+        ob_done = obligation("page_resolved", "RESOLVED", age_s=3600)
+        page(f"obligation:{ob_done}", "page_resolved", ob_done)
+        ob_esc = obligation("page_escalated", "UNCOMPENSATABLE", age_s=3600)
+        page(f"obligation:{ob_esc}", "page_escalated", ob_esc)
+        page(f"deadline:{ob_esc}", "page_escalated", ob_esc)
 
         rc, doc = self.verify_json()
         self.assertEqual((rc, doc["verdict"], doc["incomplete"]), (1, "findings", []))
@@ -288,9 +303,14 @@ class VerifyTest(VerifyCase):
             ("run_not_stuck", runs["not_stuck"]),
             ("run_settled_with_open_work", runs["cancelled"]),
             ("run_not_settled", runs["not_settled"]),
+            ("alert_page_settled", f"obligation:{ob_done}"),
+            ("alert_page_settled", f"deadline:{ob_esc}"),
         ])
         self.assertEqual(got, want, json.dumps(doc["findings"], indent=1))
         by_check = {f["check"]: f for f in doc["findings"]}
+        self.assertIn(f"tally resolve --alert deadline:{ob_esc}",
+                      [f["command"] for f in doc["findings"]
+                       if f["id"] == f"deadline:{ob_esc}"][0])
         self.assertIn("charges_999", by_check["duplicate_without_obligation"]["detail"])
         self.assertIn("tally status  # is tally-compensator running",
                       by_check["obligation_overdue"]["command"])
@@ -299,6 +319,7 @@ class VerifyTest(VerifyCase):
         rc, doc = self.verify_json("--stale-after", "2h")
         self.assertNotIn("effect_overdue", {f["check"] for f in doc["findings"]})
         self.assertNotIn("run_not_settled", {f["check"] for f in doc["findings"]})
+        self.assertNotIn("alert_page_settled", {f["check"] for f in doc["findings"]})
         # Without the registry there is no receipt_ref to read: that check says it did not run.
         e = self.env(TALLY_TOOLS="")
         e["TALLY_PG"] = self.pg_as("reader")
