@@ -47,8 +47,9 @@ ROLES = {"dispatcher": "tally_dispatcher", "reconciler": "tally_reconciler",
 # that changes the ledger and was forgotten here fails loudly.
 PROGRAM_ROLES = {"tally-dispatcher": "dispatcher", "tally-reconciler": "reconciler",
                  "tally-compensator": "compensator"}
+# verify: --tools takes slots of the tools' budget (tool_pacing) and --file-findings writes
 OPERATOR_VERBS = {"resolve", "approve", "deny", "compensate", "cancel", "forget", "prune",
-                  "run"}
+                  "run", "verify"}
 OWNER_VERBS = {"migrate"}
 
 
