@@ -64,6 +64,7 @@ static const char SQL_COUNTS[] =
     " 'awaiting_approval', (SELECT count(*) FROM effects WHERE status = 'AWAITING_APPROVAL')"
     "   + (SELECT count(*) FROM obligations WHERE status = 'AWAITING_APPROVAL'),"
     " 'alerts_open', (SELECT count(*) FROM alerts WHERE status = 'TRIGGERED'),"
+    " 'findings_open', (SELECT count(*) FROM findings WHERE status = 'OPEN'),"
     " 'message_outbox_backlog', (SELECT count(*) FROM message_outbox))";
 
 /* STUCK effects and obligations, longest stuck first, each with its open page
@@ -486,6 +487,11 @@ static bool print_human(const json_t *doc)
     print_counts_line("EFFECTS", json_object_get(c, "effects_by_state"));
     print_counts_line("OBLIGATIONS", json_object_get(c, "obligations_by_state"));
     print_runs_line(json_object_get(doc, "runs"));
+    long long findings = count_of(c, "findings_open");
+    if (findings > 0)
+        printf("%-12s%lld open: what the tools hold that the ledger cannot place (their pages "
+               "above;\n%-12sdocs/operations.md, \"Upstream findings\")\n",
+               "FINDINGS", findings, "");
     printf("%-12s%lld message%s waiting for the relay\n", "OUTBOX",
            count_of(c, "message_outbox_backlog"),
            count_of(c, "message_outbox_backlog") == 1 ? "" : "s");

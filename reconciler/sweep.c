@@ -46,7 +46,8 @@ static const char SQL_FINISH[] =
 static const char SQL_LOOKUP[] =
     "SELECT r.n, e.status, e.external_ref, e.run_id,"
     " EXISTS (SELECT 1 FROM obligations o"
-    "   WHERE o.effect_id = r.effect_id AND o.external_ref = r.external_ref)"
+    "   WHERE o.effect_id = r.effect_id AND o.external_ref = r.external_ref),"
+    " (SELECT x.tool FROM effects x WHERE x.effect_id = r.effect_id AND x.tool <> $2)"
     " FROM json_to_recordset($1::json) AS r(n int, effect_id uuid, external_ref text)"
     " LEFT JOIN effects e ON e.effect_id = r.effect_id AND e.tool = $2 ORDER BY r.n";
 
@@ -167,9 +168,10 @@ typedef struct listed {
     char *ref;
 } listed_t;
 
-/* The finding row for listed record @p l (its effect @p known to the ledger, in @p status). */
+/* The finding row for listed record @p l (its effect @p known to the ledger, in @p status; or
+ * an effect of @p other_tool). */
 static json_t *finding_row(const tally_tool_t *tool, const listed_t *l, bool known,
-                           const char *run_id, const char *status)
+                           const char *run_id, const char *status, const char *other_tool)
 {
     char id[37], summary[600];
     tally_uuid(id);
@@ -179,7 +181,12 @@ static json_t *finding_row(const tally_tool_t *tool, const listed_t *l, bool kno
         status != NULL && strcmp(status, tally_effect_state_name(TALLY_EFFECT_CONFIRMED)) == 0
             ? "duplicate"
             : "orphan";
-    if (!known)
+    if (!known && other_tool != NULL)
+        tally_fmt(summary, sizeof summary,
+                  "tool '%s' holds record %s for effect %s, which the ledger has for tool '%s', "
+                  "not this one (an orphan: reverse it upstream by hand if it should not exist)",
+                  tool->name, l->ref, l->effect_id, other_tool);
+    else if (!known)
         tally_fmt(summary, sizeof summary,
                   "tool '%s' holds record %s for effect %s, which the ledger never had (an orphan: "
                   "reverse it upstream by hand if it should not exist)",
@@ -332,9 +339,10 @@ bool tally_sweep_record_page(tally_recon_db_t *db, const tally_tool_t *tool, jso
             break;
         }
         case TALLY_SWEEP_FINDING:
-            ok = json_array_append_new(findings, finding_row(tool, l, known,
-                                                             known ? PQgetvalue(res, r, 3) : NULL,
-                                                             status)) == 0;
+            ok = json_array_append_new(
+                     findings,
+                     finding_row(tool, l, known, known ? PQgetvalue(res, r, 3) : NULL, status,
+                                 PQgetisnull(res, r, 5) ? NULL : PQgetvalue(res, r, 5))) == 0;
             break;
         case TALLY_SWEEP_FOREIGN:
             counts->foreign++;

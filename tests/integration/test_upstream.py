@@ -190,6 +190,14 @@ class SweepTest(UpstreamCase):
         self.assertEqual(self.scalar("SELECT count(*) FROM obligations"), 1)
         self.assertEqual(self.scalar("SELECT count(*) FROM alerts WHERE dedup_key LIKE"
                                      " 'finding:%%'"), 2)
+        # the on-call engineer sees them in tally status, with the pages that close them
+        out = self.cli("status")
+        self.assertIn("FINDINGS    2 open", out.stdout)
+        self.assertIn(f"finding:{finding_id}", out.stdout)
+        self.assertIn(f"holds record {borrowed['id']} for effect {failed['effect_id']}, which the"
+                      " ledger has for tool 'charge_card'", " ".join(out.stdout.split()))
+        self.assertEqual(json.loads(self.cli("status", "--json").stdout)["counts"]
+                         ["findings_open"], 2)
 
 
 class OutageTest(UpstreamCase):
