@@ -381,6 +381,41 @@ static char *dup_or_null(const char *s)
     return s ? strdup(s) : NULL;
 }
 
+/* The item of claimed row @p i: the effect id, the lease epoch, the run, the tool, the key and
+ * the traceparent in columns 0-5, and from column @p seal_col a sensitive tool's tenant key and
+ * sealed args (seal.h). NULL when it cannot be used (out of memory, a tool not in the registry):
+ * its lease runs out. */
+static tally_recon_item_t *claimed_item(tally_recon_db_t *db, const PGresult *res, int i,
+                                        int seal_col)
+{
+    tally_recon_item_t *it = calloc(1, sizeof *it);
+    if (it == NULL) {
+        return NULL;
+    }
+    snprintf(it->effect_id, sizeof it->effect_id, "%s", PQgetvalue(res, i, 0));
+    it->epoch = strtoll(PQgetvalue(res, i, 1), NULL, 10);
+    it->run_id = dup_or_null(col(res, i, 2));
+    it->tool = tally_registry_find(db->reg, PQgetvalue(res, i, 3));
+    it->operation_key = dup_or_null(col(res, i, 4));
+    it->traceparent = dup_or_null(col(res, i, 5));
+    if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
+        (col(res, i, 5) != NULL && it->traceparent == NULL)) {
+        tally_recon_item_free(it);
+        return NULL;
+    }
+    if (tally_tool_sensitive(it->tool)) {
+        tally_sealed_row_t sr = {.effect_id = it->effect_id,
+                                 .key_id = col(res, i, seal_col),
+                                 .master_id = col(res, i, seal_col + 1),
+                                 .wrapped = col(res, i, seal_col + 2),
+                                 .args_sealed = col(res, i, seal_col + 3)};
+        if (!tally_sensitive_open(db->keys, it->tool, &sr, &it->red, NULL, NULL, &it->sealed_err) &&
+            it->sealed_err.errc == TALLY_ERR_NONE)
+            tally_error_setc(&it->sealed_err, TALLY_ERR_OOM, "out of memory");
+    }
+    return it;
+}
+
 int tally_recon_claim(tally_recon_db_t *db, const char *tools_json, int limit,
                       tally_recon_item_t **out, tally_error_t *err)
 {
@@ -393,36 +428,14 @@ int tally_recon_claim(tally_recon_db_t *db, const char *tools_json, int limit,
     }
     int n = 0;
     for (int i = 0; i < PQntuples(res) && n < limit; i++) {
-        tally_recon_item_t *it = calloc(1, sizeof *it);
+        tally_recon_item_t *it = claimed_item(db, res, i, 10);
         if (it == NULL) {
-            break; /* the lease runs out and another round takes it */
+            continue; /* its lease runs out and another round takes it */
         }
-        snprintf(it->effect_id, sizeof it->effect_id, "%s", PQgetvalue(res, i, 0));
-        it->epoch = strtoll(PQgetvalue(res, i, 1), NULL, 10);
-        it->run_id = dup_or_null(col(res, i, 2));
-        it->tool = tally_registry_find(db->reg, PQgetvalue(res, i, 3));
-        it->operation_key = dup_or_null(col(res, i, 4));
-        it->traceparent = dup_or_null(col(res, i, 5));
         it->attempts = atoi(PQgetvalue(res, i, 6));
         it->inconclusive_checks = atoi(PQgetvalue(res, i, 7));
         it->settled = strcmp(PQgetvalue(res, i, 8), "t") == 0;
         it->unknown_ms = strtoll(PQgetvalue(res, i, 9), NULL, 10);
-        if (it->tool != NULL && tally_tool_sensitive(it->tool)) {
-            tally_sealed_row_t sr = {.effect_id = it->effect_id,
-                                     .key_id = col(res, i, 10),
-                                     .master_id = col(res, i, 11),
-                                     .wrapped = col(res, i, 12),
-                                     .args_sealed = col(res, i, 13)};
-            if (!tally_sensitive_open(db->keys, it->tool, &sr, &it->red, NULL, NULL,
-                                      &it->sealed_err) &&
-                it->sealed_err.errc == TALLY_ERR_NONE)
-                tally_error_setc(&it->sealed_err, TALLY_ERR_OOM, "out of memory");
-        }
-        if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
-            (col(res, i, 5) != NULL && it->traceparent == NULL)) {
-            tally_recon_item_free(it);
-            continue;
-        }
         out[n++] = it;
     }
     PQclear(res);
@@ -1068,35 +1081,16 @@ int tally_audit_claim(tally_recon_db_t *db, const char *tools_json, int limit,
     }
     int n = 0;
     for (int i = 0; i < PQntuples(res) && n < limit; i++) {
-        tally_recon_item_t *it = calloc(1, sizeof *it);
+        tally_recon_item_t *it = claimed_item(db, res, i, 9);
         if (it == NULL) {
-            break; /* the lease runs out and another round takes it */
+            continue;
         }
         it->audit = true;
-        snprintf(it->effect_id, sizeof it->effect_id, "%s", PQgetvalue(res, i, 0));
-        it->epoch = strtoll(PQgetvalue(res, i, 1), NULL, 10);
-        it->run_id = dup_or_null(col(res, i, 2));
-        it->tool = tally_registry_find(db->reg, PQgetvalue(res, i, 3));
-        it->operation_key = dup_or_null(col(res, i, 4));
-        it->traceparent = dup_or_null(col(res, i, 5));
+        it->settled = true;
         it->audit_passes = atoi(PQgetvalue(res, i, 6));
         it->audit_failures = atoi(PQgetvalue(res, i, 7));
         it->external_ref = dup_or_null(col(res, i, 8));
-        it->settled = true;
-        if (it->tool != NULL && tally_tool_sensitive(it->tool)) {
-            tally_sealed_row_t sr = {.effect_id = it->effect_id,
-                                     .key_id = col(res, i, 9),
-                                     .master_id = col(res, i, 10),
-                                     .wrapped = col(res, i, 11),
-                                     .args_sealed = col(res, i, 12)};
-            if (!tally_sensitive_open(db->keys, it->tool, &sr, &it->red, NULL, NULL,
-                                      &it->sealed_err) &&
-                it->sealed_err.errc == TALLY_ERR_NONE)
-                tally_error_setc(&it->sealed_err, TALLY_ERR_OOM, "out of memory");
-        }
-        if (it->tool == NULL || it->run_id == NULL || it->operation_key == NULL ||
-            (col(res, i, 5) != NULL && it->traceparent == NULL) ||
-            (col(res, i, 8) != NULL && it->external_ref == NULL)) {
+        if (col(res, i, 8) != NULL && it->external_ref == NULL) {
             tally_recon_item_free(it);
             continue;
         }
