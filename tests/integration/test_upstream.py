@@ -134,6 +134,33 @@ class AuditTest(UpstreamCase):
         self.invariants(allow_duplicates=True)
 
 
+class MissingTest(UpstreamCase):
+
+    AUDIT = {"delay_ms": AUDIT_DELAY_MS, "rate_per_s": 50}  # swept once, at the start
+
+    def test_a_confirmed_effect_the_tool_no_longer_holds_is_a_finding(self):
+        run = run_id()
+        self.workers()
+        key = self.charge(run, 1)[0]
+        effect = self.wait_status("charge_card", key, ["CONFIRMED"])
+        # the tool loses its records (a restore from an old backup, a purge) before the audit
+        self.fake_post("/_control/reset", {})
+        wait_for(lambda: self.scalar("SELECT count(*) FROM findings WHERE effect_id = %s",
+                                     (effect["effect_id"],)) == 1, timeout=30,
+                 what="the audit's finding")
+        kind, ref, summary = self.query("SELECT kind, external_ref, summary FROM findings"
+                                        " WHERE effect_id = %s", (effect["effect_id"],))[0]
+        self.assertEqual((kind, ref), ("ledger", effect["external_ref"]))
+        self.assertIn("holds no record for CONFIRMED effect", summary)
+        self.assertEqual(self.scalar("SELECT reason FROM alerts WHERE effect_id = %s",
+                                     (effect["effect_id"],)), "upstream_mismatch")
+        self.assertEqual(self.scalar("SELECT data->>'found' FROM events WHERE effect_id = %s"
+                                     " AND kind = 'audit'", (effect["effect_id"],)), "missing")
+        # nothing is reversed, the effect stays as it was
+        self.assertEqual(self.scalar("SELECT count(*) FROM obligations"), 0)
+        self.assertEqual(self.effect("charge_card", key)["status"], "CONFIRMED")
+
+
 class SweepTest(UpstreamCase):
 
     def test_records_of_a_failed_effect_and_of_an_unknown_effect_are_found(self):
