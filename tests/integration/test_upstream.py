@@ -134,6 +134,28 @@ class AuditTest(UpstreamCase):
         self.invariants(allow_duplicates=True)
 
 
+class SampleTest(UpstreamCase):
+
+    AUDIT = {"delay_ms": 600000, "sample_rate": 0.5}  # queued, not yet due
+
+    def test_a_sample_rate_audits_that_share_of_the_effects_chosen_by_id(self):
+        run = run_id()
+        self.workers()
+        keys = [self.charge(run, i + 1)[0] for i in range(40)]
+        for key in keys:
+            self.wait_status("charge_card", key, ["CONFIRMED"])
+        # the effects whose id hashes into the sample, by the trigger's own rule
+        chosen = {r[0] for r in self.query(
+            "SELECT effect_id::text FROM effects WHERE 0.5 >="
+            " ((hashtext(effect_id::text)::bigint + 2147483648) + 1) / 4294967296.0")}
+        queued = {r[0] for r in self.query("SELECT effect_id::text FROM audits")}
+        self.assertEqual(queued, chosen)
+        self.assertTrue(5 <= len(queued) <= 35, f"{len(queued)} of 40 sampled at 0.5")
+        due = self.scalar("SELECT min(due_at - e.updated_at) FROM audits a"
+                          " JOIN effects e USING (effect_id)")
+        self.assertGreater(due.total_seconds(), 590)
+
+
 class MissingTest(UpstreamCase):
 
     AUDIT = {"delay_ms": AUDIT_DELAY_MS, "rate_per_s": 50}  # swept once, at the start
