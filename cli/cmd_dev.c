@@ -66,7 +66,8 @@ static void dev_usage(FILE *out)
             "ledger is owned by " DEV_OWNER_ROLE " (LOGIN CREATEROLE), which migrates it and\n"
             "creates the runtime roles; each worker connects as its own role, and the printed\n"
             "TALLY_PG as the operator's. The env file adds TALLY_PG_ADMIN, TALLY_PG_OWNER,\n"
-            "TALLY_PG_READER, TALLY_PG_DISPATCHER, TALLY_PG_RECONCILER, TALLY_PG_COMPENSATOR.\n"
+            "TALLY_PG_READER, TALLY_PG_DISPATCHER, TALLY_PG_RECONCILER, TALLY_PG_COMPENSATOR;\n"
+            "with workers it and stdout also carry TALLY_TOOLS, the registry's absolute path.\n"
             "With --pg every process connects as the given role (the workers with\n"
             "TALLY_ALLOW_OWNER_ROLE=1).\n\n"
             "The workers get TALLY_PG, TALLY_KAFKA_BROKERS, TALLY_TOPIC_PREFIX, their own\n"
@@ -126,6 +127,16 @@ static bool exports_format(const dev_stack_t *s, char *out, size_t outsz)
                      pg, brokers, prefix);
     if (n <= 0 || (size_t)n >= outsz)
         return false;
+    if (s->tools[0] != '\0') {
+        /* the registry the workers run with, so that a verb in another shell (compensate
+         * --dry-run, verify) reads the same tools; with --no-workers there is none */
+        char tools[sizeof(s->tools) * 4 + 8];
+        shell_quote(s->tools, false, tools, sizeof(tools));
+        int m = snprintf(out + n, outsz - (size_t)n, "export TALLY_TOOLS=%s\n", tools);
+        if (m <= 0 || (size_t)m >= outsz - (size_t)n)
+            return false;
+        n += m;
+    }
     if (s->pg_given != NULL)
         return true;
     const struct {
@@ -411,7 +422,7 @@ int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg)
     if (dev_signals > 0)
         goto interrupted;
 
-    char exports[4096];
+    char exports[8192];
     if (!exports_format(s, exports, sizeof(exports))) {
         dev_err(errstr, sizeof(errstr), "the export lines do not fit in %zu bytes",
                 sizeof(exports));

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import unittest
+import uuid
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -310,6 +311,17 @@ class DevTest(unittest.TestCase):
         values = stack.wait_up()
         self.assertIn("TALLY_PG", values)
         self.assertIn("TALLY_KAFKA_BROKERS", values)
+        # the env file names the registry the workers use, by its absolute path, so that
+        # "another shell" (elsewhere, with only these values) plans with the same tools
+        self.assertEqual(values.get("TALLY_TOOLS"), os.path.realpath(DEMO_TOOLS), values)
+        self.assertIn(f"export TALLY_TOOLS={values['TALLY_TOOLS']}", stack.stdout())
+        shell = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+        shell.update(values)
+        out = subprocess.run([binary("tally"), "compensate", "--run", str(uuid.uuid4()),
+                              "--dry-run"], capture_output=True, text=True, timeout=60,
+                             env=shell, cwd=stack.root)
+        self.assertNotIn("does not load", out.stderr)
+        self.assertNotIn("needs the tool registry", out.stdout + out.stderr)
 
         self.assert_ledger_tables(values["TALLY_PG"])
         self.assert_topics(values["TALLY_KAFKA_BROKERS"], values.get("TALLY_TOPIC_PREFIX",
