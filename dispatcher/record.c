@@ -155,9 +155,9 @@ static bool queue_page(tally_alert_batch_t *alerts, const dispatch_done_t *x)
               "tool '%s' (owner %s) refused tally's credentials with HTTP %s; its calls fail "
               "until they are fixed",
               tool->name, tool->owner ? tool->owner : "unknown", http);
+    /* the effect is FAILED already: what is left to close is the page, not the effect */
     tally_fmt(resolve, sizeof resolve,
-              "tally resolve --effect %s --as failed --reason 'credentials of %s fixed'",
-              call->effect_id, tool->name);
+              "tally resolve --alert %s --reason 'credentials of %s fixed'", key, tool->name);
     json_t *details = json_pack("{s:s}", "owner", tool->owner ? tool->owner : "");
     if (!details)
         return false;

@@ -1,6 +1,7 @@
 """Dispatcher against a misbehaving tool: every DESIGN §6 answer lands in the right state,
 UNKNOWN is never retried blindly, and a lease that was taken over cannot be written."""
 
+import shlex
 import time
 
 from dispatchcase import DispatchCase, main, run_id
@@ -136,7 +137,15 @@ class DispatchFaultsTest(DispatchCase):
         self.assertEqual(ev["type"], "tally.alert.trigger.v1")
         self.assertEqual(ev["data"]["dedup_key"], "auth:charge_card")
         self.assertIn("billing", ev["data"]["summary"])
-        self.assertIn(row["effect_id"], ev["data"]["resolve_command"])
+        # the page's own command closes it, run exactly as given; the effect stays FAILED
+        command = ev["data"]["resolve_command"]
+        argv = shlex.split(command, comments=True)
+        self.assertEqual(argv[:4], ["tally", "resolve", "--alert", "auth:charge_card"], command)
+        closed = self.cli(*argv[1:])
+        self.assertEqual(closed.returncode, 0, closed.stderr)
+        self.assertEqual(self.query("SELECT status FROM alerts"
+                                    " WHERE dedup_key = 'auth:charge_card'"), [("RESOLVED",)])
+        self.assertEqual(self.effect("charge_card", key)["status"], "FAILED")
         self.invariants()
 
     def test_a_taken_over_lease_cannot_write_its_late_result(self):
