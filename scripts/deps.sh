@@ -11,6 +11,8 @@ packages=(
     python3 python3-psycopg2 python3-confluent-kafka python3-jsonschema python3-yaml
     python3-kubernetes systemd
     prometheus
+    # headless Chromium and a font for the web console's browser test (tests/integration/test_console.py)
+    chromium fonts-dejavu-core
     # clang with libFuzzer and its sanitizer runtimes: the fuzz targets (tests/fuzz/)
     clang libfuzzer-14-dev libclang-rt-14-dev
 )
