@@ -232,6 +232,15 @@ static void print_plan(const json_t *plan, bool have_registry)
                      cli_str(ob, "status", "?"));
             cli_field(stdout, 5, 6, "oblig.", line);
         }
+        size_t k;
+        json_t *copy;
+        json_array_foreach(json_object_get(step, "duplicates"), k, copy)
+        {
+            snprintf(line, sizeof line, "%s %s, for the extra copy %s",
+                     cli_str(copy, "obligation_id", "?"), cli_str(copy, "status", "?"),
+                     cli_str(copy, "external_ref", "?"));
+            cli_field(stdout, 5, 6, "dupl.", line);
+        }
     }
     if (json_array_size(plan) == 0)
         printf("  the run has no effects\n");

@@ -248,6 +248,7 @@ static const char SQL_RUN_STATUS[] =
  * compensation obligations. Their CONFIRMED effects without an obligation for their own
  * external ref (an effect confirmed after compensation began) get one, with the reason of the
  * run's first. The states are literals so the partial index runs_compensation_idx serves them. */
+// clang-format off
 #define SQL_SWEEP_CONFIRMED(STATES)                                                                \
     "WITH cand AS ("                                                                               \
     "  SELECT e.effect_id, e.run_id, e.external_ref, e.receipt,"                                   \
@@ -259,8 +260,8 @@ static const char SQL_RUN_STATUS[] =
     "    AND (r.status = 'COMPENSATING' OR EXISTS (SELECT 1 FROM obligations o"                    \
     "      WHERE o.run_id = r.run_id AND o.reason IN ('compensate_run', 'cancel_run')))"           \
     "    AND e.status = 'CONFIRMED'"                                                               \
-    "    AND NOT EXISTS (SELECT 1 FROM obligations o WHERE o.effect_id = e.effect_id"              \
-    "      AND o.external_ref IS NOT DISTINCT FROM e.external_ref)"                                \
+    "    AND NOT EXISTS (SELECT 1 FROM obligations o"                                              \
+    "      WHERE " TALLY_SQL_OWN_OBLIGATION("o", "e") ")"                                          \
     "  ORDER BY e.run_id, e.step_num DESC NULLS FIRST, e.seq DESC"                                 \
     "  LIMIT $1),"                                                                                 \
     " ins AS ("                                                                                    \
@@ -279,6 +280,7 @@ static const char SQL_RUN_STATUS[] =
     " SELECT 'obligation', obligation_id::text, run_id, effect_id::text, reason, external_ref"     \
     " FROM ins"                                                                                    \
     " UNION ALL SELECT 'run', NULL, run_id, NULL, status, NULL FROM ru"
+// clang-format on
 
 /* COMPENSATING and STUCK runs: the ones whose effects may still move. */
 static const char SQL_SWEEP_CONFIRMED_OPEN[] = SQL_SWEEP_CONFIRMED("'COMPENSATING', 'STUCK'");
@@ -294,17 +296,22 @@ static const char SQL_PLAN_RUN[] = "SELECT status FROM runs WHERE run_id = $1";
 static const char SQL_RUN_SUMMARY[] =
     "SELECT summary::text, status_reason FROM runs WHERE run_id = $1 AND summary ? 'counts'";
 
+// clang-format off
 static const char SQL_PLAN_EFFECTS[] =
-    "SELECT e.effect_id::text, e.step, " TALLY_SQL_STEP_IS_NUMBER(
-        "e") ", e.tool, e.effect_class, e.status,"
-             "  e.external_ref, e.receipt->>'version',"
-             "  (SELECT json_agg(json_build_object('obligation_id', o.obligation_id, 'status', "
-             "o.status,"
-             "     'reason', o.reason, 'external_ref', o.external_ref,"
-             "     'approved', o.approved_at IS NOT NULL) ORDER BY o.created_at)"
-             "   FROM obligations o WHERE o.effect_id = e.effect_id)::text"
-             " FROM effects e WHERE e.run_id = $1"
-             " ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC";
+    "SELECT e.effect_id::text, e.step, " TALLY_SQL_STEP_IS_NUMBER("e") ", e.tool, e.effect_class,"
+    "  e.status, e.external_ref, e.receipt->>'version',"
+    "  (SELECT json_build_object('obligation_id', o.obligation_id, 'status', o.status,"
+    "     'reason', o.reason, 'external_ref', o.external_ref,"
+    "     'approved', o.approved_at IS NOT NULL)"
+    "   FROM obligations o WHERE " TALLY_SQL_OWN_OBLIGATION("o", "e") ")::text,"
+    "  (SELECT json_agg(json_build_object('obligation_id', o.obligation_id,"
+    "     'status', o.status, 'reason', o.reason, 'external_ref', o.external_ref)"
+    "     ORDER BY o.created_at)"
+    "   FROM obligations o WHERE o.effect_id = e.effect_id"
+    "     AND NOT " TALLY_SQL_OWN_OBLIGATION("o", "e") ")::text"
+    " FROM effects e WHERE e.run_id = $1"
+    " ORDER BY e.step_num DESC NULLS FIRST, e.seq DESC";
+// clang-format on
 
 static const char SQL_APPROVE[] =
     "UPDATE obligations SET status = $2,"
@@ -916,6 +923,31 @@ static void plan_confirmed(const tally_tool_t *tool, const tally_comp_decision_t
     }
 }
 
+/* After what the compensation does to the effect's own record, what became of the extra
+ * copies a DUPLICATE found: they have obligations of their own, which it does not touch. */
+static void plan_copies(const json_t *copies, char *will, size_t willsz)
+{
+    size_t i;
+    json_t *c;
+    json_array_foreach(copies, i, c)
+    {
+        const char *st = json_string_value(json_object_get(c, "status"));
+        const char *ref = json_string_value(json_object_get(c, "external_ref"));
+        size_t len = strlen(will);
+        if (len + 1 >= willsz) {
+            return;
+        }
+        tally_obligation_state_t os;
+        bool reversed =
+            st != NULL && tally_obligation_state_parse(st, &os) && os == TALLY_OBLIGATION_RESOLVED;
+        snprintf(will + len, willsz - len,
+                 "; the extra copy %s (a DUPLICATE) has its own obligation, %s%s, which this "
+                 "leaves alone",
+                 ref != NULL ? ref : "(no ref)", st != NULL ? st : "?",
+                 reversed ? ": it was reversed already" : "");
+    }
+}
+
 static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, PGresult *res,
                           int row)
 {
@@ -925,21 +957,10 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
     const char *status = PQgetvalue(res, row, 5);
     const char *version = nullable(res, row, 7);
     const tally_tool_t *tool = tally_registry_find(reg, tool_name);
-    json_t *obligations =
-        PQgetisnull(res, row, 8) ? NULL : json_loads(PQgetvalue(res, row, 8), 0, NULL);
-    /* the obligation for the effect's own record is the last one created without a
-     * duplicate's ref; show the first non-terminal one, else the newest */
-    json_t *obl = NULL;
-    size_t i;
-    json_t *o;
-    json_array_foreach(obligations, i, o)
-    {
-        if (!obligation_terminal(json_string_value(json_object_get(o, "status")))) {
-            obl = o;
-            break;
-        }
-        obl = o;
-    }
+    /* the obligation for the effect's own record, which the compensation creates and acts on
+     * (TALLY_SQL_OWN_OBLIGATION), and those of a DUPLICATE's extra copies, told apart */
+    json_t *obl = PQgetisnull(res, row, 8) ? NULL : json_loads(PQgetvalue(res, row, 8), 0, NULL);
+    json_t *copies = PQgetisnull(res, row, 9) ? NULL : json_loads(PQgetvalue(res, row, 9), 0, NULL);
     const char *action = "none";
     char will[512] = "";
     char why[512] = "";
@@ -981,6 +1002,7 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
             }
             snprintf(why, sizeof why, "%s", dec.why);
         }
+        plan_copies(copies, will, sizeof will);
         break;
     }
     case TALLY_EFFECT_DISPATCHING:
@@ -1024,12 +1046,14 @@ static json_t *plan_entry(const tally_registry_t *reg, const tally_runop_t *op, 
     }
 
     json_t *entry = json_pack(
-        "{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:s, s:s, s:s}", "step",
+        "{s:o, s:s, s:s, s:s, s:s?, s:s, s:s?, s:O?, s:o, s:s, s:s, s:s}", "step",
         tally_step_json(PQgetvalue(res, row, 1), PQgetvalue(res, row, 2)[0] == 't'), "effect_id",
         eid, "tool", tool_name, "effect_class", cls_name, "compensation_mode", mode,
-        "effect_status", status, "external_ref", nullable(res, row, 6), "obligation", obl, "action",
-        action, "will", will, "why", why);
-    json_decref(obligations);
+        "effect_status", status, "external_ref", nullable(res, row, 6), "obligation", obl,
+        "duplicates", copies != NULL ? json_incref(copies) : json_array(), "action", action, "will",
+        will, "why", why);
+    json_decref(obl);
+    json_decref(copies);
     return entry;
 }
 

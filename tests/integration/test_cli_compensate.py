@@ -4,8 +4,12 @@ that changes nothing at all, and the real thing — obligations last step first,
 status, the operator's audit event — which asked twice creates nothing new. Effects are
 dispatched by the real tally-dispatcher against tally-fake-tool."""
 
+import urllib.request
+
 from invariants import check_invariants
+from tallytest import wait_for
 from test_cli_status import CliCase, main, run_id
+from test_reconcile_resolve import canonical
 
 
 class CompensateTest(CliCase):
@@ -24,6 +28,68 @@ class CompensateTest(CliCase):
             self.publish(self.intent(run, step, tool, args))
             ids[step] = self.wait_status(tool, key, "CONFIRMED", timeout=30)["effect_id"]
         return run, ids
+
+    def compensator(self):
+        return self.start("tally-compensator", TALLY_FAKE_TOOL_URL=self.fake_url,
+                          BILLING_HMAC_SECRET="whsec_dispatch_tests", TALLY_POLL_MS=200,
+                          TALLY_SWEEP_MS=300)
+
+    def duplicated_charge(self, run):
+        """A charge applied twice upstream (the reconciler keeps the first record, CONFIRMED,
+        and finds the second: DUPLICATE), whose extra copy the compensator has reversed.
+        Needs a dispatcher, a reconciler and a compensator. Returns (effect id, kept record,
+        extra record)."""
+        key = f"charge_card:t1:{run}-p1"
+        args = {"tenant_id": "t1", "payment_id": f"{run}-p1", "amount": 5}
+        self.fault("apply_twice", key=key)
+        req = urllib.request.Request(self.fake_url + "/charges", data=canonical(args).encode(),
+                                     headers={"Idempotency-Key": key}, method="POST")
+        with urllib.request.urlopen(req, timeout=5) as r:
+            self.assertEqual(r.status, 201)
+        self.fault("apply_then_hang", key=key, delay_ms=5000)
+        self.publish(self.intent(run, 1, "charge_card", args))
+        eid = self.wait_status("charge_card", key, "CONFIRMED", timeout=40)["effect_id"]
+        kept, extra = self.records("charges")
+        wait_for(lambda: self.query("SELECT external_ref, status FROM obligations"
+                                    " WHERE effect_id = %s", (eid,))
+                 == [(extra["id"], "RESOLVED")], timeout=40,
+                 what="the duplicate's extra copy to be reversed")
+        return eid, kept, extra
+
+    def test_dry_run_after_a_duplicate_plans_what_the_compensation_does(self):
+        self.dispatcher()
+        self.reconciler()
+        self.compensator()
+        run = run_id()
+        eid, kept, extra = self.duplicated_charge(run)
+        # The plan: the kept record is reversed; the extra copy's obligation (RESOLVED) is not
+        # the one the compensation acts on.
+        rc, doc = self.tally_json("compensate", "--run", run, "--dry-run")
+        self.assertEqual(rc, 0)
+        [step] = doc["plan"]
+        self.assertEqual((step["effect_id"], step["external_ref"], step["action"],
+                          step["obligation"]), (eid, kept["id"], "reverse", None))
+        self.assertEqual([(d["external_ref"], d["status"], d["reason"])
+                          for d in step["duplicates"]], [(extra["id"], "RESOLVED", "duplicate")])
+        self.assertIn("/charges/reverse", step["will"])
+        self.assertNotIn("nothing", step["will"])
+        out = self.tally("compensate", "--run", run, "--dry-run")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("step 1  charge_card  CONFIRMED  → reverse", out.stdout)
+        self.assertNotIn("already RESOLVED", out.stdout)
+        self.assertIn(f"the extra copy {extra['id']} (a DUPLICATE)", " ".join(out.stdout.split()))
+        # The real compensation does what the plan said: it reverses the kept record.
+        out = self.tally("compensate", "--run", run, "--reason", "roll back")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("1 created", out.stdout)
+        wait_for(lambda: self.scalar("SELECT status FROM runs WHERE run_id = %s", (run,))
+                 == "COMPENSATED", timeout=40, what="the run to be compensated")
+        self.assertEqual({r["id"]: r["status"] for r in self.records("charges")},
+                         {kept["id"]: "reversed", extra["id"]: "reversed"})
+        self.assertEqual(self.query("SELECT external_ref, reason, status FROM obligations"
+                                    " WHERE effect_id = %s ORDER BY created_at", (eid,)),
+                         [(extra["id"], "duplicate", "RESOLVED"),
+                          (kept["id"], "compensate_run", "RESOLVED")])
 
     def test_dry_run_prints_each_step_and_changes_nothing(self):
         self.dispatcher()

@@ -24,6 +24,14 @@
 /** SQL: whether a run in status @p COL takes new intents: ACTIVE only. */
 #define TALLY_SQL_RUN_TAKES_INTENTS(COL) "(" COL " = 'ACTIVE')"
 
+/** SQL: obligation @p O is the one for effect @p E's own record — the one a compensation of the
+ * run creates and acts on — and not one for an extra copy a DUPLICATE found (those carry the
+ * copy's external ref). (effect_id, external_ref) is the obligations' unique key, so an effect
+ * has at most one. The compensation, its sweep, its plan and `tally summary` follow this rule. */
+#define TALLY_SQL_OWN_OBLIGATION(O, E)                                                             \
+    "(" O ".effect_id = " E ".effect_id AND " O ".external_ref IS NOT DISTINCT FROM " E            \
+    ".external_ref)"
+
 /* ---- the decision table (pure) -------------------------------------------------------- */
 
 /** @brief What compensating one confirmed effect means (DESIGN §4). */
