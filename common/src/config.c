@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 typedef enum { PARAM_STRING, PARAM_INT, PARAM_SHARE } param_type_t;
@@ -29,20 +30,30 @@ typedef struct param {
     const char *choices;  /**< strings: "a|b|c" of allowed values, or NULL for any */
     const char *def_note; /**< shown instead of an empty default when one is computed */
     const char *help;
+    /** strings: refuses a bad value with the reason in @p why (a sentence without the
+     * variable's name), or NULL for any */
+    bool (*check)(const char *v, char *why, size_t whysz);
 } param_t;
 
 #define STR(field, env, def, choices, note, help)                                                  \
     {                                                                                              \
-        env, PARAM_STRING, offsetof(tally_config_t, field), def, 0, choices, note, help            \
+        env, PARAM_STRING, offsetof(tally_config_t, field), def, 0, choices, note, help, NULL      \
+    }
+/* A string that must pass check() (a URL, ...); empty is always allowed. */
+#define CHECKED(field, env, check, help)                                                           \
+    {                                                                                              \
+        env, PARAM_STRING, offsetof(tally_config_t, field), "", 0, NULL, NULL, help, check         \
     }
 #define INT(field, env, def, min, help)                                                            \
     {                                                                                              \
-        env, PARAM_INT, offsetof(tally_config_t, field), def, min, NULL, NULL, help                \
+        env, PARAM_INT, offsetof(tally_config_t, field), def, min, NULL, NULL, help, NULL          \
     }
 #define SHARE(field, env, def, help)                                                               \
     {                                                                                              \
-        env, PARAM_SHARE, offsetof(tally_config_t, field), def, 0, NULL, NULL, help                \
+        env, PARAM_SHARE, offsetof(tally_config_t, field), def, 0, NULL, NULL, help, NULL          \
     }
+
+static bool check_console_url(const char *v, char *why, size_t whysz);
 
 static const param_t params[] = {
     STR(pg, "TALLY_PG", "", NULL, NULL,
@@ -64,6 +75,9 @@ static const param_t params[] = {
     STR(pager_url, "TALLY_PAGER_URL", "", NULL, NULL,
         "PagerDuty Events API v2 endpoint; empty: alerts only go to the alerts topic"),
     STR(pager_routing_key, "TALLY_PAGER_ROUTING_KEY", "", NULL, NULL, "PagerDuty routing key"),
+    CHECKED(console_url, "TALLY_CONSOLE_URL", check_console_url,
+            "where operators reach `tally console` (https://host/console, behind its proxy): "
+            "every alert and page links to <it>/runs/<run id>; empty: no link"),
     STR(reply_prefix, "TALLY_REPLY_TOPIC_PREFIX", "", NULL, "<TALLY_TOPIC_PREFIX>replies.",
         "reply topics named by intents must start with this (docs/agent-protocol.md)"),
     STR(master_key, "TALLY_MASTER_KEY", "", NULL, NULL,
@@ -116,6 +130,7 @@ static const param_t params[] = {
 };
 
 #undef STR
+#undef CHECKED
 #undef INT
 #undef SHARE
 
@@ -232,6 +247,82 @@ static bool parse_share(const param_t *p, const char *v, double *out, char *errs
     return true;
 }
 
+/* A character RFC 3986 allows in a URI as it is: unreserved, reserved, or '%' of an escape. */
+static bool uri_char(unsigned char c)
+{
+    return isalnum(c) || (c != '\0' && strchr("-._~:/?#[]@!$&'()*+,;=%", c) != NULL);
+}
+
+/* TALLY_CONSOLE_URL starts the link in every alert and page (alert.h), so it must be a URL a
+ * browser opens as written: http(s), a host, printable ASCII that RFC 3986 allows (anything
+ * else percent-encoded), no credentials (the link reaches every pager and chat the page goes
+ * to; sign-on belongs to the proxy in front of the console), and no query or fragment, since
+ * the run's path is appended to it. The value is quoted back only once it is known to be
+ * printable. */
+static bool check_console_url(const char *v, char *why, size_t whysz)
+{
+    size_t n = strlen(v);
+    if (n > TALLY_CONSOLE_URL_MAX) {
+        snprintf(why, whysz, "the URL is %zu bytes, more than the %d a console URL may have", n,
+                 TALLY_CONSOLE_URL_MAX);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)v[i];
+        if (c <= 0x20 || c == 0x7f) {
+            snprintf(why, whysz,
+                     "byte %zu is %s (0x%02x): a URL has no whitespace or control characters",
+                     i + 1, c == ' ' ? "a space" : "a control character", c);
+            return false;
+        }
+        if (c >= 0x80) {
+            snprintf(why, whysz, "byte %zu is not ASCII (0x%02x): percent-encode it (RFC 3986)",
+                     i + 1, c);
+            return false;
+        }
+        if (!uri_char(c)) {
+            snprintf(why, whysz,
+                     "'%c' (byte %zu) may not stand as it is in a URL: percent-encode it "
+                     "(RFC 3986)",
+                     c, i + 1);
+            return false;
+        }
+        if (c == '%' && !(isxdigit((unsigned char)v[i + 1]) && isxdigit((unsigned char)v[i + 2]))) {
+            snprintf(why, whysz,
+                     "the '%%' at byte %zu does not start a percent-encoded byte (%%XX)", i + 1);
+            return false;
+        }
+    }
+    const char *rest = NULL;
+    if (strncasecmp(v, "https://", 8) == 0)
+        rest = v + 8;
+    else if (strncasecmp(v, "http://", 7) == 0)
+        rest = v + 7;
+    if (rest == NULL) {
+        snprintf(why, whysz, "not an http:// or https:// URL: '%s'", v);
+        return false;
+    }
+    size_t authority = strcspn(rest, "/?#");
+    if (authority == 0) {
+        snprintf(why, whysz, "the URL names no host: '%s'", v);
+        return false;
+    }
+    if (memchr(rest, '@', authority) != NULL) {
+        snprintf(why, whysz,
+                 "the URL carries credentials (user@host), which every page would pass on to its "
+                 "readers: leave sign-on to the proxy in front of the console");
+        return false;
+    }
+    if (strpbrk(v, "?#") != NULL) {
+        snprintf(why, whysz,
+                 "the URL has a query or a fragment, but a run's path (/runs/<id>) is appended "
+                 "to it: end it with the console's path: '%s'",
+                 v);
+        return false;
+    }
+    return true;
+}
+
 static bool in_choices(const char *choices, const char *v)
 {
     size_t n = strlen(v);
@@ -254,6 +345,11 @@ static bool set_param(tally_config_t *cfg, const param_t *p, const char *v, char
         return parse_share(p, v, share_field(cfg, p), errstr, errsz);
     if (p->choices != NULL && !in_choices(p->choices, v)) {
         snprintf(errstr, errsz, "%s: '%s' is not one of %s", p->env, v, p->choices);
+        return false;
+    }
+    char why[600];
+    if (p->check != NULL && v[0] != '\0' && !p->check(v, why, sizeof why)) {
+        snprintf(errstr, errsz, "%s: %s", p->env, why);
         return false;
     }
     char *copy = strdup(v);

@@ -8,6 +8,9 @@
 
 #include "tally/error.h"
 
+/** @brief The longest TALLY_CONSOLE_URL, in bytes. */
+#define TALLY_CONSOLE_URL_MAX 512
+
 /** @brief One `TALLY_KAFKA_<property>` passed through to librdkafka. */
 typedef struct tally_kv {
     char *name;  /**< librdkafka property, e.g. "security.protocol" */
@@ -33,6 +36,9 @@ typedef struct tally_config {
     char *consumer_group;    /**< TALLY_CONSUMER_GROUP: default "tally-<worker>" */
     char *pager_url;         /**< TALLY_PAGER_URL: PagerDuty Events API v2 endpoint, or "" */
     char *pager_routing_key; /**< TALLY_PAGER_ROUTING_KEY */
+    char *console_url;       /**< TALLY_CONSOLE_URL: where operators reach `tally console`
+                                  (http:// or https://, checked); every alert and page links to
+                                  <it>/runs/<run id> (alert.h); "" for no link */
     char *reply_prefix;      /**< TALLY_REPLY_TOPIC_PREFIX: reply topics must start with it;
                                   "" means "<topic_prefix>replies." (tally_config_reply_prefix) */
     char *master_key;        /**< TALLY_MASTER_KEY: "ID:BASE64[,ID:BASE64]" master keys (seal.h) */
