@@ -1388,6 +1388,13 @@ static int cmd(verb_t verb, int argc, char **argv, tally_config_t *cfg)
 {
     op_t o = {.verb = verb, .name = VERB_NAMES[verb]};
     int rc = parse(&o, argc, argv);
+    /* the pages these verbs close carry the console link (TALLY_CONSOLE_URL, checked when the
+     * configuration was read), as the workers' pages do */
+    if (rc < 0 && !tally_alert_set_console(cfg->console_url)) {
+        fprintf(stderr, "tally %s: TALLY_CONSOLE_URL is longer than %d bytes\n", o.name,
+                TALLY_CONSOLE_URL_MAX);
+        rc = CLI_EXIT_USAGE;
+    }
     if (rc < 0)
         rc = run_op(&o, cfg);
     json_decref(o.receipt);

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <curl/curl.h>
 
+#include "tally/alert.h"
 #include "tally/backoff.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
@@ -121,6 +122,30 @@ json_t *comp_pager_body(const char *routing_key, const char *action, const char 
     return body;
 }
 
+/* A trigger's link to the console (TALLY_CONSOLE_URL, alert.h), first among its links: PagerDuty
+ * shows "links" on the incident, and client_url as its "View in tally console" button. */
+static bool add_console_link(json_t *body, const char *link, const char *run_id)
+{
+    json_t *links = json_object_get(body, "links");
+    if (links == NULL) {
+        links = json_array();
+        if (links == NULL || json_object_set_new(body, "links", links) != 0) {
+            return false;
+        }
+    }
+    char *queues = tally_alert_console_link(NULL); /* where a page without a run links */
+    char text[300];
+    if (queues == NULL || strcmp(link, queues) == 0)
+        snprintf(text, sizeof text, "tally console: what needs a human");
+    else
+        tally_fmt(text, sizeof text, "run %s in the tally console", run_id);
+    free(queues);
+    json_t *entry = json_pack("{s:s, s:s}", "href", link, "text", text);
+    return entry != NULL && json_array_insert_new(links, 0, entry) == 0 &&
+           json_object_set_new(body, "client", json_string("tally console")) == 0 &&
+           json_object_set_new(body, "client_url", json_string(link)) == 0;
+}
+
 static size_t discard(char *ptr, size_t size, size_t nmemb, void *userdata)
 {
     (void)ptr;
@@ -204,13 +229,22 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
     const char *run_id = col(res, row, 4);
     char source[300];
     snprintf(source, sizeof source, "tally/run/%s", run_id != NULL ? run_id : "-");
+    char *link = resolved ? NULL : tally_alert_console_link(run_id); /* NULL: no console */
     json_t *details =
         json_pack("{s:s?, s:s?, s:s?, s:s?, s:s?, s:s?}", "run_id", run_id, "effect_id",
                   col(res, row, 5), "obligation_id", col(res, row, 6), "reason", col(res, row, 7),
                   "resolve_command", col(res, row, 9), "runbook", col(res, row, 8));
-    json_t *body = comp_pager_body(p->routing_key, action, key, col(res, row, 3), source,
-                                   col(res, row, 2), details, col(res, row, 8));
+    bool ok = details != NULL &&
+              (link == NULL || json_object_set_new(details, "console_url", json_string(link)) == 0);
+    json_t *body = ok ? comp_pager_body(p->routing_key, action, key, col(res, row, 3), source,
+                                        col(res, row, 2), details, col(res, row, 8))
+                      : NULL;
     json_decref(details);
+    if (body != NULL && link != NULL && !add_console_link(body, link, run_id)) {
+        json_decref(body);
+        body = NULL;
+    }
+    free(link);
     char *text = body != NULL ? json_dumps(body, JSON_COMPACT) : NULL;
     json_decref(body);
     pager_outcome_t outcome = PAGER_RETRY;

@@ -11,6 +11,10 @@
 #include "tally/cloudevent.h"
 #include "tally/text.h"
 
+/* TALLY_CONSOLE_URL without its trailing slash, or "": set once at start-up, before any thread
+ * reads it (tally_alert_set_console). */
+static char g_console[TALLY_CONSOLE_URL_MAX + 1];
+
 struct tally_alert_batch {
     json_t *rows; /* array of {n, dedup_key, severity, ..., details}, in the order added */
     bool failed;  /* sticky: an add could not be queued */
@@ -131,7 +135,8 @@ static void reset(tally_alert_batch_t *b)
     b->why[0] = '\0';
 }
 
-/* The event's data: the alert's fields, then its details where they do not collide. */
+/* The event's data: the alert's fields, the console link (when a console is set), then its
+ * details where they do not collide. */
 static json_t *alert_data(const json_t *row, const char *status)
 {
     static const char *const fields[] = {"dedup_key", "severity",  "summary",
@@ -145,6 +150,11 @@ static json_t *alert_data(const json_t *row, const char *status)
     for (size_t i = 0; ok && i < sizeof fields / sizeof fields[0]; i++) {
         json_t *v = json_object_get(row, fields[i]);
         ok = json_object_set(data, fields[i], v ? v : json_null()) == 0;
+    }
+    if (ok && g_console[0] != '\0') {
+        char *link = tally_alert_console_link(json_string_value(json_object_get(row, "run_id")));
+        ok = link != NULL && json_object_set_new(data, "console_url", json_string(link)) == 0;
+        free(link);
     }
     json_t *details = json_object_get(row, "details");
     if (ok && json_is_object(details)) {
@@ -313,6 +323,78 @@ bool tally_alert_resolve(tally_pg_t *pg, const char *const *dedup_keys, size_t n
     }
     PQclear(res);
     return ok;
+}
+
+bool tally_alert_set_console(const char *base_url)
+{
+    size_t n = base_url != NULL ? strlen(base_url) : 0;
+    if (n > TALLY_CONSOLE_URL_MAX) {
+        return false;
+    }
+    if (n > 0 && base_url[n - 1] == '/') {
+        n--;
+    }
+    memcpy(g_console, base_url != NULL ? base_url : "", n);
+    g_console[n] = '\0';
+    return true;
+}
+
+char *tally_alert_url_segment(const char *text)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    size_t n = strlen(text);
+    char *out = malloc(3 * n + 1);
+    if (out == NULL) {
+        return NULL;
+    }
+    size_t o = 0;
+    for (const unsigned char *c = (const unsigned char *)text; *c; c++) {
+        /* unreserved = ALPHA / DIGIT / "-" / "." / "_" / "~" (RFC 3986 §2.3), in ASCII only:
+         * no locale may widen isalnum */
+        bool unreserved = (*c >= 'A' && *c <= 'Z') || (*c >= 'a' && *c <= 'z') ||
+                          (*c >= '0' && *c <= '9') || *c == '-' || *c == '.' || *c == '_' ||
+                          *c == '~';
+        if (unreserved) {
+            out[o++] = (char)*c;
+        } else {
+            out[o++] = '%';
+            out[o++] = hex[*c >> 4];
+            out[o++] = hex[*c & 0x0F];
+        }
+    }
+    out[o] = '\0';
+    return out;
+}
+
+char *tally_alert_link(const char *base, const char *run_id)
+{
+    if (base == NULL || base[0] == '\0') {
+        return NULL;
+    }
+    size_t n = strlen(base);
+    if (base[n - 1] == '/') {
+        n--;
+    }
+    bool no_run = run_id == NULL || run_id[0] == '\0' || strcmp(run_id, ".") == 0 ||
+                  strcmp(run_id, "..") == 0;
+    char *segment = no_run ? NULL : tally_alert_url_segment(run_id);
+    if (!no_run && segment == NULL) {
+        return NULL;
+    }
+    const char *path = no_run ? "/queues" : "/runs/";
+    size_t len = n + strlen(path) + (segment != NULL ? strlen(segment) : 0);
+    char *out = malloc(len + 1);
+    if (out != NULL) {
+        memcpy(out, base, n);
+        snprintf(out + n, len + 1 - n, "%s%s", path, segment != NULL ? segment : "");
+    }
+    free(segment);
+    return out;
+}
+
+char *tally_alert_console_link(const char *run_id)
+{
+    return tally_alert_link(g_console, run_id);
 }
 
 static char *format(const char *fmt, const char *a, const char *b)

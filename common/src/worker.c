@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/alert.h"
 #include "tally/crashpoint.h"
 #include "tally/httpd.h"
 #include "tally/kafka.h"
@@ -410,6 +411,12 @@ static int setup_config(tally_worker_t *w, int argc, char **argv)
         snprintf(w->id, sizeof w->id, "%s", w->cfg->worker_id);
     }
     tally_log_init(w->ops->name, w->id, level);
+    /* every alert this worker raises, and every page it sends, links to the console */
+    if (!tally_alert_set_console(w->cfg->console_url)) {
+        TALLY_ERROR("invalid configuration: TALLY_CONSOLE_URL is longer than %d bytes",
+                    TALLY_CONSOLE_URL_MAX);
+        return 2;
+    }
     if (w->cfg->poll_ms <= 0) {
         TALLY_ERROR("invalid configuration: TALLY_POLL_MS must be positive, not %d",
                     w->cfg->poll_ms);

@@ -8,6 +8,7 @@
 #include <jansson.h>
 
 #include "tally/audit.h"
+#include "tally/config.h"
 #include "tally/error.h"
 #include "tally/outbox.h"
 #include "tally/pg.h"
@@ -51,7 +52,9 @@ size_t tally_alert_batch_len(const tally_alert_batch_t *b);
  * this opened or re-opened, and only for those, queue a tally.alert.trigger.v1 CloudEvent from
  * @p source on @p ob (topic "alerts", key run_id) and an audit event of kind "alert" by
  * @p actor on @p ab; the caller flushes both in the same transaction. A retry of a page that
- * is already open therefore publishes nothing. Empties the batch.
+ * is already open therefore publishes nothing. The event's data holds the alert's fields,
+ * "console_url" when a console is set (tally_alert_set_console), then the details' fields that
+ * do not collide with those. Empties the batch.
  * @param n_opened when not NULL, receives the number of pages opened or re-opened.
  */
 bool tally_alert_batch_flush(tally_alert_batch_t *b, tally_pg_t *pg, const char *actor,
@@ -63,14 +66,43 @@ void tally_alert_batch_free(tally_alert_batch_t *b);
 /**
  * @brief Resolve the TRIGGERED pages among @p dedup_keys (one statement): status RESOLVED,
  * resolved_at now(), pager_state back to 'pending' so the pager sends the resolve. For each,
- * queue a tally.alert.resolve.v1 CloudEvent with the same dedup key on @p ob and an audit
- * event of kind "alert" with @p reason on @p ab. Keys that are unknown or already resolved
- * are skipped.
+ * queue a tally.alert.resolve.v1 CloudEvent with the same dedup key (and console link) on
+ * @p ob and an audit event of kind "alert" with @p reason on @p ab. Keys that are unknown or
+ * already resolved are skipped.
  * @param n_resolved when not NULL, receives the number of pages resolved.
  */
 bool tally_alert_resolve(tally_pg_t *pg, const char *const *dedup_keys, size_t n, const char *actor,
                          const char *source, const char *reason, tally_outbox_batch_t *ob,
                          tally_audit_batch_t *ab, size_t *n_resolved, tally_error_t *err) TALLY_WUR;
+
+/**
+ * @brief Where operators reach the web console (TALLY_CONSOLE_URL, checked by config.c), for
+ * every alert this process raises or resolves and every page it sends: each then carries the
+ * link tally_alert_link() makes. NULL or "" sets none, and alerts carry no link. Process-wide,
+ * like the log's settings: set it once at start-up, before any thread raises or sends an alert
+ * (tally_worker_main does, and the CLI verbs that close pages: resolve, approve, deny).
+ * @returns false, setting nothing, when @p base_url is longer than TALLY_CONSOLE_URL_MAX.
+ */
+bool tally_alert_set_console(const char *base_url) TALLY_WUR;
+
+/**
+ * @brief The console link of a page about run @p run_id: "<base>/runs/<run id>", the run id
+ * percent-encoded as one path segment (tally_alert_url_segment), @p base without one trailing
+ * slash. A page that names no run links to "<base>/queues" (what needs a human), and so does
+ * one whose run id is "." or ".." (a browser reads such a segment as a step up the path,
+ * percent-encoded or not, so no /runs/ link can reach that run).
+ * @returns a malloc'd string; NULL when @p base is NULL or "" (no console), or out of memory.
+ */
+char *tally_alert_link(const char *base, const char *run_id) TALLY_WUR;
+
+/** @brief tally_alert_link() with the base of tally_alert_set_console(): NULL when none is set
+ * (or out of memory). Malloc'd. */
+char *tally_alert_console_link(const char *run_id) TALLY_WUR;
+
+/** @brief @p text as one URI path segment (RFC 3986 §2): the unreserved characters (ALPHA,
+ * DIGIT, "-", ".", "_", "~") as they are, every other byte as %XX, upper-case hex (a UTF-8
+ * character is one escape per byte). Malloc'd; NULL on OOM. */
+char *tally_alert_url_segment(const char *text) TALLY_WUR;
 
 /** @brief The dedup key of the page for a STUCK effect: "effect:<id>". Malloc'd; NULL on OOM. */
 char *tally_alert_effect_key(const char *effect_id) TALLY_WUR;
