@@ -250,7 +250,14 @@ class ReadmeExamples(unittest.TestCase):
                           lambda d: d.__setitem__("type", "tally.run.finished.v1")],
             "obligation": [lambda d: d["data"].__setitem__("reason", "whim")],
             "alert": [lambda d: (d["data"].pop("effect_id"), d["data"].pop("obligation_id")),
-                      lambda d: d["data"].pop("resolve_command")],
+                      lambda d: d["data"].pop("resolve_command"),
+                      # the console link: an http(s) URL to a run or to the queues, nothing else
+                      lambda d: d["data"].__setitem__("console_url", "javascript:alert(1)"),
+                      lambda d: d["data"].__setitem__("console_url", None),
+                      lambda d: d["data"].__setitem__(
+                          "console_url", "https://tally.example.com/console/runs/a/b"),
+                      lambda d: d["data"].__setitem__(
+                          "console_url", "https://tally.example.com/console/runs/a b")],
             "dlq": [lambda d: d["data"].__setitem__("original_base64", "e30="),
                     lambda d: d["data"].pop("original"),
                     lambda d: d["data"].__setitem__("reason", "bad_vibes")],
