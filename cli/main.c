@@ -13,6 +13,7 @@
 #include <librdkafka/rdkafka.h>
 
 #include "cli.h"
+#include "console.h"
 #include "tally/config.h"
 #include "tally/log.h"
 
@@ -34,6 +35,7 @@ static const cli_verb_t verbs[] = {
      "publish an intent (or compensate/cancel/complete a run) and wait for its answer"},
     {"status", tally_cmd_status,
      "what needs a human: STUCK, aging UNKNOWN, approvals, alerts, counts"},
+    {"console", tally_cmd_console, "serve the read-only web console: runs, timelines, queues"},
     {"doctor", tally_cmd_doctor, "one run's whole timeline, effects, obligations and alerts"},
     {"verify", tally_cmd_verify, "the ledger's invariants, and with --tools the tools' records"},
     {"summary", tally_cmd_summary, "one run's compensation summary"},
