@@ -17,20 +17,21 @@ typedef int (*tally_cmd_fn)(int argc, char **argv, tally_config_t *cfg);
 
 int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg); /* cmd_migrate.c */
 int tally_cmd_tools(int argc, char **argv, tally_config_t *cfg); /* cmd_tools.c: tools check FILE */
-int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg);    /* cmd_publish.c */
-int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);        /* cmd_dev.c, dev.h */
-int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);     /* main.c */
-int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);     /* cmd_status.c */
-int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);     /* cmd_doctor.c */
-int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg);    /* cmd_doctor.c */
-int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg);    /* cmd_resolve.c */
-int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg);    /* cmd_resolve.c */
-int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg);       /* cmd_resolve.c */
-int tally_cmd_compensate(int argc, char **argv, tally_config_t *cfg); /* cmd_run.c */
-int tally_cmd_cancel(int argc, char **argv, tally_config_t *cfg);     /* cmd_run.c */
-int tally_cmd_forget(int argc, char **argv, tally_config_t *cfg);     /* cmd_forget.c */
-int tally_cmd_prune(int argc, char **argv, tally_config_t *cfg);      /* cmd_prune.c */
-int tally_cmd_verify(int argc, char **argv, tally_config_t *cfg);     /* cmd_verify.c */
+int tally_cmd_publish(int argc, char **argv, tally_config_t *cfg);     /* cmd_publish.c */
+int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);         /* cmd_dev.c, dev.h */
+int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);      /* main.c */
+int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);      /* cmd_status.c */
+int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);      /* cmd_doctor.c */
+int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg);     /* cmd_doctor.c */
+int tally_cmd_run_summary(int argc, char **argv, tally_config_t *cfg); /* cmd_summary.c */
+int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg);     /* cmd_resolve.c */
+int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg);     /* cmd_resolve.c */
+int tally_cmd_deny(int argc, char **argv, tally_config_t *cfg);        /* cmd_resolve.c */
+int tally_cmd_compensate(int argc, char **argv, tally_config_t *cfg);  /* cmd_run.c */
+int tally_cmd_cancel(int argc, char **argv, tally_config_t *cfg);      /* cmd_run.c */
+int tally_cmd_forget(int argc, char **argv, tally_config_t *cfg);      /* cmd_forget.c */
+int tally_cmd_prune(int argc, char **argv, tally_config_t *cfg);       /* cmd_prune.c */
+int tally_cmd_verify(int argc, char **argv, tally_config_t *cfg);      /* cmd_verify.c */
 
 /** The OS user, for --actor defaults. Never NULL. */
 const char *tally_cli_default_actor(void);

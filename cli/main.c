@@ -38,7 +38,7 @@ static const cli_verb_t verbs[] = {
     {"console", tally_cmd_console, "serve the read-only web console: runs, timelines, queues"},
     {"doctor", tally_cmd_doctor, "one run's whole timeline, effects, obligations and alerts"},
     {"verify", tally_cmd_verify, "the ledger's invariants, and with --tools the tools' records"},
-    {"summary", tally_cmd_summary, "one run's compensation summary"},
+    {"summary", tally_cmd_run_summary, "one run's compensation summary"},
     {"resolve", tally_cmd_resolve, "settle an UNKNOWN/STUCK effect or obligation, or a finding"},
     {"approve", tally_cmd_approve, "release an effect or obligation awaiting approval"},
     {"deny", tally_cmd_deny, "reject an effect or obligation awaiting approval"},

@@ -18,6 +18,12 @@ static const char *const LIST_NAMES[TALLY_RUNSUM__COUNT] = {
 
 const char *tally_runsum_list_name(tally_runsum_list_t l)
 {
+    if ((int)l == (int)TALLY_RUNSUM_DONE) {
+        return "done";
+    }
+    if ((int)l == (int)TALLY_RUNSUM_DUPLICATES) {
+        return "duplicates";
+    }
     return (int)l >= 0 && l < TALLY_RUNSUM__COUNT ? LIST_NAMES[l] : "unknown";
 }
 
@@ -54,6 +60,10 @@ tally_runsum_kind_t tally_runsum_classify(tally_runsum_view_t view,
     case TALLY_EFFECT_STUCK:
         return TALLY_RUNSUM_EFFECT_STUCK;
     case TALLY_EFFECT_CONFIRMED:
+        if (view == TALLY_RUNSUM_UNCOMPENSATED) {
+            return TALLY_RUNSUM_STANDS;
+        }
+        return settled ? TALLY_RUNSUM_NO_OBLIGATION : TALLY_RUNSUM_NO_OBLIGATION_YET;
     case TALLY_EFFECT_DISPATCHING:
     case TALLY_EFFECT_UNKNOWN:
         return settled ? TALLY_RUNSUM_NO_OBLIGATION : TALLY_RUNSUM_NO_OBLIGATION_YET;
@@ -86,6 +96,8 @@ tally_runsum_list_t tally_runsum_kind_list(tally_runsum_kind_t k)
     case TALLY_RUNSUM_UNDER_WAY:
     case TALLY_RUNSUM_NO_OBLIGATION_YET:
         return TALLY_RUNSUM_PENDING;
+    case TALLY_RUNSUM_STANDS:
+        return TALLY_RUNSUM_DONE;
     }
     return TALLY_RUNSUM_FAILED;
 }
@@ -226,6 +238,28 @@ static void obligation_action(tally_runsum_view_t view, const json_t *item, char
               runbook != NULL ? runbook : "", cmd);
 }
 
+/* Whether the item is the obligation of an extra copy a DUPLICATE found (reconciler), not one
+ * that compensates the effect's own record. */
+static bool is_copy(const json_t *item)
+{
+    const char *reason = str(item, "obligation_reason");
+    return reason != NULL && strcmp(reason, "duplicate") == 0;
+}
+
+/* What became of an extra copy, and what that means for the record the effect kept. */
+static void copy_reason(tally_runsum_view_t view, const json_t *item, const char *what, char *out,
+                        size_t outsz)
+{
+    const char *kept = str(item, "kept_ref");
+    tally_fmt(out, outsz,
+              "the effect was applied twice upstream (DUPLICATE): this extra copy %s; the kept "
+              "record%s%s %s",
+              what, kept != NULL ? " " : "", kept != NULL ? kept : "",
+              view == TALLY_RUNSUM_UNCOMPENSATED
+                  ? "still stands: it is not compensated (no compensation was asked for this run)"
+                  : "has its own entry");
+}
+
 /* The kind's own fields, after the ones every entry carries. */
 static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, const json_t *item,
                  const tally_effect_state_t *effect)
@@ -235,12 +269,24 @@ static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, 
     char text[1024];
     switch (kind) {
     case TALLY_RUNSUM_REVERSED:
+        if (is_copy(item)) {
+            copy_reason(view, item, "was reversed", text, sizeof text);
+            return set_copy(e, "reverse_receipt", json_object_get(item, "reverse_receipt")) &&
+                   set_text(e, "reason", text);
+        }
         return set_copy(e, "reverse_receipt", json_object_get(item, "reverse_receipt")) &&
                set_copy(e, "reason", json_object_get(item, "status_reason"));
     case TALLY_RUNSUM_IRREVERSIBLE:
         return set_copy(e, "blast_radius", json_object_get(item, "blast_radius")) &&
                set_copy(e, "reason", json_object_get(item, "status_reason"));
     case TALLY_RUNSUM_NOTHING_TO_UNDO:
+        if (is_copy(item)) {
+            char what[512];
+            tally_fmt(what, sizeof what, "was not reversed (%s: %s)", ob_status,
+                      str_or(item, "status_reason", "nothing to undo"));
+            copy_reason(view, item, what, text, sizeof text);
+            return set_text(e, "reason", text);
+        }
         return set_text(e, "reason", str_or(item, "status_reason", ob_status));
     case TALLY_RUNSUM_OBLIGATION_STUCK:
     case TALLY_RUNSUM_BLOCKED: {
@@ -288,6 +334,11 @@ static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, 
     case TALLY_RUNSUM_NEVER_APPLIED:
         never_applied_why(effect, effect_status, text, sizeof text);
         return set_text(e, "reason", text);
+    case TALLY_RUNSUM_STANDS:
+        return set_text(e, "status", effect_status) &&
+               set_text(e, "reason",
+                        "it happened and stands: no compensation was asked for this "
+                        "run, so it is not compensated");
     }
     return false;
 }
@@ -313,8 +364,13 @@ json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_r
               set(e, "step", step_json(item)) &&
               set_copy(e, "tool", json_object_get(item, "tool")) &&
               set_copy(e, "obligation_id", json_object_get(item, "obligation_id")) &&
-              set_copy(e, "external_ref", json_object_get(item, "external_ref")) &&
-              fill(e, kind, view, item, effect_known ? &effect : NULL);
+              set_copy(e, "external_ref", json_object_get(item, "external_ref"));
+    if (ok && is_copy(item)) {
+        ok = set(e, "duplicate_copy", json_true());
+    }
+    if (ok) {
+        ok = fill(e, kind, view, item, effect_known ? &effect : NULL);
+    }
     if (!ok) {
         json_decref(e);
         return NULL;
@@ -322,8 +378,9 @@ json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_r
     return e;
 }
 
-bool tally_runsum_sort(tally_runsum_view_t view, const json_t *items,
-                       json_t *const lists[TALLY_RUNSUM__COUNT])
+/* Sort into @p n_lists lists: five, or TALLY_RUNSUM__ALL. */
+static bool sort_into(tally_runsum_view_t view, const json_t *items, json_t *const *lists,
+                      int n_lists)
 {
     size_t i;
     json_t *item;
@@ -331,11 +388,32 @@ bool tally_runsum_sort(tally_runsum_view_t view, const json_t *items,
     {
         tally_runsum_list_t list;
         json_t *e = tally_runsum_entry(view, item, &list);
+        bool settled_copy =
+            is_copy(item) && (list == TALLY_RUNSUM_COMPENSATED || list == TALLY_RUNSUM_SKIPPED ||
+                              list == TALLY_RUNSUM_UNCOMPENSATABLE);
+        if (n_lists == TALLY_RUNSUM__ALL && settled_copy && view != TALLY_RUNSUM_SETTLED) {
+            list = TALLY_RUNSUM_DUPLICATES;
+        }
+        if ((int)list >= n_lists) {
+            list = TALLY_RUNSUM_PENDING; /* what stands, in five lists: no obligation yet */
+        }
         if (e == NULL || json_array_append_new(lists[list], e) != 0) {
             return false;
         }
     }
     return true;
+}
+
+bool tally_runsum_sort(tally_runsum_view_t view, const json_t *items,
+                       json_t *const lists[TALLY_RUNSUM__COUNT])
+{
+    return sort_into(view, items, lists, TALLY_RUNSUM__COUNT);
+}
+
+bool tally_runsum_sort_all(tally_runsum_view_t view, const json_t *items,
+                           json_t *const lists[TALLY_RUNSUM__ALL])
+{
+    return sort_into(view, items, lists, TALLY_RUNSUM__ALL);
 }
 
 json_t *tally_runsum_settled(const char *run_id, const char *reason, const json_t *items,

@@ -78,6 +78,29 @@ class CompensateTest(CliCase):
         self.assertIn("step 1  charge_card  CONFIRMED  → reverse", out.stdout)
         self.assertNotIn("already RESOLVED", out.stdout)
         self.assertIn(f"the extra copy {extra['id']} (a DUPLICATE)", " ".join(out.stdout.split()))
+        # The summary of the run, never compensated, says what happened: the extra copy was
+        # reversed as a duplicate; the kept record stands, done and not compensated.
+        rc, doc = self.tally_json("summary", "--run", run)
+        self.assertEqual((rc, doc["source"], doc["run_status"]), (0, "ledger", "ACTIVE"))
+        self.assertEqual((doc["compensated"], doc["pending"]), ([], []))
+        [done] = doc["done"]
+        self.assertEqual((done["effect_id"], done["external_ref"], done["status"]),
+                         (eid, kept["id"], "CONFIRMED"))
+        self.assertIn("not compensated", done["reason"])
+        [copy] = doc["duplicates"]
+        self.assertEqual((copy["effect_id"], copy["external_ref"], copy["duplicate_copy"]),
+                         (eid, extra["id"], True))
+        self.assertIn(f"the kept record {kept['id']} still stands", copy["reason"])
+        self.assertEqual(doc["effects"], {"total": 1, "settled": 1})
+        out = self.tally("summary", "--run", run)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn("✓ compensated:", out.stdout)
+        self.assertIn(f"run {run}: ACTIVE · its 1 effect settled", out.stdout)
+        self.assertIn("✓ done and standing: not compensated: 1", out.stdout)
+        self.assertIn("step 1  charge_card  extra copy (DUPLICATE)", out.stdout)
+        self.assertIn("was reversed", out.stdout)
+        for line in out.stdout.splitlines():
+            self.assertLessEqual(len(line), 80, line)
         # The real compensation does what the plan said: it reverses the kept record.
         out = self.tally("compensate", "--run", run, "--reason", "roll back")
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -90,6 +113,11 @@ class CompensateTest(CliCase):
                                     " WHERE effect_id = %s ORDER BY created_at", (eid,)),
                          [(extra["id"], "duplicate", "RESOLVED"),
                           (kept["id"], "compensate_run", "RESOLVED")])
+        # Its summary, the compensator's: the kept record compensated, the copy apart.
+        rc, doc = self.tally_json("summary", "--run", run)
+        self.assertEqual((rc, doc["source"]), (0, "compensator"))
+        self.assertEqual([e["external_ref"] for e in doc["compensated"]], [kept["id"]])
+        self.assertEqual([e["external_ref"] for e in doc["duplicates"]], [extra["id"]])
 
     def test_dry_run_prints_each_step_and_changes_nothing(self):
         self.dispatcher()

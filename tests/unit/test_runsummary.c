@@ -387,6 +387,54 @@ static void test_views_differ_only_where_the_run_is_unfinished(void **state)
     json_decref(items);
 }
 
+/* A run no compensation was asked for, after a DUPLICATE: the extra copy was reversed on its
+ * own obligation; the kept record stands, done and not compensated; nothing is in progress. */
+static void test_uncompensated_run_after_a_duplicate(void **state)
+{
+    (void)state;
+    json_t *items = load("[{\"effect_id\":\"e1\",\"step\":\"1\",\"step_is_number\":true,"
+                         "\"tool\":\"charge_card\",\"effect_status\":\"CONFIRMED\","
+                         "\"external_ref\":\"ch_1\",\"kept_ref\":\"ch_1\"},"
+                         "{\"effect_id\":\"e1\",\"step\":\"1\",\"step_is_number\":true,"
+                         "\"tool\":\"charge_card\",\"effect_status\":\"CONFIRMED\","
+                         "\"external_ref\":\"ch_2\",\"kept_ref\":\"ch_1\","
+                         "\"obligation_id\":\"o1\",\"obligation_status\":\"RESOLVED\","
+                         "\"obligation_reason\":\"duplicate\",\"reverse_receipt\":{\"id\":"
+                         "\"rev_1\"}}]");
+    json_t *lists[TALLY_RUNSUM__ALL];
+    for (int l = 0; l < TALLY_RUNSUM__ALL; l++) {
+        lists[l] = json_array();
+    }
+    assert_true(tally_runsum_sort_all(TALLY_RUNSUM_UNCOMPENSATED, items, lists));
+    assert_int_equal(json_array_size(lists[TALLY_RUNSUM_COMPENSATED]), 0);
+    assert_int_equal(json_array_size(lists[TALLY_RUNSUM_PENDING]), 0);
+    json_t *done = lists[TALLY_RUNSUM_DONE], *copies = lists[TALLY_RUNSUM_DUPLICATES];
+    assert_int_equal(json_array_size(done), 1);
+    assert_string_equal(field(done, 0, "external_ref"), "ch_1");
+    assert_string_equal(field(done, 0, "status"), "CONFIRMED");
+    assert_non_null(strstr(field(done, 0, "reason"), "not compensated"));
+    assert_int_equal(json_array_size(copies), 1);
+    assert_string_equal(field(copies, 0, "external_ref"), "ch_2");
+    assert_true(json_is_true(json_object_get(json_array_get(copies, 0), "duplicate_copy")));
+    assert_non_null(strstr(field(copies, 0, "reason"), "this extra copy was reversed; the kept "
+                                                       "record ch_1 still stands"));
+    for (int l = 0; l < TALLY_RUNSUM__ALL; l++) {
+        json_decref(lists[l]);
+    }
+    assert_string_equal(tally_runsum_list_name(TALLY_RUNSUM_DONE), "done");
+    assert_string_equal(tally_runsum_list_name(TALLY_RUNSUM_DUPLICATES), "duplicates");
+
+    /* the compensator's summary keeps its four lists: the copy counts as compensated, marked */
+    tally_run_state_t status;
+    json_t *s = tally_runsum_settled("run-d", NULL, items, &status);
+    json_t *c = json_object_get(s, "compensated");
+    assert_int_equal(json_array_size(c), 1);
+    assert_true(json_is_true(json_object_get(json_array_get(c, 0), "duplicate_copy")));
+    assert_null(json_object_get(s, "duplicates"));
+    json_decref(s);
+    json_decref(items);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -398,6 +446,7 @@ int main(void)
         cmocka_unit_test(test_summary_compensated_and_stuck_effect),
         cmocka_unit_test(test_live_view_of_a_run_under_way),
         cmocka_unit_test(test_views_differ_only_where_the_run_is_unfinished),
+        cmocka_unit_test(test_uncompensated_run_after_a_duplicate),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -22,11 +22,21 @@ typedef enum {
     TALLY_RUNSUM_UNCOMPENSATABLE, /**< cannot be undone: with the blast radius */
     TALLY_RUNSUM_SKIPPED,         /**< nothing to undo: with the reason */
     TALLY_RUNSUM_FAILED,          /**< STUCK or held behind a STUCK step: a human acts */
-    TALLY_RUNSUM_PENDING,         /**< still under way (the LIVE view only) */
+    TALLY_RUNSUM_PENDING,         /**< still under way (the LIVE views only) */
     TALLY_RUNSUM__COUNT
 } tally_runsum_list_t;
 
-/** @brief "compensated", "uncompensatable", "skipped", "failed", "pending": the list's key. */
+/** Two more lists, which only `tally summary` shows (tally_runsum_sort_all): the summary the
+ * compensator writes and tally_runsum_sort keep to the five above. */
+/** happened and stands: a CONFIRMED effect of a run no compensation was asked for */
+#define TALLY_RUNSUM_DONE ((tally_runsum_list_t)TALLY_RUNSUM__COUNT)
+/** an extra copy a DUPLICATE found, settled by its own obligation (reversed, mostly): not a
+ * compensation of the run (tally_runsum_sort lists it by its state, "duplicate_copy": true) */
+#define TALLY_RUNSUM_DUPLICATES ((tally_runsum_list_t)(TALLY_RUNSUM__COUNT + 1))
+#define TALLY_RUNSUM__ALL       (TALLY_RUNSUM__COUNT + 2)
+
+/** @brief "compensated", "uncompensatable", "skipped", "failed", "pending", "done",
+ * "duplicates": the list's key. */
 const char *tally_runsum_list_name(tally_runsum_list_t l);
 
 /** Who reads the run, which decides what an unfinished item means. */
@@ -38,6 +48,10 @@ typedef enum {
     /** `tally summary`, at any time: obligations under way and confirmed or in-flight effects
      * without one yet are pending. Action texts end with the commands to copy. */
     TALLY_RUNSUM_LIVE,
+    /** `tally summary` of a run no compensation was asked for (ACTIVE, COMPLETING, COMPLETED,
+     * CANCELLED): as LIVE, but what is CONFIRMED happened and stands: done, not pending (the
+     * TALLY_RUNSUM_DONE list: tally_runsum_sort_all only). */
+    TALLY_RUNSUM_UNCOMPENSATED,
 } tally_runsum_view_t;
 
 /** What one item (an obligation, or an effect without one) is. */
@@ -52,6 +66,7 @@ typedef enum {
     TALLY_RUNSUM_NO_OBLIGATION_YET, /**< LIVE: CONFIRMED, DISPATCHING or UNKNOWN, no obligation */
     TALLY_RUNSUM_NO_OBLIGATION,     /**< SETTLED: the same, and none will come: skipped */
     TALLY_RUNSUM_NEVER_APPLIED,     /**< no obligation, the effect did not or will not happen */
+    TALLY_RUNSUM_STANDS, /**< UNCOMPENSATED: CONFIRMED, no obligation: done, not compensated */
 } tally_runsum_kind_t;
 
 /**
@@ -68,6 +83,8 @@ typedef enum {
  * | no obligation, effect STUCK                 | EFFECT_STUCK           | EFFECT_STUCK        |
  * | no obligation, CONFIRMED, DISPATCHING, UNK. | NO_OBLIGATION          | NO_OBLIGATION_YET   |
  * | no obligation, any other or unknown state   | NEVER_APPLIED          | NEVER_APPLIED       |
+ *
+ * UNCOMPENSATED is LIVE but for a CONFIRMED effect without an obligation: STANDS.
  */
 tally_runsum_kind_t tally_runsum_classify(tally_runsum_view_t view,
                                           const tally_obligation_state_t *ob,
@@ -85,7 +102,12 @@ tally_runsum_list_t tally_runsum_kind_list(tally_runsum_kind_t k);
  * "step_is_number", "tool", "effect_status", "effect_error" ({code, message} or null),
  * "receipt", "external_ref", "obligation_id", "obligation_status" (absent or null: none),
  * "status_reason", "error_code", "error_message", "reverse_receipt", "blast_radius",
- * "attempts", and for the SETTLED view "runbook" and "resolve_command" (the page's). Borrowed.
+ * "attempts", and for the SETTLED view "runbook" and "resolve_command" (the page's); optional
+ * "obligation_reason" and "kept_ref" (the effect's own external ref). Borrowed.
+ *
+ * Beyond the table: an obligation of a "duplicate" is an extra copy's, not a compensation of
+ * the effect: its entry says so ("duplicate_copy": true, and what became of the copy and of the
+ * kept record), and once settled it goes to the duplicates list in the LIVE views.
  * @param list receives the list the entry goes to.
  * @returns a new reference, or NULL when out of memory.
  */
@@ -98,6 +120,15 @@ json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_r
  */
 bool tally_runsum_sort(tally_runsum_view_t view, const json_t *items,
                        json_t *const lists[TALLY_RUNSUM__COUNT]);
+
+/**
+ * @brief tally_runsum_sort into all TALLY_RUNSUM__ALL lists: the settled extra copies of a
+ * DUPLICATE go to TALLY_RUNSUM_DUPLICATES, and with the UNCOMPENSATED view what stands to
+ * TALLY_RUNSUM_DONE. (tally_runsum_sort, with five lists, keeps the copies in their state's list
+ * and counts what stands as pending.)
+ */
+bool tally_runsum_sort_all(tally_runsum_view_t view, const json_t *items,
+                           json_t *const lists[TALLY_RUNSUM__ALL]);
 
 /** @brief A settled run's outcome: STUCK when something failed, PARTIALLY_COMPENSATED when
  * something cannot be undone, else COMPENSATED. */
