@@ -387,8 +387,8 @@ static void print_alerts(const json_t *items, long long total)
         char age[32];
         cli_age(cli_num(it, "age_s", 0), age, sizeof age);
         char line[512];
-        snprintf(line, sizeof line, "%s %s  %s  open %s, pager %s", CLI_SYM_WARN,
-                 cli_str(it, "severity", "?"), cli_str(it, "dedup_key", "?"), age,
+        snprintf(line, sizeof line, "%s %s  %s  open" CLI_NBSP "%s, pager" CLI_NBSP "%s",
+                 CLI_SYM_WARN, cli_str(it, "severity", "?"), cli_str(it, "dedup_key", "?"), age,
                  cli_str(it, "pager_state", "?"));
         printf("  ");
         cli_wrap(stdout, line, 2, 4);

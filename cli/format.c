@@ -1,7 +1,8 @@
-/* format.c — the PostgreSQL session, JSON results and 80-column output the
+/* format.c — the PostgreSQL session, JSON results and terminal-width output the
  * operator verbs share. Widths are counted in UTF-8 code points: tally's own
  * symbols (✓ ⚠ ○ ✗ … →) are one column each, and text from the ledger is cut or
- * wrapped, never split inside a sequence. */
+ * wrapped, never split inside a sequence; wrapping breaks only between words, so an
+ * id, a key, a ref or a URL can always be copied whole. */
 #include "format.h"
 
 #include <ctype.h>
@@ -9,6 +10,8 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "tally/json.h"
@@ -114,10 +117,9 @@ static const struct {
     size_t limit;
     bool words;
 } TEXT_FLAGS[] = {
-    {"--reason", TALLY_LIMIT_REASON, true},
-    {"--actor", TALLY_LIMIT_ACTOR, true},
-    {"--run", TALLY_LIMIT_RUN_ID, false},
-    {"--ref", TALLY_LIMIT_EXTERNAL_REF, false},
+    {"--reason", TALLY_LIMIT_REASON, true},      {"--actor", TALLY_LIMIT_ACTOR, true},
+    {"--run", TALLY_LIMIT_RUN_ID, false},        {"--ref", TALLY_LIMIT_EXTERNAL_REF, false},
+    {"--key", TALLY_LIMIT_OPERATION_KEY, false},
 };
 
 bool cli_check_text(const char *verb, const char *flag, const char *value)
@@ -229,10 +231,10 @@ bool cli_check_decision(const char *verb, const char *reason, bool reason_requir
 
 bool cli_print_json(const json_t *doc)
 {
-    if (json_dumpf(doc, stdout, JSON_INDENT(2) | JSON_ENCODE_ANY | JSON_PRESERVE_ORDER) != 0)
-        return false;
-    fputc('\n', stdout);
-    return fflush(stdout) == 0;
+    char *text = cli_json_dumps(doc, CLI_JSON_INDENT2, false);
+    bool ok = text != NULL && fputs(text, stdout) >= 0 && fputc('\n', stdout) != EOF;
+    free(text);
+    return fflush(stdout) == 0 && ok;
 }
 
 int cli_print_report(const char *verb, const json_t *doc, bool as_json,
@@ -247,6 +249,41 @@ int cli_print_report(const char *verb, const json_t *doc, bool as_json,
         return CLI_EXIT_REFUSED;
     }
     return CLI_EXIT_OK;
+}
+
+size_t cli_width_of(const char *columns, size_t tty_cols)
+{
+    if (columns != NULL && *columns != '\0') {
+        char *end;
+        long n = strtol(columns, &end, 10);
+        if (*end == '\0' && n > 0)
+            return n < 20 ? 20 : n > 1000 ? 1000 : (size_t)n;
+    }
+    if (tty_cols > 0)
+        return tty_cols < 20 ? 20 : tty_cols > 1000 ? 1000 : tty_cols;
+    return 80;
+}
+
+size_t cli_width(void)
+{
+    struct winsize ws;
+    size_t tty_cols = 0;
+    if (isatty(STDOUT_FILENO) && ioctl(STDOUT_FILENO, TIOCGWINSZ, &ws) == 0)
+        tty_cols = ws.ws_col;
+    return cli_width_of(getenv("COLUMNS"), tty_cols);
+}
+
+bool cli_format_real(double d, char *out, size_t outsz)
+{
+    /* the canonical JSON's text of a real (json.c), so the CLI and the bodies sent agree */
+    json_t *real = json_real(d); /* NULL for NaN and infinities */
+    char *text = real != NULL ? tally_json_scalar_text(real) : NULL;
+    json_decref(real);
+    bool ok = text != NULL && strlen(text) < outsz;
+    if (ok)
+        memcpy(out, text, strlen(text) + 1);
+    free(text);
+    return ok;
 }
 
 void cli_age(double seconds, char *out, size_t outsz)
@@ -337,8 +374,27 @@ static void spaces(FILE *out, size_t n)
         fputc(' ', out);
 }
 
-/* One line of text (no newlines) wrapped; @p col is the cursor's column on entry. Runs of
- * spaces inside a line are kept (they align columns); at a break they are dropped. */
+/* Write @p n bytes of a word, each CLI_NBSP as a plain space. */
+static void put_word(FILE *out, const char *s, size_t n)
+{
+    static const char nbsp[] = CLI_NBSP;
+    size_t start = 0;
+    for (size_t i = 0; i + 1 < n; i++) {
+        if (s[i] == nbsp[0] && s[i + 1] == nbsp[1]) {
+            fwrite(s + start, 1, i - start, out);
+            fputc(' ', out);
+            start = i + 2;
+            i++;
+        }
+    }
+    fwrite(s + start, 1, n - start, out);
+}
+
+/* One line of text (no newlines) wrapped at its spaces only; @p col is the cursor's column on
+ * entry. Runs of spaces inside a line are kept (they align columns); at a break they are
+ * dropped. A word is never cut: one that does not fit goes to the next line, whole, at the
+ * indent, or further left when it is too wide for the indented line (a runbook URL after a
+ * label), at the first column when it is wider than the line. */
 static void wrap_line(FILE *out, const char *s, size_t len, size_t *col, size_t indent,
                       size_t width)
 {
@@ -357,52 +413,27 @@ static void wrap_line(FILE *out, const char *s, size_t len, size_t *col, size_t 
             i += seq_len(s + i);
             w++;
         }
+        if (i > len) /* a sequence cut by the end of the line: keep its bytes, never more */
+            i = len;
         size_t need = w + (content ? gap : 0);
-        if (*col + need <= width) {
-            if (content)
-                spaces(out, gap);
-            fwrite(s + start, 1, i - start, out);
-            *col += need;
-            content = true;
-            continue;
-        }
-        if (content && indent + w <= width) { /* the word fits on a line of its own */
+        size_t start_col = indent + w <= width ? indent : w <= width ? width - w : 0;
+        if (*col + need > width && (content || *col > start_col)) {
             fputc('\n', out);
-            spaces(out, indent);
-            fwrite(s + start, 1, i - start, out);
-            *col = indent + w;
-            continue;
+            spaces(out, start_col);
+            *col = start_col;
+            need = w;
+        } else if (content) {
+            spaces(out, gap);
         }
-        /* A word longer than a line: cut it wherever the line ends. */
-        if (content) {
-            if (*col + 1 + 8 <= width) {
-                fputc(' ', out);
-                (*col)++;
-            } else {
-                fputc('\n', out);
-                spaces(out, indent);
-                *col = indent;
-            }
-        }
-        size_t j = start;
-        while (j < i) {
-            if (*col >= width) {
-                fputc('\n', out);
-                spaces(out, indent);
-                *col = indent;
-            }
-            size_t n = seq_len(s + j);
-            fwrite(s + j, 1, n, out);
-            j += n;
-            (*col)++;
-        }
+        put_word(out, s + start, i - start);
+        *col += need;
         content = true;
     }
 }
 
 void cli_wrap(FILE *out, const char *text, size_t first_col, size_t indent)
 {
-    size_t width = CLI_WIDTH;
+    size_t width = cli_width();
     if (indent + 20 > width) /* a deeply indented block still gets 20 columns */
         width = indent + 20;
     size_t col = first_col;
@@ -513,11 +544,11 @@ void cli_print_command(FILE *out, const char *commands, size_t indent)
             cmd_len--;
         size_t starts[64], ends[64];
         size_t n = command_groups(line, cmd_len, starts, ends, 64);
-        size_t col = indent;
+        size_t col = indent, width = cli_width();
         spaces(out, indent);
         for (size_t g = 0; g < n; g++) {
             size_t glen = width_n(line + starts[g], ends[g] - starts[g]);
-            if (g > 0 && col + 1 + glen + 2 > CLI_WIDTH) {
+            if (g > 0 && col + 1 + glen + 2 > width) {
                 fputs(" \\\n", out);
                 spaces(out, indent + 4);
                 col = indent + 4;
@@ -538,7 +569,7 @@ void cli_print_command(FILE *out, const char *commands, size_t indent)
 
 void cli_json_block(FILE *out, const json_t *v, size_t indent)
 {
-    char *text = json_dumps(v, JSON_INDENT(2) | JSON_SORT_KEYS | JSON_ENCODE_ANY);
+    char *text = cli_json_dumps(v, CLI_JSON_INDENT2, true);
     if (text == NULL) {
         spaces(out, indent);
         fputs("(out of memory)\n", out);
@@ -556,11 +587,176 @@ void cli_json_block(FILE *out, const json_t *v, size_t indent)
     free(text);
 }
 
+/* A JSON string: '"', '\\' and the control characters escaped, everything else (UTF-8
+ * included) as it is, as jansson writes it. */
+static void json_put_string(tally_strbuf_t *b, const char *s, size_t len)
+{
+    static const char hex[] = "0123456789abcdef";
+    tally_strbuf_putc(b, '"');
+    size_t run = 0;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        const char *esc = NULL;
+        char u[7];
+        switch (c) {
+        case '"':
+            esc = "\\\"";
+            break;
+        case '\\':
+            esc = "\\\\";
+            break;
+        case '\n':
+            esc = "\\n";
+            break;
+        case '\t':
+            esc = "\\t";
+            break;
+        case '\r':
+            esc = "\\r";
+            break;
+        case '\b':
+            esc = "\\b";
+            break;
+        case '\f':
+            esc = "\\f";
+            break;
+        default:
+            if (c < 0x20) {
+                memcpy(u, "\\u00", 4);
+                u[4] = hex[c >> 4];
+                u[5] = hex[c & 0xf];
+                u[6] = '\0';
+                esc = u;
+            }
+        }
+        if (esc == NULL)
+            continue;
+        tally_strbuf_put(b, s + run, i - run);
+        tally_strbuf_puts(b, esc);
+        run = i + 1;
+    }
+    tally_strbuf_put(b, s + run, len - run);
+    tally_strbuf_putc(b, '"');
+}
+
+static void json_newline(tally_strbuf_t *b, cli_json_style_t style, size_t depth)
+{
+    if (style != CLI_JSON_INDENT2)
+        return;
+    tally_strbuf_putc(b, '\n');
+    for (size_t d = 0; d < depth; d++)
+        tally_strbuf_put(b, "  ", 2);
+}
+
+static int key_order(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+static void json_put(tally_strbuf_t *b, const json_t *v, cli_json_style_t style, bool sort,
+                     size_t depth)
+{
+    const char *sep = style == CLI_JSON_COMPACT ? "," : style == CLI_JSON_LINE ? ", " : ",";
+    const char *colon = style == CLI_JSON_COMPACT ? ":" : ": ";
+    char num[48];
+    if (depth > 2048) { /* deeper than jansson parses: a built value gone wrong */
+        b->failed = true;
+        return;
+    }
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: {
+        size_t n = json_object_size(v), k = 0;
+        if (n == 0) {
+            tally_strbuf_puts(b, "{}");
+            return;
+        }
+        const char **keys = malloc(n * sizeof *keys);
+        if (keys == NULL) {
+            b->failed = true;
+            return;
+        }
+        const char *key;
+        const json_t *member;
+        json_object_foreach((json_t *)v, key, member)
+        {
+            keys[k++] = key;
+        }
+        if (sort)
+            qsort(keys, k, sizeof *keys, key_order);
+        tally_strbuf_putc(b, '{');
+        for (size_t i = 0; i < k; i++) {
+            if (i > 0)
+                tally_strbuf_puts(b, sep);
+            json_newline(b, style, depth + 1);
+            json_put_string(b, keys[i], strlen(keys[i]));
+            tally_strbuf_puts(b, colon);
+            json_put(b, json_object_get(v, keys[i]), style, sort, depth + 1);
+        }
+        free(keys);
+        json_newline(b, style, depth);
+        tally_strbuf_putc(b, '}');
+        return;
+    }
+    case JSON_ARRAY:
+        if (json_array_size(v) == 0) {
+            tally_strbuf_puts(b, "[]");
+            return;
+        }
+        tally_strbuf_putc(b, '[');
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            if (i > 0)
+                tally_strbuf_puts(b, sep);
+            json_newline(b, style, depth + 1);
+            json_put(b, json_array_get(v, i), style, sort, depth + 1);
+        }
+        json_newline(b, style, depth);
+        tally_strbuf_putc(b, ']');
+        return;
+    case JSON_STRING:
+        json_put_string(b, json_string_value(v), json_string_length(v));
+        return;
+    case JSON_INTEGER:
+        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
+        tally_strbuf_puts(b, num);
+        return;
+    case JSON_REAL:
+        if (!cli_format_real(json_real_value(v), num, sizeof num)) {
+            b->failed = true;
+            return;
+        }
+        tally_strbuf_puts(b, num);
+        return;
+    case JSON_TRUE:
+        tally_strbuf_puts(b, "true");
+        return;
+    case JSON_FALSE:
+        tally_strbuf_puts(b, "false");
+        return;
+    case JSON_NULL:
+        tally_strbuf_puts(b, "null");
+        return;
+    }
+    b->failed = true;
+}
+
+char *cli_json_dumps(const json_t *v, cli_json_style_t style, bool sort_keys)
+{
+    tally_strbuf_t b = {0};
+    if (v == NULL)
+        tally_strbuf_puts(&b, "null");
+    else
+        json_put(&b, v, style, sort_keys, 0);
+    return tally_strbuf_take(&b);
+}
+
 char *cli_json_text(const json_t *v)
 {
-    if (v == NULL)
-        return strdup("null");
-    return json_dumps(v, JSON_COMPACT | JSON_SORT_KEYS | JSON_ENCODE_ANY);
+    return cli_json_dumps(v, CLI_JSON_COMPACT, true);
+}
+
+char *cli_json_line(const json_t *v)
+{
+    return cli_json_dumps(v, CLI_JSON_LINE, true);
 }
 
 const char *cli_str(const json_t *obj, const char *key, const char *dflt)
@@ -700,7 +896,8 @@ bool cli_table_print(const cli_table_t *t, FILE *out, size_t indent)
     }
     /* Cut the widest cuttable column one column at a time: the table keeps its
      * shape and the narrow columns (states, counts) stay whole. */
-    while (total > CLI_WIDTH) {
+    size_t width = cli_width();
+    while (total > width) {
         size_t best = t->ncols;
         for (size_t c = 0; c < t->ncols; c++) {
             if (!t->keep[c] && widths[c] > 6 && (best == t->ncols || widths[c] > widths[best]))

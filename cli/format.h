@@ -23,8 +23,12 @@
 #define CLI_EXIT_USAGE   2
 #define CLI_EXIT_INFRA   3
 
-/** The terminal width human output is laid out for. */
-#define CLI_WIDTH 80
+/** The terminal width human output is laid out for: cli_width(), read at each use. */
+#define CLI_WIDTH (cli_width())
+
+/** A space cli_wrap never breaks at ("pager" CLI_NBSP "pending" stays on one line); it is
+ * printed as a plain space. U+00A0 in UTF-8, so a path that does not wrap still shows a space. */
+#define CLI_NBSP "\xc2\xa0"
 
 #define CLI_SYM_OK   "✓" /**< compensated, done */
 #define CLI_SYM_WARN "⚠" /**< uncompensatable, aging, an open page */
@@ -73,7 +77,7 @@ bool cli_is_uuid(const char *s);
  * @brief Check a text option (--reason, --actor, --run, --ref, --alert): present,
  * not blank, valid UTF-8, no control characters (a tab is allowed in the words of
  * --reason and --actor), and within its limit (text.h: --reason 4096 bytes, --actor
- * and --run 200, --ref 512). Prints "tally <verb>: <flag> ..." and returns false
+ * and --run 200, --ref 512, --key 500). Prints "tally <verb>: <flag> ..." and returns false
  * when not.
  */
 bool cli_check_text(const char *verb, const char *flag, const char *value);
@@ -129,6 +133,24 @@ bool cli_print_json(const json_t *doc);
 int cli_print_report(const char *verb, const json_t *doc, bool as_json,
                      bool (*print_human)(const json_t *doc));
 
+/**
+ * @brief The width human output is laid out for: COLUMNS when it is set to a number (kept
+ * within 20..1000), else the terminal's width (ioctl TIOCGWINSZ) when stdout is a terminal,
+ * else 80. Read at each call, so a test can set COLUMNS.
+ */
+size_t cli_width(void);
+
+/** @brief cli_width()'s rule on its inputs: @p columns (getenv("COLUMNS"), may be NULL) and
+ * @p tty_cols (the terminal's width, 0 when stdout is not a terminal). */
+size_t cli_width_of(const char *columns, size_t tty_cols);
+
+/**
+ * @brief @p d in its shortest round-trip form: the shortest of %.15g, %.16g and %.17g that reads
+ * back as the same double (0.73, not 0.72999999999999998), with ".0" kept on an integral value
+ * (the canonical JSON's rule, tally/json.h). false for NaN, an infinity or a small @p outsz.
+ */
+bool cli_format_real(double d, char *out, size_t outsz);
+
 /** @brief @p seconds as a short age: "45s", "3m12s", "2h05m", "3d04h"; "0s"
  * below a second,
  * "-" for a negative value. */
@@ -146,11 +168,12 @@ size_t cli_text_width(const char *s);
 char *cli_fit(const char *s, size_t width) TALLY_WUR;
 
 /**
- * @brief Write @p text wrapped to CLI_WIDTH: the first line starts at the
- * cursor, which is assumed to be at column @p first_col; continuation lines are
- * indented by @p indent. Breaks at spaces when it can and inside a long word (a
- * JSON document, an id) when it must. Ends with a newline. Embedded newlines
- * start a new indented line.
+ * @brief Write @p text wrapped to cli_width(): the first line starts at the cursor, which is
+ * assumed to be at column @p first_col; continuation lines are indented by @p indent. Breaks only
+ * at spaces (never at CLI_NBSP), so a word (a UUID, a key, a ref, a URL) is never split: one
+ * longer than the line is printed whole on a line of its own (the first line's, when nothing
+ * precedes it there). Widths count characters, not bytes. Ends with a newline. Embedded
+ * newlines start a new indented line.
  */
 void cli_wrap(FILE *out, const char *text, size_t first_col, size_t indent);
 
@@ -169,12 +192,32 @@ void cli_print_command(FILE *out, const char *commands, size_t indent);
 
 /**
  * @brief @p v as indented JSON (sorted keys, two spaces a level), every line indented by
- * @p indent and long strings wrapped: for receipts and blast radii that do not fit one line.
+ * @p indent and long strings wrapped at their spaces: for receipts and blast radii that do not
+ * fit one line.
  */
 void cli_json_block(FILE *out, const json_t *v, size_t indent);
 
 /** @brief @p v as compact JSON (sorted keys). Malloc'd; "null" for NULL. NULL on OOM. */
 char *cli_json_text(const json_t *v) TALLY_WUR;
+
+/** @brief @p v as JSON on one line with a space after each ',' and ':' (sorted keys), so that
+ * cli_wrap can break it between members. Malloc'd; "null" for NULL. NULL on OOM. */
+char *cli_json_line(const json_t *v) TALLY_WUR;
+
+/** How cli_json_dumps lays a document out. */
+typedef enum {
+    CLI_JSON_COMPACT, /**< no whitespace */
+    CLI_JSON_LINE,    /**< one line, ", " and ": " */
+    CLI_JSON_INDENT2, /**< two spaces a level, as JSON_INDENT(2) */
+} cli_json_style_t;
+
+/**
+ * @brief @p v as JSON text, every real in its shortest round-trip form (cli_format_real; jansson
+ * writes 17 digits: 0.72999999999999998), keys sorted or in their order, strings with '"', '\\'
+ * and control characters escaped and UTF-8 kept. Every JSON the CLI prints goes through this.
+ * @returns malloc'd text; NULL when out of memory or for a NaN (which jansson cannot hold).
+ */
+char *cli_json_dumps(const json_t *v, cli_json_style_t style, bool sort_keys) TALLY_WUR;
 
 /** @brief The string member @p key of @p obj, or @p dflt when missing, null or
  * not a string. */

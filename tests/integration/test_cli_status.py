@@ -215,7 +215,8 @@ class StatusTest(CliCase):
         self.assertIn(f"effect:{eid} (open)", text)
         self.assertIn("ALERTS OPEN: 1", text)
         for line in text.splitlines():
-            self.assertLessEqual(len(line), 80, line)
+            # a word wider than the line (the runbook's URL) stands whole on its own line
+            self.assertTrue(len(line) <= 80 or len(line.split()) == 1, line)
         rc, doc = self.tally_json("status", "--unknown-age", "0")
         self.assertEqual((rc, doc["verdict"], doc["exit_code"]), (2, "stuck", 2))
         [item] = doc["stuck"]
