@@ -16,6 +16,7 @@
 #include "console.h"
 #include "tally/config.h"
 #include "tally/log.h"
+#include "tally/registry.h"
 
 extern char **environ;
 
@@ -128,19 +129,61 @@ const char *tally_cli_default_actor(void)
     return actor;
 }
 
+/* Whether each tool's secret variables are set here: the legacy signature's
+ * connector.secret_env and connector.signing.secret_env. Never the values. */
+static void describe_tool_secrets(const tally_config_t *cfg, FILE *out)
+{
+    fprintf(out,
+            "\nTool secrets of the registry %s (TALLY_TOOLS), in this shell's environment\n"
+            "(set or NOT SET; values are never shown):\n",
+            cfg->tools_path);
+    tally_problems_t problems = {0};
+    tally_registry_t *reg = tally_registry_load_file(cfg->tools_path, &problems);
+    if (reg == NULL) {
+        fprintf(out, "  the registry does not load here:\n");
+        for (size_t i = 0; i < problems.n; i++)
+            fprintf(out, "    %s\n", problems.lines[i]);
+    }
+    tally_problems_clear(&problems);
+    size_t n = reg != NULL ? tally_registry_count(reg) : 0;
+    for (size_t i = 0; i < n; i++) {
+        const tally_tool_t *tool = tally_registry_at(reg, i);
+        const struct {
+            const char *var, *what;
+        } vars[] = {{tool->secret_env, "connector.secret_env"},
+                    {tool->signing.secret_env, "connector.signing.secret_env"}};
+        bool any = false;
+        for (size_t v = 0; v < sizeof vars / sizeof vars[0]; v++) {
+            if (vars[v].var == NULL || vars[v].var[0] == '\0')
+                continue;
+            any = true;
+            const char *value = getenv(vars[v].var);
+            fprintf(out, "  %-20s %-28s %-30s %s\n", tool->name, vars[v].var, vars[v].what,
+                    value != NULL && value[0] != '\0' ? "set" : "NOT SET");
+        }
+        if (!any)
+            fprintf(out, "  %-20s (no secret)\n", tool->name);
+    }
+    tally_registry_free(reg);
+}
+
 int tally_cmd_config(int argc, char **argv, tally_config_t *cfg)
 {
     if (argc == 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0)) {
         printf("usage: tally config\n\n"
-               "Print every setting tally reads from the environment: the variable, its\n"
-               "default, the value in force now, and what it does.\n");
+               "Print every setting tally reads from the environment: the variable, the value\n"
+               "in force in this shell, where it comes from (this shell's environment or the\n"
+               "default), the default, and what it does; then whether each tool's secret\n"
+               "variables are set here. Workers already running may have other values: they\n"
+               "read their own environment (for `tally dev`, source its env file first).\n");
         return 0;
     }
     if (argc > 1) {
         fprintf(stderr, "tally config: unexpected argument '%s' (it takes none)\n", argv[1]);
         return 2;
     }
-    tally_config_describe(cfg, stdout);
+    tally_config_describe_env(cfg, environ, stdout);
+    describe_tool_secrets(cfg, stdout);
     return fflush(stdout) == 0 ? 0 : 1;
 }
 

@@ -715,7 +715,37 @@ static const char *closest_param(const char *name)
     return best;
 }
 
+/* Whether @p name is set in @p envp (to anything, even ""). */
+static bool env_has(char *const *envp, const char *name)
+{
+    size_t n = strlen(name);
+    for (char *const *e = envp; e != NULL && *e != NULL; e++) {
+        if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
+            return true;
+    }
+    return false;
+}
+
+/* The table, then the Kafka passthrough and the warnings; with @p envp a FROM column says
+ * where each value came from. */
+static void describe(const tally_config_t *cfg, char *const *envp, FILE *out);
+
 void tally_config_describe(const tally_config_t *cfg, FILE *out)
+{
+    describe(cfg, NULL, out);
+}
+
+void tally_config_describe_env(const tally_config_t *cfg, char *const *envp, FILE *out)
+{
+    fprintf(out, "The settings of THIS shell: what a command or worker started from here reads\n"
+                 "from its environment (FROM: \"env\" when this shell sets the variable, else\n"
+                 "\"default\"). Workers already running read their own environment, which may\n"
+                 "differ; for `tally dev`, first `source` the env file it writes (tally dev\n"
+                 "--env-file PATH) to see what its workers run with.\n\n");
+    describe(cfg, envp, out);
+}
+
+static void describe(const tally_config_t *cfg, char *const *envp, FILE *out)
 {
     char *values[N_PARAMS];
     char *defaults[N_PARAMS];
@@ -746,11 +776,14 @@ void tally_config_describe(const tally_config_t *cfg, FILE *out)
         w_def = n > w_def ? n : w_def;
     }
 
-    fprintf(out, "%-*s  %-*s  %-*s  %s\n", (int)w_name, "VARIABLE", (int)w_val, "VALUE", (int)w_def,
-            "DEFAULT", "HELP");
+    fprintf(out, "%-*s  %-*s  %s%-*s  %s\n", (int)w_name, "VARIABLE", (int)w_val, "VALUE",
+            envp != NULL ? "FROM     " : "", (int)w_def, "DEFAULT", "HELP");
     for (size_t i = 0; i < N_PARAMS; i++) {
-        fprintf(out, "%-*s  %-*s  %-*s  %s\n", (int)w_name, params[i].env, (int)w_val,
-                values[i] ? values[i] : "(out of memory)", (int)w_def,
+        const char *from = envp == NULL                   ? ""
+                           : env_has(envp, params[i].env) ? "env      "
+                                                          : "default  ";
+        fprintf(out, "%-*s  %-*s  %s%-*s  %s\n", (int)w_name, params[i].env, (int)w_val,
+                values[i] ? values[i] : "(out of memory)", from, (int)w_def,
                 defaults[i] ? defaults[i] : "(out of memory)", params[i].help);
         free(values[i]);
         free(defaults[i]);

@@ -305,6 +305,32 @@ class DevTest(unittest.TestCase):
         self.assertEqual(rc, 0, second.stderr())
         self.assertEqual(os.listdir(first.tmpdir), [])
 
+    def test_config_says_where_each_value_comes_from_and_which_secrets_are_set(self):
+        shell = {k: v for k, v in os.environ.items()
+                 if not k.startswith("TALLY_") and k != "BILLING_HMAC_SECRET"}
+        shell.update(TALLY_TOOLS=DEMO_TOOLS, TALLY_TOPIC_PREFIX="acme.")
+        out = run(binary("tally"), "config", env=shell)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        text = out.stdout
+        words = " ".join(text.split())
+        # whose values these are, and how to see the dev workers' own
+        self.assertIn("The settings of THIS shell", words)
+        self.assertIn("Workers already running read their own environment", words)
+        self.assertIn("`source` the env file it writes (tally dev --env-file PATH)", words)
+        rows = {line.split()[0]: line.split() for line in text.splitlines()
+                if line.startswith("TALLY_")}
+        self.assertEqual(rows["TALLY_TOPIC_PREFIX"][1:3], ["acme.", "env"])
+        self.assertEqual(rows["TALLY_KAFKA_BROKERS"][2], "default")
+        # each tool's secret variable: set or not here, never its value
+        self.assertRegex(text, r"charge_card +BILLING_HMAC_SECRET +connector\.secret_env +"
+                               r"NOT SET")
+        self.assertRegex(text, r"check_balance +\(no secret\)")
+        shell["BILLING_HMAC_SECRET"] = "whsec_do_not_print_me"
+        out = run(binary("tally"), "config", env=shell)
+        self.assertRegex(out.stdout, r"charge_card +BILLING_HMAC_SECRET +connector\.secret_env +"
+                                     r"set\n")
+        self.assertNotIn("whsec_do_not_print_me", out.stdout)
+
     def test_full_stack_runs_supervises_and_stops_the_workers(self):
         self.assertTrue(os.path.exists(DEMO_TOOLS), DEMO_TOOLS)
         stack = self.start("--tools", DEMO_TOOLS)

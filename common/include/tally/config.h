@@ -99,6 +99,11 @@ bool tally_config_load_env(tally_config_t *cfg, char *const *envp, char *errstr,
  * or CREDENTIAL, and the password inside TALLY_PG. */
 void tally_config_describe(const tally_config_t *cfg, FILE *out);
 
+/** @brief `tally config`: tally_config_describe with a FROM column ("env" when @p envp sets the
+ * variable, else "default"), after a note that these are this environment's values, not those
+ * of workers already running (for `tally dev`: source its env file first). */
+void tally_config_describe_env(const tally_config_t *cfg, char *const *envp, FILE *out);
+
 /** @brief "<prefix><logical>", e.g. ("intents") -> "tally.intents". Never truncates silently:
  * returns false when @p outsz is too small. */
 bool tally_config_topic(const tally_config_t *cfg, const char *logical, char *out,
