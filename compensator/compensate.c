@@ -38,6 +38,9 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
                             "state");
     c->m_stuck = tally_metrics_gauge(m, "tally_stuck_obligations",
                                      "Obligations that are STUCK: a human must decide", NULL);
+    c->m_stuck_oldest = tally_metrics_gauge(
+        m, "tally_stuck_obligations_oldest_age_seconds",
+        "How long the oldest STUCK obligation has been STUCK (0 for none)", NULL);
     c->m_drain = tally_metrics_histogram(
         m, "tally_obligation_drain_seconds",
         "From an obligation's creation to its terminal state (RESOLVED, SKIPPED, "
@@ -77,6 +80,7 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
         "deadline (paged as a warning), not yet past it",
         NULL);
     tally_metric_set(c->m_stuck, 0);
+    tally_metric_set(c->m_stuck_oldest, 0);
     tally_metric_set(c->m_past_deadline, 0);
     tally_metric_set(c->m_near_deadline, 0);
     tally_metric_add(c->m_alerts, 0, "kafka");
@@ -517,18 +521,20 @@ static void refresh_gauges(compensator_t *c)
 {
     double before[TALLY_OBLIGATION__COUNT];
     memcpy(before, c->gauge_counts, sizeof before);
-    if (!comp_store_count(c, false, c->gauge_counts)) {
+    double stuck_oldest = 0;
+    if (!comp_store_count(c, false, c->gauge_counts, &stuck_oldest)) {
         return;
     }
     bool moved = publish_counts(c, false, before);
     tally_metric_set(c->m_stuck, c->gauge_counts[TALLY_OBLIGATION_STUCK]);
+    tally_metric_set(c->m_stuck_oldest, stuck_oldest);
     c->live_moved = c->live_moved || moved;
     double now = comp_now();
     if (!comp_policy_count_terminal(now, c->terminal_counted_at, c->live_moved)) {
         return;
     }
     memcpy(before, c->gauge_counts, sizeof before);
-    if (comp_store_count(c, true, c->gauge_counts)) {
+    if (comp_store_count(c, true, c->gauge_counts, NULL)) {
         (void)publish_counts(c, true, before);
         c->terminal_counted_at = now;
         c->live_moved = false;

@@ -133,6 +133,7 @@ typedef struct compensator {
 
     tally_metric_t *m_obligations;   /**< tally_obligations{state} */
     tally_metric_t *m_stuck;         /**< tally_stuck_obligations */
+    tally_metric_t *m_stuck_oldest;  /**< tally_stuck_obligations_oldest_age_seconds */
     tally_metric_t *m_drain;         /**< tally_obligation_drain_seconds */
     tally_metric_t *m_reverse;       /**< tally_reverse_call_seconds{tool} */
     tally_metric_t *m_alerts;        /**< tally_alerts_sent_total{channel} */
@@ -370,9 +371,11 @@ int comp_store_record(compensator_t *c);
 int comp_store_hold_for_approval(compensator_t *c);
 
 /** @brief Read the counts of the live (@p terminal false) or terminal obligation states into
- * @p counts (a state without rows is 0; the other states are left alone). False on an error,
- * said in the log. */
-bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIGATION__COUNT]);
+ * @p counts (a state without rows is 0; the other states are left alone), and for the live
+ * ones how long the oldest STUCK obligation has been STUCK into @p stuck_oldest_s (0 for
+ * none; unused, may be NULL, for the terminal ones). False on an error, said in the log. */
+bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIGATION__COUNT],
+                      double *stuck_oldest_s);
 
 /* ---- settle.c: every statement on runs ---------------------------------------------------- */
 

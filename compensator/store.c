@@ -128,8 +128,11 @@ static const char SQL_HOLD[] =
 /* Obligations by state (tally_obligations), in two parts: the live states are few and read
  * through obligations_due_idx, which leads with the status; the terminal ones only grow, and
  * are counted less often (comp_policy_count_terminal). */
+/* The live states with the age of each one's oldest row: a STUCK obligation is not written
+ * again until someone settles it, so its updated_at is when it went STUCK. */
 static const char SQL_COUNT_LIVE[] =
-    "SELECT status, count(*) FROM obligations"
+    "SELECT status, count(*), extract(epoch FROM now() - min(updated_at))::float8"
+    " FROM obligations"
     " WHERE status IN ('PENDING', 'AWAITING_APPROVAL', 'RUNNING', 'STUCK') GROUP BY status";
 static const char SQL_COUNT_TERMINAL[] =
     "SELECT status, count(*) FROM obligations"
@@ -401,7 +404,8 @@ out:
     return n;
 }
 
-bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIGATION__COUNT])
+bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIGATION__COUNT],
+                      double *stuck_oldest_s)
 {
     tally_error_t err;
     tally_error_clear(&err);
@@ -416,10 +420,16 @@ bool comp_store_count(compensator_t *c, bool terminal, double counts[TALLY_OBLIG
             counts[s] = 0;
         }
     }
+    if (!terminal) {
+        *stuck_oldest_s = 0;
+    }
     for (int row = 0; row < PQntuples(res); row++) {
         tally_obligation_state_t s;
         if (tally_obligation_state_parse(PQgetvalue(res, row, 0), &s)) {
             counts[s] = atof(PQgetvalue(res, row, 1));
+            if (s == TALLY_OBLIGATION_STUCK) {
+                *stuck_oldest_s = atof(PQgetvalue(res, row, 2));
+            }
         }
     }
     PQclear(res);

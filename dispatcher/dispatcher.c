@@ -185,6 +185,22 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
                                       "1 while intake is paused by backpressure", NULL);
     d->m_db_errors = tally_metrics_counter(m, "tally_dispatcher_db_errors_total",
                                            "Failed dispatcher transactions by stage", "stage");
+    /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
+     * the event that creates a series, such as a tool's first failed call since the start. */
+    static const char *const results[] = {"created", "replay",     "conflict",
+                                          "dlq",     "cancel_run", "compensate_run"};
+    for (size_t i = 0; i < sizeof results / sizeof results[0]; i++)
+        tally_metric_add(d->m_intents, 0, results[i]);
+    for (int r = TALLY_DLQ_TOO_LARGE; r <= TALLY_DLQ_INVALID_REPLY_TO; r++)
+        tally_metric_add(d->m_dlq, 0, tally_dlq_reason_name((tally_dlq_reason_t)r));
+    static const tally_verdict_t verdicts[] = {TALLY_VERDICT_CONFIRMED, TALLY_VERDICT_FAILED,
+                                               TALLY_VERDICT_RETRY, TALLY_VERDICT_UNKNOWN};
+    for (size_t t = 0; t < tally_registry_count(d->reg); t++) {
+        const char *tool = tally_registry_at(d->reg, t)->name;
+        for (size_t i = 0; i < sizeof verdicts / sizeof verdicts[0]; i++)
+            tally_metric_add(d->m_calls, 0, tool, tally_verdict_name(verdicts[i]));
+        tally_metric_add(d->m_calls, 0, tool, "not_started");
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */

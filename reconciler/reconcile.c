@@ -86,6 +86,7 @@ typedef struct reconciler {
     tally_metric_t *m_unknown;
     tally_metric_t *m_oldest;
     tally_metric_t *m_stuck;
+    tally_metric_t *m_stuck_oldest;
     tally_metric_t *m_resolutions;
     tally_metric_t *m_check_seconds;
     tally_metric_t *m_lease_expired;
@@ -999,11 +1000,13 @@ static void sweep(reconciler_t *rc)
     long long unknown = 0;
     long long stuck = 0;
     double oldest = 0;
+    double stuck_oldest = 0;
     tally_error_clear(&err);
-    if (tally_recon_gauges(&rc->db, &unknown, &oldest, &stuck, &err)) {
+    if (tally_recon_gauges(&rc->db, &unknown, &oldest, &stuck, &stuck_oldest, &err)) {
         tally_metric_set(rc->m_unknown, (double)unknown);
         tally_metric_set(rc->m_oldest, oldest);
         tally_metric_set(rc->m_stuck, (double)stuck);
+        tally_metric_set(rc->m_stuck_oldest, stuck_oldest);
     } else {
         TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
                             "reading the UNKNOWN and STUCK gauges failed (%s: %s)", err.code,
@@ -1128,9 +1131,15 @@ static bool reconciler_init(tally_worker_t *w, void **state)
                                        "How long the oldest UNKNOWN effect has been UNKNOWN", NULL);
     rc->m_stuck =
         tally_metrics_gauge(m, "tally_stuck_effects", "Effects STUCK, waiting for a human", NULL);
+    rc->m_stuck_oldest =
+        tally_metrics_gauge(m, "tally_stuck_oldest_age_seconds",
+                            "How long the oldest STUCK effect has been STUCK (0 for none)", NULL);
     rc->m_resolutions = tally_metrics_counter(
         m, "tally_reconciler_resolutions_total",
         "Status check verdicts recorded, by what they did to the effect", "outcome");
+    /* at 0 from the start: rate() cannot see the event that creates a series */
+    for (int a = TALLY_RECON_CONFIRM; a <= TALLY_RECON_CANCEL; a++)
+        tally_metric_add(rc->m_resolutions, 0, tally_recon_action_name((tally_recon_action_t)a));
     rc->m_check_seconds =
         tally_metrics_histogram(m, "tally_status_check_seconds", "Status check latency, by tool",
                                 "tool", tally_latency_buckets, tally_n_latency_buckets);

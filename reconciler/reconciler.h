@@ -365,9 +365,9 @@ bool tally_sweep_finish(tally_recon_db_t *db, const tally_tool_t *tool, const ch
 bool tally_sweep_record_page(tally_recon_db_t *db, const tally_tool_t *tool, json_t *records,
                              tally_sweep_counts_t *counts, tally_error_t *err);
 
-/** @brief The ledger's UNKNOWN count, the age of the oldest UNKNOWN in seconds and the STUCK
- * count, in one query. */
+/** @brief The ledger's UNKNOWN count, the age of the oldest UNKNOWN in seconds, the STUCK
+ * count and how long the oldest STUCK effect has been STUCK in seconds, in one query. */
 bool tally_recon_gauges(tally_recon_db_t *db, long long *unknown, double *oldest_s,
-                        long long *stuck, tally_error_t *err);
+                        long long *stuck, double *stuck_oldest_s, tally_error_t *err);
 
 #endif

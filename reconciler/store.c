@@ -170,7 +170,11 @@ static const char SQL_GAUGES[] =
     "SELECT count(*) FILTER (WHERE status = 'UNKNOWN'),"
     " coalesce(extract(epoch FROM now() - min(unknown_since) FILTER (WHERE status = 'UNKNOWN')),"
     " 0)::float8,"
-    " count(*) FILTER (WHERE status = 'STUCK')"
+    " count(*) FILTER (WHERE status = 'STUCK'),"
+    /* a STUCK effect is not written again until someone settles it: updated_at is when it
+     * went STUCK */
+    " coalesce(extract(epoch FROM now() - min(updated_at) FILTER (WHERE status = 'STUCK')),"
+    " 0)::float8"
     " FROM effects WHERE status IN ('UNKNOWN', 'STUCK')";
 
 void tally_recon_item_free(tally_recon_item_t *it)
@@ -479,10 +483,12 @@ static void stuck_message(const tally_recon_item_t *it, char *buf, size_t bufsz)
                  "max_attempts is %d); tally will not send it again",
                  it->attempts, it->attempts == 1 ? "" : "s", it->tool->max_attempts);
     } else {
-        tally_fmt(buf, bufsz,
-                  "the status check stayed inconclusive for %d check%s over %lld s (last: %s)",
-                  it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
-                  it->unknown_ms / 1000, it->verdict.message);
+        bool short_span = it->unknown_ms < 1000; /* "over 0 s" would say nothing true */
+        tally_fmt(
+            buf, bufsz, "the status check stayed inconclusive for %d check%s %s %lld %s (last: %s)",
+            it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
+            short_span ? "within" : "over", short_span ? it->unknown_ms : it->unknown_ms / 1000,
+            short_span ? "ms" : "s", it->verdict.message);
     }
 }
 
@@ -949,7 +955,7 @@ int tally_recon_release(tally_recon_db_t *db, tally_recon_item_t **items, size_t
 }
 
 bool tally_recon_gauges(tally_recon_db_t *db, long long *unknown, double *oldest_s,
-                        long long *stuck, tally_error_t *err)
+                        long long *stuck, double *stuck_oldest_s, tally_error_t *err)
 {
     PGresult *res = tally_pg_exec(db->pg, SQL_GAUGES, 0, NULL, err);
     if (res == NULL) {
@@ -958,6 +964,7 @@ bool tally_recon_gauges(tally_recon_db_t *db, long long *unknown, double *oldest
     *unknown = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
     *oldest_s = strtod(PQgetvalue(res, 0, 1), NULL);
     *stuck = strtoll(PQgetvalue(res, 0, 2), NULL, 10);
+    *stuck_oldest_s = strtod(PQgetvalue(res, 0, 3), NULL);
     PQclear(res);
     return true;
 }
