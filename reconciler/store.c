@@ -483,10 +483,12 @@ static void stuck_message(const tally_recon_item_t *it, char *buf, size_t bufsz)
                  "max_attempts is %d); tally will not send it again",
                  it->attempts, it->attempts == 1 ? "" : "s", it->tool->max_attempts);
     } else {
-        tally_fmt(buf, bufsz,
-                  "the status check stayed inconclusive for %d check%s over %lld s (last: %s)",
-                  it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
-                  it->unknown_ms / 1000, it->verdict.message);
+        bool short_span = it->unknown_ms < 1000; /* "over 0 s" would say nothing true */
+        tally_fmt(
+            buf, bufsz, "the status check stayed inconclusive for %d check%s %s %lld %s (last: %s)",
+            it->inconclusive_checks + 1, it->inconclusive_checks == 0 ? "" : "s",
+            short_span ? "within" : "over", short_span ? it->unknown_ms : it->unknown_ms / 1000,
+            short_span ? "ms" : "s", it->verdict.message);
     }
 }
 

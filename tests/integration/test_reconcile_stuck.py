@@ -4,6 +4,8 @@ effect is STUCK and exactly ONE alert goes out with the resolve command; a tool 
 endpoint cannot be resolved at all; a flaky status endpoint that recovers resolves normally."""
 
 import datetime
+import json
+import re
 import shlex
 import time
 
@@ -91,6 +93,31 @@ class ReconcileStuckTest(ReconcileCase):
         self.assertEqual(len(self.status_requests(key)), 6)
         self.assert_one_page(row["effect_id"], run, "status_inconclusive")
         check_invariants(self)
+
+    def test_inconclusive_within_a_second_says_so_in_ms(self):
+        # Two status checks 50 ms apart: STUCK well within a second of going UNKNOWN.
+        with open(self.tools_file) as f:
+            doc = json.load(f)
+        for tool in doc["tools"]:
+            if tool["name"] == "charge_card":
+                tool["retry"] = {"max_attempts": 2, "backoff_ms": 50, "max_backoff_ms": 100}
+        with open(self.tools_file, "w") as f:
+            json.dump(doc, f)
+        self.dispatcher()
+        self.reconciler()
+        run = run_id()
+        key = f"charge_card:t1:{run}-p1"
+        self.fault("status_500", key=key, op="status", times=-1)
+        self.fault("apply_then_hang", key=key, delay_ms=5000)
+        self.charge(run)
+        row = self.wait_status("charge_card", key, "STUCK", timeout=40)
+        message = row["error_message"]
+        m = re.match(r"the status check stayed inconclusive for 2 checks "
+                     r"(within (\d+) ms|over (\d+) s) \(last: ", message)
+        self.assertIsNotNone(m, message)
+        self.assertNotIn("over 0 s", message)
+        if m.group(2) is not None:
+            self.assertLess(int(m.group(2)), 1000)
 
     def test_the_alerts_resolve_command_settles_the_effect_and_closes_the_page(self):
         self.dispatcher()
