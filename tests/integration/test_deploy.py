@@ -9,7 +9,8 @@
 - Kubernetes: every manifest parses and is checked against the API models of Debian's
   python3-kubernetes; images, probes, resources, security contexts, secrets by reference,
   grace periods, PDB/Service/ScaledObject selectors, KEDA caps = partition counts.
-- Compose: `docker-compose config` (Debian's Compose 1.29) and the structure.
+- Compose: `docker-compose config` (Debian's Compose 1.29) and the structure; the grafana
+  service's provisioning (data source, dashboards provider, the mounted dashboard files).
 - Dockerfile: stages, runtime packages = the Debian packages of the binaries' DT_NEEDED
   libraries, build packages = the -dev packages of CMake's pkg_check_modules, non-root USER.
 
@@ -858,6 +859,56 @@ class YamlComposeDockerfileTest(unittest.TestCase):
         mounts = " ".join(prom["volumes"])
         self.assertIn("../prometheus/prometheus.yml:", mounts)
         self.assertIn("../prometheus/alerts.yml:", mounts)
+
+    def test_compose_grafana_is_provisioned_with_the_dashboard(self):
+        """The grafana service: a pinned image, and mounted provisioning that names the compose
+        Prometheus as its data source and loads deploy/grafana/dashboards from where it is
+        mounted (Grafana itself does not run here: no Docker engine, no Debian package)."""
+        svcs = load_yaml_docs(COMPOSE_FILE)[0]["services"]
+        base = os.path.dirname(COMPOSE_FILE)
+        g = svcs["grafana"]
+        self.assertRegex(g["image"], r"^grafana/grafana-oss:\d+\.\d+\.\d+$", "pinned by tag")
+        mounts = {}  # container path -> host path
+        for v in g["volumes"]:
+            src, dst = v.split(":")[:2]
+            if src.startswith("."):
+                mounts[dst] = os.path.realpath(os.path.join(base, src))
+                self.assertTrue(os.path.exists(mounts[dst]), v)
+        grafana_dir = os.path.join(DEPLOY, "grafana")
+        self.assertEqual(mounts.get("/etc/grafana/provisioning/datasources"),
+                         os.path.join(grafana_dir, "provisioning", "datasources"))
+        self.assertEqual(mounts.get("/etc/grafana/provisioning/dashboards"),
+                         os.path.join(grafana_dir, "provisioning", "dashboards"))
+        # data sources: the compose Prometheus, by service name and container port
+        [ds_file] = glob.glob(os.path.join(grafana_dir, "provisioning", "datasources", "*.yaml"))
+        ds = load_yaml_docs(ds_file)[0]
+        self.assertEqual(ds["apiVersion"], 1)
+        [prom] = [d for d in ds["datasources"] if d["type"] == "prometheus"]
+        self.assertTrue(prom["isDefault"])
+        url = urllib.parse.urlparse(prom["url"])
+        self.assertIn(url.hostname, svcs)
+        self.assertIn(f":{url.port}", " ".join(svcs[url.hostname]["ports"]))
+        self.assertIn(url.hostname, g["depends_on"])
+        # dashboards: the provider's path is where deploy/grafana/dashboards is mounted
+        [prov_file] = glob.glob(os.path.join(grafana_dir, "provisioning", "dashboards", "*.yaml"))
+        prov = load_yaml_docs(prov_file)[0]
+        self.assertEqual(prov["apiVersion"], 1)
+        [provider] = prov["providers"]
+        self.assertEqual(provider["type"], "file")
+        path = provider["options"]["path"]
+        self.assertEqual(mounts.get(path), os.path.join(grafana_dir, "dashboards"))
+        dashboards = glob.glob(os.path.join(grafana_dir, "dashboards", "*.json"))
+        self.assertTrue(dashboards)
+        uids = []
+        for f in dashboards:
+            with open(f) as fh:
+                d = json.load(fh)
+            self.assertTrue(d["panels"], f)
+            uids.append(d["uid"])
+        self.assertEqual(len(uids), len(set(uids)))
+        home = g["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+        self.assertTrue(home.startswith(path + "/"), home)
+        self.assertTrue(os.path.exists(os.path.join(mounts[path], home[len(path) + 1:])), home)
 
     def test_compose_gives_each_component_its_own_credential(self):
         svcs = load_yaml_docs(COMPOSE_FILE)[0]["services"]
