@@ -86,6 +86,22 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
     tally_metric_add(c->m_alerts, 0, "kafka");
     tally_metric_add(c->m_alerts, 0, "pagerduty");
     tally_metric_add(c->m_alert_fail, 0, "compensator");
+    /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
+     * the event that creates a series, such as a tool's first compensation since the start. */
+    for (size_t t = 0; t < tally_registry_count(c->reg); t++) {
+        const char *tool = tally_registry_at(c->reg, t)->name;
+        for (int s = 0; s < TALLY_OBLIGATION__COUNT; s++) {
+            tally_obligation_state_t to = (tally_obligation_state_t)s;
+            if (tally_obligation_transition_allowed(TALLY_OBLIGATION_RUNNING, to)) {
+                tally_metric_add(c->m_outcomes, 0, tool, tally_obligation_state_name(to));
+            }
+        }
+    }
+    static const tally_run_state_t settled[] = {TALLY_RUN_COMPENSATED,
+                                                TALLY_RUN_PARTIALLY_COMPENSATED, TALLY_RUN_STUCK};
+    for (size_t i = 0; i < sizeof settled / sizeof settled[0]; i++) {
+        tally_metric_add(c->m_runs, 0, tally_run_state_name(settled[i]));
+    }
 }
 
 /* Tools whose compensation waits for approval (the decision table says so before approval). */

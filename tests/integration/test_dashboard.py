@@ -277,6 +277,10 @@ class DashboardQueriesTest(CliCase):
         self.assertEqual(self.metric(workers["tally-reconciler"],
                                      "tally_reconciler_resolutions_total",
                                      '{outcome="confirmed"}'), 0)
+        c = workers["tally-compensator"]
+        self.assertEqual(self.metric(c, "tally_compensations_total",
+                                     '{tool="charge_card",outcome="RESOLVED"}'), 0)
+        self.assertEqual(self.metric(c, "tally_runs_settled_total", '{status="COMPENSATED"}'), 0)
         base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
                                       for name, p in workers.items()})
         wait_for(lambda: self.prom.poll() is None and self.scraped_after(base, 0), timeout=60,
@@ -355,6 +359,9 @@ class DashboardQueriesTest(CliCase):
                                tool="charge_card"), 0)
         self.assertEqual(val("Live effects by state", state="STUCK"), 1)
         self.assertTrue(math.isfinite(val("Obligation drain time")), "the compensated run")
+        self.assertGreater(val("Compensations per second, by tool and outcome",
+                               tool="charge_card", outcome="RESOLVED"), 0)
+        self.assertGreater(val("Runs compensated, by final status", status="COMPENSATED"), 0)
         self.assertGreater(val("Dead letters (DLQ) per second, by reason"), 0)
         self.assertGreater(val("Status check verdicts per second", outcome="confirmed"), 0)
 
@@ -380,7 +387,7 @@ class DashboardQueriesTest(CliCase):
                     e, re.sub(r"\{\{\w+\}\}", "", t["legendFormat"]).strip() or t["refId"])
                 for e, t in zip(exprs, p["targets"]))
             url = f"{base}/graph?" + urllib.parse.urlencode(
-                {"g0.expr": expr, "g0.tab": "0", "g0.range_input": "5m", "g0.stacked": "0"})
+                {"g0.expr": expr, "g0.tab": "0", "g0.range_input": "1m", "g0.stacked": "0"})
             png = os.path.join(ARTIFACTS, f"panel-{i:02d}.png")
             shots.append((url, png))
             cells.append(f'<figure><figcaption>{p["title"]}</figcaption>'
