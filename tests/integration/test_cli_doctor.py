@@ -1,12 +1,55 @@
-"""`tally doctor --run R` and `tally summary --run R` (DESIGN §7, §8): the run's whole
-timeline — every event of the events table, in order, transitions with their actor and reason
-— then each effect's and obligation's current row; and the compensation summary with its
-✓ ⚠ ○ ✗ entries. Scenario runs are made by the real dispatcher, reconciler and compensator."""
+"""`tally doctor` and `tally summary --run R` (DESIGN §7, §8). The doctor fits a screen for an
+ordinary run: the run, its problems first (each with the command that handles it), then one
+line per effect and per obligation; --full adds the whole timeline — every event of the events
+table, in order, transitions with their actor and reason — and each row whole, every receipt and
+body once. It finds its run by --run, --effect, --obligation, --ref or --key, wraps only between
+words (ids copy whole at any COLUMNS) and prints reals in their shortest form. The summary has
+its ✓ ⚠ ○ ✗ entries. Scenario runs are made by the real dispatcher, reconciler and compensator."""
 
+import json
 import re
+import shlex
+import uuid
 
 from tallytest import wait_for
 from test_cli_status import CliCase, main, run_id
+
+
+def significant_digits(number):
+    """Significant digits of a JSON number's text: 0.00037641600000000002 has 17."""
+    mantissa = re.split(r"[eE]", number.lstrip("-"))[0].replace(".", "").lstrip("0")
+    return len(mantissa)
+
+
+def long_reals(text):
+    """The numbers with a fraction in @text that have more than 15 significant digits."""
+    return [n for n in re.findall(r"-?\d+\.\d+(?:[eE][-+]?\d+)?", text)
+            if significant_digits(n) > 15]
+
+
+def commands_in(text, start):
+    """The first block of commands printed after the line at @start (each "tally ..." line with
+    its " \\" continuations joined, the "# comment" lines skipped), each as one line."""
+    out, current, started = [], None, False
+    for line in text[start:].splitlines()[1:]:
+        stripped = line.strip()
+        if current is not None:
+            current += " " + stripped.rstrip("\\").strip()
+            if not stripped.endswith("\\"):
+                out.append(current)
+                current = None
+            continue
+        if stripped.startswith("tally "):
+            started = True
+            if stripped.endswith("\\"):
+                current = stripped.rstrip("\\").strip()
+            else:
+                out.append(stripped)
+        elif stripped.startswith("#"):
+            started = True
+        elif started:
+            break
+    return out
 
 
 class DoctorTest(CliCase):
@@ -16,7 +59,7 @@ class DoctorTest(CliCase):
                           BILLING_HMAC_SECRET="whsec_dispatch_tests", TALLY_POLL_MS=200,
                           TALLY_SWEEP_MS=300)
 
-    def test_doctor_shows_every_event_of_a_scenario_run_in_order(self):
+    def test_doctor_full_shows_every_event_of_a_scenario_run_in_order(self):
         self.dispatcher()
         self.reconciler()
         run = run_id()
@@ -32,11 +75,12 @@ class DoctorTest(CliCase):
                          record["id"], "--reason", "seen upstream", "--actor", "ivy")
         self.assertEqual(out.returncode, 0, out.stderr)
 
-        out = self.tally("doctor", "--run", run)
+        out = self.tally("doctor", "--run", run, "--full")
         self.assertEqual(out.returncode, 0, out.stderr)
         text = out.stdout
         for line in text.splitlines():
-            self.assertLessEqual(len(line), 80, line)
+            # a word wider than the line (a JSON string without spaces) stands whole on its own
+            self.assertTrue(len(line) <= 80 or len(line.split()) == 1, line)
         events = self.query(
             "SELECT seq, kind, from_status, to_status, actor, reason FROM events"
             " WHERE run_id = %s ORDER BY seq", (run,))
@@ -61,14 +105,23 @@ class DoctorTest(CliCase):
             self.assertIn(move, transitions)
         self.assertIn("STUCK → CONFIRMED", text)
         self.assertIn("by ivy", text)
-        # Then each effect as it is now.
-        effects_at = text.index("EFFECTS: 3, in step order")
+        # Then each effect as it is now, whole.
+        effects_at = text.index("DETAILS OF THE EFFECTS: 3, in step order")
         for eid in (first, second, third):
             self.assertIn(eid, text[effects_at:])
         self.assertIn(f"external ref   {record['id']}", text)
         self.assertIn("lease          none (epoch", text)
-        # --json: the same events, with every column.
-        rc, doc = self.tally_json("doctor", "--run", run)
+        # Each receipt once: step 1's answer is its receipt, printed under DETAILS only.
+        [(ref1,)] = self.query("SELECT external_ref FROM effects WHERE effect_id = %s", (first,))
+        self.assertEqual(text.count(f'"id": "{ref1}"'), 1, text)
+        self.assertIn('"response": "the receipt of its effect, under DETAILS"', " ".join(
+            text.split()))
+        # The default view has none of it.
+        out = self.tally("doctor", "--run", run)
+        self.assertNotIn("TIMELINE", out.stdout)
+        self.assertNotIn(f'"id": "{ref1}"', out.stdout)
+        # --json --full: the same events, with every column.
+        rc, doc = self.tally_json("doctor", "--run", run, "--full")
         self.assertEqual(rc, 0)
         self.assertEqual([(e["seq"], e["kind"], e["from_status"], e["to_status"], e["actor"],
                            e["reason"]) for e in doc["events"]], events)
@@ -76,6 +129,8 @@ class DoctorTest(CliCase):
         self.assertEqual(doc["effects"][2]["status"], "CONFIRMED")
         self.assertEqual(doc["run"]["run_id"], run)
         self.assertEqual([a["status"] for a in doc["alerts"]], ["RESOLVED"])
+        rc, doc = self.tally_json("doctor", "--run", run)
+        self.assertEqual((rc, "events" in doc, doc["problems"]), (0, False, []))
         # No such run.
         out = self.tally("doctor", "--run", "no-such-run")
         self.assertEqual(out.returncode, 1)
@@ -104,18 +159,218 @@ class DoctorTest(CliCase):
         found = {(k, r) for _, k, r in expected}
         self.assertTrue({("intent", other), ("conflict", other), ("operator", None),
                          ("transition", run), ("connector_call", run)} <= found, found)
-        rc, doc = self.tally_json("doctor", "--run", run)
+        rc, doc = self.tally_json("doctor", "--run", run, "--full")
         self.assertEqual(rc, 0)
         self.assertEqual([(e["event_id"], e["kind"], e["run_id"]) for e in doc["events"]],
                          [tuple(e) for e in expected])
-        out = self.tally("doctor", "--run", run)
+        out = self.tally("doctor", "--run", run, "--full")
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("checked upstream by hand", out.stdout)
         # The other run's timeline has the two events under its own id.
-        rc, doc = self.tally_json("doctor", "--run", other)
+        rc, doc = self.tally_json("doctor", "--run", other, "--full")
         self.assertEqual(rc, 0)
         self.assertEqual(sorted(e["kind"] for e in doc["events"] if e["effect_id"] == effect),
                          ["conflict", "intent"])
+
+    def test_doctor_fits_a_screen_problems_first_and_ids_copy_whole(self):
+        self.dispatcher()
+        self.reconciler()
+        run = run_id()
+        first = self.confirmed_charge(run, 1)
+        key2 = f"charge_card:t1:{run}-p2"
+        self.fault("apply_then_hang", key=key2, delay_ms=5000)   # UNKNOWN, then CONFIRMED
+        self.charge(run, 2)
+        second = self.wait_status("charge_card", key2, "CONFIRMED", timeout=30)["effect_id"]
+        third, record = self.stuck_note(run, 3)                   # STUCK, paged
+
+        out = self.tally("doctor", "--run", run)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        text = out.stdout
+        lines = text.splitlines()
+        self.assertLessEqual(len(lines), 40, text)
+        self.assertTrue(lines[0].startswith(f"RUN {run}  ACTIVE"), text)
+        # The problem first, with the commands that handle it; then one line per effect.
+        problems, effects = text.index("PROBLEMS: 1"), text.index("EFFECTS: 3")
+        self.assertLess(problems, effects)
+        self.assertRegex(text[problems:effects], r"✗ STUCK\s+effect, step 3 post_note")
+        self.assertIn(f"alert effect:{third} is open", " ".join(text[problems:effects].split()))
+        commands = commands_in(text, problems)
+        self.assertEqual(len(commands), 2, text)
+        confirm = [c for c in commands if "--as confirmed" in c]
+        self.assertEqual(len(confirm), 1, commands)
+        self.assertTrue(confirm[0].startswith(f"tally resolve --effect {third} --as confirmed"))
+        for eid, step in ((first, "1"), (second, "2"), (third, "3")):
+            [entry] = [i for i, line in enumerate(lines) if re.match(rf"\s+{step}  \S", line)]
+            self.assertIn(eid, " ".join(lines[entry:entry + 3]))
+        self.assertRegex(text[effects:], r"3  post_note  STUCK  1 attempt")
+        self.assertIn(f"key post_note:{run}-n3", text[effects:])  # no ref yet: the key
+        [(ref1,)] = self.query("SELECT external_ref FROM effects WHERE effect_id = %s", (first,))
+        self.assertIn(f"ref {ref1}", text[effects:])
+        rc, doc = self.tally_json("doctor", "--run", run)
+        self.assertEqual(rc, 0)
+        [p] = doc["problems"]
+        self.assertEqual((p["kind"], p["subject"], p["id"], p["state"], p["alert"]),
+                         ("stuck", "effect", third, "STUCK", f"effect:{third}"))
+        self.assertEqual(p["commands"][0], confirm[0].replace(" \\", ""))
+        self.assertEqual(doc["counts"]["effects"], {"CONFIRMED": 2, "STUCK": 1})
+
+        # tally status keeps "pager <state>" on one line at any width.
+        for cols in ("60", "80", "100"):
+            out = self.tally("status", env=self.env(COLUMNS=cols))
+            self.assertRegex(out.stdout, r"pager (pending|sent|not_configured|failed)\n",
+                             out.stdout)
+
+        # The command, as printed, settles it; then the run has no problem left.
+        args = shlex.split(confirm[0].replace("<REF>", record["id"])
+                           .replace("<what you verified upstream>", "seen upstream"))
+        out = self.tally(*args[1:], "--actor", "ivy")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        out = self.tally("doctor", "--run", run)
+        self.assertIn("PROBLEMS: none", out.stdout)
+        self.assertIn(f"ref {record['id']}", out.stdout)
+
+        # Compensation asked: one line per obligation too, still a screen.
+        out = self.tally("compensate", "--run", run, "--reason", "roll back")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        obligations = [oid for (oid,) in self.query(
+            "SELECT obligation_id::text FROM obligations WHERE run_id = %s", (run,))]
+        self.assertEqual(len(obligations), 3)
+        out = self.tally("doctor", "--run", run)
+        self.assertLessEqual(len(out.stdout.splitlines()), 40, out.stdout)
+        self.assertIn("OBLIGATIONS: 3, in compensation order", out.stdout)
+
+        # Every id whole on one line, at any width; lines fit unless one word is wider.
+        ids = [first, second, third] + obligations
+        for cols in (40, 60, 80, 200):
+            out = self.tally("doctor", "--run", run, env=self.env(COLUMNS=str(cols)))
+            self.assertEqual(out.returncode, 0, out.stderr)
+            lines = out.stdout.splitlines()
+            for i in ids:
+                self.assertTrue(any(i in line for line in lines), f"{i} at {cols}:\n{out.stdout}")
+            for line in lines:
+                self.assertTrue(len(line) <= cols or len(line.split()) <= 2, f"{cols}: {line}")
+            if cols == 200:  # wide enough: one line an effect
+                self.assertTrue(any(first in line and ref1 in line for line in lines))
+            full = self.tally("doctor", "--run", run, "--full", env=self.env(COLUMNS=str(cols)))
+            for i in ids:
+                self.assertTrue(any(i in line for line in full.stdout.splitlines()), i)
+
+        # Reals in their shortest form: the connector calls' latency_ms among them.
+        out = self.tally("doctor", "--run", run, "--full", "--json")
+        doc = json.loads(out.stdout)
+        self.assertTrue(any(isinstance((e["data"] or {}).get("latency_ms"), float)
+                            for e in doc["events"]))
+        self.assertEqual(long_reals(out.stdout), [])
+        for args in (("--json",), ("--full",)):
+            out = self.tally("doctor", "--run", run, *args)
+            self.assertEqual(long_reals(out.stdout), [], args)
+        out = self.tally("summary", "--run", run, "--json")
+        self.assertEqual(long_reals(out.stdout), [])
+
+    def test_doctor_finds_the_run_by_effect_obligation_ref_and_key(self):
+        self.dispatcher()
+        run, other = run_id(), run_id()
+        first = self.confirmed_charge(run, 1)
+        second = self.confirmed_charge(run, 2)
+        self.confirmed_charge(other, 1)
+        oid = self.obligation(second, "PENDING")
+        [(ref2, key2)] = self.query("SELECT external_ref, operation_key FROM effects"
+                                    " WHERE effect_id = %s", (second,))
+        for flag, value, kind, marked in (("--effect", second.upper(), "effect", second),
+                                          ("--obligation", oid, "obligation", oid),
+                                          ("--ref", ref2, "effect", second),
+                                          ("--key", key2, "effect", second)):
+            out = self.tally("doctor", flag, value)
+            self.assertEqual(out.returncode, 0, f"{flag}: {out.stderr}")
+            self.assertTrue(out.stdout.startswith(f"RUN {run}  ACTIVE"), out.stdout)
+            self.assertIn(f"▶ the {kind} {marked} ({flag})", " ".join(out.stdout.split()))
+            [line] = [line for line in out.stdout.splitlines() if line.startswith(" ▶ ")]
+            self.assertRegex(line, r" ▶ 2  charge_card  " + ("PENDING" if kind == "obligation"
+                                                              else "CONFIRMED"))
+            self.assertNotIn(first, line)
+            rc, doc = self.tally_json("doctor", flag, value)
+            self.assertEqual((rc, doc["run"]["run_id"]), (0, run))
+            self.assertEqual((doc["match"]["by"], doc["match"]["kind"], doc["match"]["id"]),
+                             (flag[2:], kind, marked))
+
+        # Not found: said, exit 1, nothing on stdout.
+        for flag, value, said in (("--effect", str(uuid.uuid4()), "no effect with id"),
+                                  ("--obligation", str(uuid.uuid4()), "no obligation with id"),
+                                  ("--ref", "no-such-ref", "with external ref 'no-such-ref'"),
+                                  ("--key", "no-such-key", "with operation key 'no-such-key'"),
+                                  ("--run", "no-such-run", "no run 'no-such-run'")):
+            out = self.tally("doctor", flag, value)
+            self.assertEqual((out.returncode, out.stdout), (1, ""), f"{flag} {value}")
+            self.assertIn(said, out.stderr)
+
+        # Checked before any query: a UUID for the ids, the limits, one handle.
+        for args in (("--effect", "not-a-uuid"), ("--obligation", "1234"),
+                     ("--key", "k" * 501), ("--ref", "r" * 513), ("--ref", "a\x01b"),
+                     ("--key", " "), ("--run", run, "--effect", second), ()):
+            out = self.tally("doctor", *args)
+            self.assertEqual((out.returncode, out.stdout), (2, ""), args)
+            self.assertIn("tally doctor:", out.stderr)
+
+    def test_a_key_of_several_effects_lists_them_with_their_commands(self):
+        self.dispatcher()
+        run, other = run_id(), run_id()
+        key = f"order-{run}"
+        self.publish(self.intent(run, 1, "charge_card",
+                                 {"tenant_id": "t1", "payment_id": f"{run}-p1", "amount": 5},
+                                 operation_key=key))
+        self.publish(self.intent(other, 1, "post_note", {"note_id": f"{other}-n1", "text": "x"},
+                                 operation_key=key))
+        a = self.wait_status("charge_card", key, "CONFIRMED", timeout=30)["effect_id"]
+        b = self.wait_status("post_note", key, "CONFIRMED", timeout=30)["effect_id"]
+        out = self.tally("doctor", "--key", key)
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn(f"--key '{key}' matches 2 items", out.stderr)
+        self.assertIn(f"effect of run {run}, step 1 charge_card", out.stdout)
+        self.assertIn(f"effect of run {other}, step 1 post_note", out.stdout)
+        commands = [line.strip() for line in out.stdout.splitlines()
+                    if line.strip().startswith("tally doctor")]
+        self.assertEqual(sorted(commands),
+                         sorted([f"tally doctor --effect {a}", f"tally doctor --effect {b}"]))
+        for command, owner in ((f"tally doctor --effect {a}", run),
+                               (f"tally doctor --effect {b}", other)):
+            out = self.tally(*shlex.split(command)[1:])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertTrue(out.stdout.startswith(f"RUN {owner}  "), out.stdout)
+        out = self.tally("doctor", "--key", key, "--json")
+        self.assertEqual(out.returncode, 1)
+        doc = json.loads(out.stdout)
+        self.assertEqual(doc["error"], "ambiguous")
+        self.assertEqual(sorted(c["id"] for c in doc["candidates"]), sorted([a, b]))
+        self.assertEqual(sorted(c["command"] for c in doc["candidates"]), sorted(commands))
+
+    def test_doctor_lists_approvals_and_aging_unknowns_with_their_commands(self):
+        self.dispatcher()            # no reconciler: the UNKNOWN stays
+        run = run_id()
+        eid = self.unknown_charge(run, 1)
+        confirmed = self.confirmed_charge(run, 2)
+        oid = self.obligation(confirmed, "AWAITING_APPROVAL")
+        wait_for(lambda: self.scalar("SELECT now() - unknown_since > interval '1.2 s'"
+                                     " FROM effects WHERE effect_id = %s", (eid,)), timeout=10)
+        out = self.tally("doctor", "--run", run, env=self.env(TALLY_UNKNOWN_AGE_S="1"))
+        self.assertEqual(out.returncode, 0, out.stderr)
+        text = out.stdout
+        self.assertLessEqual(len(text.splitlines()), 40, text)
+        unknown = text.index("✗ UNKNOWN too long")
+        approval = text.index("⚠ awaiting approval")
+        self.assertLess(unknown, approval)
+        self.assertLess(approval, text.index("EFFECTS: 2"))
+        self.assertIn(f"tally resolve --effect {eid} --as failed", " ".join(
+            text[unknown:approval].split()))
+        self.assertEqual(commands_in(text, approval),
+                         [f'tally approve --obligation {oid} --reason "<why>"',
+                          f'tally deny --obligation {oid} --reason "<why>"'])
+        out = self.tally("doctor", "--run", run, "--json", env=self.env(TALLY_UNKNOWN_AGE_S="1"))
+        doc = json.loads(out.stdout)
+        self.assertEqual([(p["kind"], p["id"]) for p in doc["problems"]],
+                         [("unknown_aging", eid), ("approval", oid)])
+        # Under the threshold, an UNKNOWN is no problem yet.
+        out = self.tally("doctor", "--run", run, env=self.env(TALLY_UNKNOWN_AGE_S="3600"))
+        self.assertNotIn("UNKNOWN too long", out.stdout)
 
     def test_summary_of_a_settled_run_has_each_kind_of_entry(self):
         self.dispatcher()
