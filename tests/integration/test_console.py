@@ -335,7 +335,10 @@ class ConsoleTest(ConsoleCase):
         self.assertNotIn(stuck, dom.find(id="queue-stuck").text())
 
         # Search finds each thing by what an operator holds.
+        charge_ref = self.scalar("SELECT external_ref FROM effects WHERE effect_id = %s",
+                                 (charge,))
         for q, where in ((run_c, f"/runs/{run_c}"), (charge, f"/effects/{charge}"),
+                         (charge_ref, f"/effects/{charge}"),      # its obligation's ref too
                          (f"delete_account:{run_a}-acct", f"/effects/{gated}"),
                          (record["id"], f"/effects/{stuck}")):
             status, headers, _ = self.http(self.console_url + "/search?q="
