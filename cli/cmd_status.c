@@ -130,16 +130,14 @@ static const char SQL_ALERTS[] =
     "   created_at, extract(epoch FROM now() - created_at)::float8 AS age_s"
     " FROM alerts WHERE status = 'TRIGGERED' ORDER BY created_at LIMIT " LIST_LIMIT ") x";
 
-/* Short column headings for the by-tool table, in the state machine's order. */
-static const struct {
-    tally_effect_state_t state;
-    const char *heading;
-} STATE_COLUMNS[] = {
-    {TALLY_EFFECT_PLANNED, "PLANNED"},      {TALLY_EFFECT_AWAITING_APPROVAL, "APPROVAL"},
-    {TALLY_EFFECT_DISPATCHING, "DISPATCH"}, {TALLY_EFFECT_CONFIRMED, "CONFIRM"},
-    {TALLY_EFFECT_FAILED, "FAILED"},        {TALLY_EFFECT_UNKNOWN, "UNKNOWN"},
-    {TALLY_EFFECT_STUCK, "STUCK"},          {TALLY_EFFECT_REJECTED, "REJECT"},
-    {TALLY_EFFECT_CANCELLED, "CANCEL"},
+/* The by-tool table's state columns, in the state machine's order, headed by the states' full
+ * names. */
+static const tally_effect_state_t STATE_COLUMNS[] = {
+    TALLY_EFFECT_PLANNED,     TALLY_EFFECT_AWAITING_APPROVAL,
+    TALLY_EFFECT_DISPATCHING, TALLY_EFFECT_CONFIRMED,
+    TALLY_EFFECT_FAILED,      TALLY_EFFECT_UNKNOWN,
+    TALLY_EFFECT_STUCK,       TALLY_EFFECT_REJECTED,
+    TALLY_EFFECT_CANCELLED,
 };
 #define N_STATE_COLUMNS (sizeof STATE_COLUMNS / sizeof STATE_COLUMNS[0])
 _Static_assert(N_STATE_COLUMNS == TALLY_EFFECT__COUNT, "a column for every effect state");
@@ -397,19 +395,48 @@ static void print_alerts(const json_t *items, long long total)
     }
 }
 
+/* One line per tool, "charge_card  5 effects: CONFIRMED 3, STUCK 2": when the table with
+ * the states' full names would not fit. */
+static void print_by_tool_lines(const json_t *by_tool)
+{
+    const char *tool;
+    const json_t *states;
+    json_object_foreach((json_t *)by_tool, tool, states)
+    {
+        char line[1024];
+        long long total = 0;
+        for (size_t s = 0; s < N_STATE_COLUMNS; s++)
+            total += count_of(states, tally_effect_state_name(STATE_COLUMNS[s]));
+        size_t len = (size_t)snprintf(line, sizeof line, "%s  %lld effect%s:", tool, total,
+                                      total == 1 ? "" : "s");
+        for (size_t s = 0; s < N_STATE_COLUMNS && len < sizeof line; s++) {
+            const char *name = tally_effect_state_name(STATE_COLUMNS[s]);
+            long long v = count_of(states, name);
+            if (json_object_get(states, name) == NULL)
+                continue;
+            int w = snprintf(line + len, sizeof line - len, "%s %s %lld",
+                             len > 0 && line[len - 1] == ':' ? "" : ",", name, v);
+            if (w < 0)
+                break;
+            len += (size_t)w;
+        }
+        printf("  ");
+        cli_wrap(stdout, line, 2, 4);
+    }
+}
+
 static bool print_by_tool(const json_t *by_tool)
 {
-    /* Only the states that occur get a column, so the table fits in 80 columns.
-     */
+    /* Only the states that occur get a column; when even so the table with the states' full
+     * names is wider than the screen, one line per tool says the same. */
     bool used[N_STATE_COLUMNS] = {false};
     const char *tool;
     const json_t *states;
     json_object_foreach((json_t *)by_tool, tool, states)
     {
         for (size_t s = 0; s < N_STATE_COLUMNS; s++)
-            used[s] =
-                used[s] ||
-                json_object_get(states, tally_effect_state_name(STATE_COLUMNS[s].state)) != NULL;
+            used[s] = used[s] ||
+                      json_object_get(states, tally_effect_state_name(STATE_COLUMNS[s])) != NULL;
     }
     const char *heads[N_STATE_COLUMNS + 2];
     size_t cols[N_STATE_COLUMNS];
@@ -417,24 +444,37 @@ static bool print_by_tool(const json_t *by_tool)
     heads[n++] = "TOOL";
     heads[n++] = "TOTAL";
     size_t nstates = 0;
+    size_t width = 2 + strlen("TOOL") + 2 + strlen("TOTAL");
+    json_object_foreach((json_t *)by_tool, tool, states)
+    {
+        size_t w = 2 + cli_text_width(tool) + 2 + strlen("TOTAL");
+        width = w > width ? w : width;
+    }
     for (size_t s = 0; s < N_STATE_COLUMNS; s++) {
         if (used[s]) {
             cols[nstates++] = s;
-            heads[n++] = STATE_COLUMNS[s].heading;
+            heads[n++] = tally_effect_state_name(STATE_COLUMNS[s]);
+            width += 2 + strlen(heads[n - 1]);
         }
+    }
+    if (width > CLI_WIDTH) {
+        print_by_tool_lines(by_tool);
+        return true;
     }
     cli_table_t *t = cli_table_new(n, heads);
     if (t == NULL)
         return false;
-    for (size_t c = 1; c < n; c++)
+    for (size_t c = 1; c < n; c++) {
         cli_table_right(t, c);
+        cli_table_keep(t, c); /* a state's name is never cut */
+    }
     char buf[N_STATE_COLUMNS + 1][24];
     const char *cells[N_STATE_COLUMNS + 2];
     json_object_foreach((json_t *)by_tool, tool, states)
     {
         long long total = 0;
         for (size_t k = 0; k < nstates; k++) {
-            long long v = count_of(states, tally_effect_state_name(STATE_COLUMNS[cols[k]].state));
+            long long v = count_of(states, tally_effect_state_name(STATE_COLUMNS[cols[k]]));
             total += v;
             snprintf(buf[k + 1], sizeof buf[k + 1], "%lld", v);
             cells[k + 2] = buf[k + 1];

@@ -157,7 +157,9 @@ class StatusTest(CliCase):
         out = self.tally("status")
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("✓ clean", out.stdout)
-        self.assertRegex(out.stdout, r"charge_card\s+2\s+2")      # TOOL TOTAL CONFIRM
+        # the states' full names head the columns
+        self.assertRegex(out.stdout, r"TOOL\s+TOTAL\s+CONFIRMED\n")
+        self.assertRegex(out.stdout, r"charge_card\s+2\s+2")      # TOOL TOTAL CONFIRMED
         for line in out.stdout.splitlines():
             self.assertLessEqual(len(line), 80, line)
         rc, doc = self.tally_json("status")
@@ -214,6 +216,9 @@ class StatusTest(CliCase):
         self.assertIn(f"tally resolve --effect {eid} --as failed", text)
         self.assertIn(f"effect:{eid} (open)", text)
         self.assertIn("ALERTS OPEN: 1", text)
+        # by tool, under the states' full names, none cut short
+        self.assertRegex(text, r"TOOL\s+TOTAL\s+UNKNOWN\s+STUCK\n")
+        self.assertNotRegex(text, r"\b(CONFIRM|DISPATCH|APPROVAL|REJECT|CANCEL)\b")
         for line in text.splitlines():
             # a word wider than the line (the runbook's URL) stands whole on its own line
             self.assertTrue(len(line) <= 80 or len(line.split()) == 1, line)
