@@ -56,6 +56,10 @@ static const char SQL_COUNTS[] =
     "   FROM (SELECT status, count(*) AS n FROM obligations GROUP BY status) s),"
     " 'runs_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"
     "   FROM (SELECT status, count(*) AS n FROM runs GROUP BY status) s),"
+    /* ACTIVE runs whose effects are all settled: done with their work, but never completed */
+    " 'runs_active_settled', (SELECT count(*) FROM runs r WHERE r.status = 'ACTIVE'"
+    "   AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"
+    "     AND e.status IN ('PLANNED', 'AWAITING_APPROVAL', 'DISPATCHING', 'UNKNOWN'))),"
     " 'stuck_effects', (SELECT count(*) FROM effects WHERE status = 'STUCK'),"
     " 'stuck_obligations', (SELECT count(*) FROM obligations WHERE status = 'STUCK'),"
     " 'unknown', (SELECT count(*) FROM effects WHERE status = 'UNKNOWN'),"
@@ -224,7 +228,7 @@ static json_t *runs_counts(const json_t *by_state)
 /* "RUNS        3 active, 1 completing, 12 completed, 2 compensated": the runs still taking
  * intents apart from those that finished, and the compensation states when any run is in
  * them. */
-static void print_runs_line(const json_t *runs)
+static void print_runs_line(const json_t *runs, long long active_settled)
 {
     printf("%-12s", "RUNS");
     char line[1024] = "";
@@ -243,8 +247,13 @@ static void print_runs_line(const json_t *runs)
         tally_text_copy(words, sizeof words, s < N_RUN_STATES ? RUN_STATES[s].key : key);
         for (char *c = words; *c != '\0'; c++)
             *c = *c == '_' ? ' ' : *c;
-        int n = snprintf(line + len, sizeof line - len, "%s%lld %s", len ? ", " : "",
-                         (long long)json_integer_value(v), words);
+        char more[96] = "";
+        if (strcmp(key, "active") == 0 && active_settled > 0)
+            /* ACTIVE is the ledger's state; say that their work is over */
+            snprintf(more, sizeof more, " (%lld with every effect settled, not completed)",
+                     active_settled);
+        int n = snprintf(line + len, sizeof line - len, "%s%lld %s%s", len ? ", " : "",
+                         (long long)json_integer_value(v), words, more);
         if (n < 0 || (size_t)n >= sizeof line - len)
             break;
         len += (size_t)n;
@@ -526,7 +535,7 @@ static bool print_human(const json_t *doc)
     printf("\n");
     print_counts_line("EFFECTS", json_object_get(c, "effects_by_state"));
     print_counts_line("OBLIGATIONS", json_object_get(c, "obligations_by_state"));
-    print_runs_line(json_object_get(doc, "runs"));
+    print_runs_line(json_object_get(doc, "runs"), count_of(c, "runs_active_settled"));
     long long findings = count_of(c, "findings_open");
     if (findings > 0)
         printf("%-12s%lld open: what the tools hold that the ledger cannot place (their pages "

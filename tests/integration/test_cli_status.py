@@ -169,6 +169,10 @@ class StatusTest(CliCase):
         self.assertEqual(doc["counts"]["effects_by_tool"], {"charge_card": {"CONFIRMED": 2},
                                                             "post_note": {"CONFIRMED": 1}})
         self.assertEqual(doc["counts"]["runs_by_state"], {"ACTIVE": 1})
+        # the run's state is ACTIVE (it was never completed), but its work is over: say so
+        self.assertEqual(doc["counts"]["runs_active_settled"], 1)
+        self.assertIn("1 active (1 with every effect settled, not completed)",
+                      " ".join(out.stdout.split()))
         self.assertEqual((doc["stuck"], doc["unknown"], doc["alerts"]), ([], [], []))
 
     def test_unknown_older_than_the_threshold_exits_1(self):
@@ -219,6 +223,7 @@ class StatusTest(CliCase):
         # by tool, under the states' full names, none cut short
         self.assertRegex(text, r"TOOL\s+TOTAL\s+UNKNOWN\s+STUCK\n")
         self.assertNotRegex(text, r"\b(CONFIRM|DISPATCH|APPROVAL|REJECT|CANCEL)\b")
+        self.assertRegex(text, r"RUNS +1 active, ")            # one still UNKNOWN: going on
         for line in text.splitlines():
             # a word wider than the line (the runbook's URL) stands whole on its own line
             self.assertTrue(len(line) <= 80 or len(line.split()) == 1, line)
