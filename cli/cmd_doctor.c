@@ -494,7 +494,10 @@ static bool print_open(const json_t *run)
     long long count = (long long)cli_num(summary, "open_count", (double)json_array_size(open));
     if (!is_completion_summary(summary) || count == 0)
         return true;
-    printf("\nLEFT OPEN AT COMPLETION: %lld (a human decides these)\n", count);
+    char head[128];
+    snprintf(head, sizeof head, "LEFT OPEN AT COMPLETION: %lld (a human decides these)", count);
+    printf("\n");
+    cli_wrap(stdout, head, 0, 2);
     static const char *const heads[] = {"STEP", "TOOL", "STATUS", "EFFECT"};
     cli_table_t *t = cli_table_new(4, heads);
     if (t == NULL)

@@ -821,7 +821,7 @@ static void print_answer(const rd_kafka_message_t *m, const json_t *doc)
     if (memchr(m->payload, '\n', m->len) == NULL) {
         fwrite(m->payload, 1, m->len, stdout);
     } else {
-        char *line = json_dumps(doc, JSON_COMPACT);
+        char *line = cli_json_dumps(doc, CLI_JSON_COMPACT, false); /* reals shortest */
         fputs(line != NULL ? line : "{}", stdout);
         free(line);
     }
