@@ -352,7 +352,11 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     (void)upload_data;
     (void)con_cls;
     con_pool_t *pool = cls;
-    con_req_t rq = {.path = url, .status = 200, .unknown_age_s = pool->unknown_age_s};
+    /* a page below a directory (runs/<id>, effects/<id>) reaches the root one step up */
+    con_req_t rq = {.path = url,
+                    .root = strchr(url + (url[0] == '/'), '/') != NULL ? "../" : "./",
+                    .status = 200,
+                    .unknown_age_s = pool->unknown_age_s};
     char uuid[37];
     tally_uuid(uuid);
     size_t n = 0;

@@ -37,6 +37,9 @@ typedef struct con_param {
 typedef struct con_req {
     tally_pg_t *pg;   /**< in a READ ONLY transaction for the whole request */
     const char *path; /**< decoded, starts with "/" */
+    /** "./" or "../": every link is relative, from the page's place to the console's root,
+     * so that a proxy may serve the console under a path of its own (/console/) */
+    const char *root;
     con_param_t params[CON_MAX_PARAMS];
     size_t n_params;
     long unknown_age_s;  /**< TALLY_UNKNOWN_AGE_S */
@@ -65,7 +68,9 @@ void con_foot(con_req_t *rq);
 void con_badge(con_req_t *rq, const char *state);
 /** A block of shell commands (one a line, as alert.h writes them) with a copy button. */
 void con_command(con_req_t *rq, const char *commands);
-/** A link to a run's page: /runs/<run id, percent-encoded>, its text the run id. */
+/** Append the relative address of the console's page @p page ("runs", "queues", ...). */
+void con_href(con_req_t *rq, const char *page);
+/** A link to a run's page: runs/<run id, percent-encoded>, its text the run id. */
 void con_run_link(con_req_t *rq, const char *run_id);
 /** A link to an effect's page. */
 void con_effect_link(con_req_t *rq, const char *effect_id);

@@ -125,10 +125,14 @@ void con_head(con_req_t *rq, const char *title)
     con_raw(rq, rq->nonce);
     con_raw(rq, "\">");
     con_raw(rq, STYLE);
-    con_raw(rq, "</style></head><body><header><b>tally console</b>"
-                "<a href=\"/runs\">Runs</a><a href=\"/queues\">Queues</a>"
-                "<span class=\"muted\">read-only</span>"
-                "<form method=\"get\" action=\"/search\"><input name=\"q\" size=\"40\" "
+    con_raw(rq, "</style></head><body><header><b>tally console</b><a href=\"");
+    con_href(rq, "runs");
+    con_raw(rq, "\">Runs</a><a href=\"");
+    con_href(rq, "queues");
+    con_raw(rq, "\">Queues</a><span class=\"muted\">read-only</span>"
+                "<form method=\"get\" action=\"");
+    con_href(rq, "search");
+    con_raw(rq, "\"><input name=\"q\" size=\"40\" "
                 "placeholder=\"run id, effect id, operation key, external ref\" "
                 "aria-label=\"search\"> <button>Search</button></form></header><main>\n<h1>");
     con_esc(rq, title);
@@ -166,9 +170,16 @@ void con_command(con_req_t *rq, const char *commands)
              id);
 }
 
+void con_href(con_req_t *rq, const char *page)
+{
+    con_raw(rq, rq->root != NULL ? rq->root : "./");
+    con_raw(rq, page);
+}
+
 void con_run_link(con_req_t *rq, const char *run_id)
 {
-    con_raw(rq, "<a class=\"run\" href=\"/runs/");
+    con_raw(rq, "<a class=\"run\" href=\"");
+    con_href(rq, "runs/");
     con_url(rq, run_id);
     con_raw(rq, "\">");
     con_esc(rq, run_id);
@@ -177,7 +188,8 @@ void con_run_link(con_req_t *rq, const char *run_id)
 
 void con_effect_link(con_req_t *rq, const char *effect_id)
 {
-    con_raw(rq, "<a class=\"effect mono\" href=\"/effects/");
+    con_raw(rq, "<a class=\"effect mono\" href=\"");
+    con_href(rq, "effects/");
     con_url(rq, effect_id);
     con_raw(rq, "\">");
     con_esc(rq, effect_id);
@@ -253,7 +265,11 @@ unsigned con_error(con_req_t *rq, unsigned status, const char *fmt, ...)
     con_head(rq, title);
     con_raw(rq, "<p class=\"error\">");
     con_esc(rq, msg);
-    con_raw(rq, "</p><p><a href=\"/runs\">All runs</a> · <a href=\"/queues\">Queues</a></p>");
+    con_raw(rq, "</p><p><a href=\"");
+    con_href(rq, "runs");
+    con_raw(rq, "\">All runs</a> · <a href=\"");
+    con_href(rq, "queues");
+    con_raw(rq, "\">Queues</a></p>");
     con_foot(rq);
     return status;
 }

@@ -60,7 +60,8 @@ static const char SQL_TOOL_FEW[] =
 static void runs_page_link(con_req_t *rq, long page, const char *text)
 {
     static const char *const keys[] = {"state", "tenant", "tool", "since", "until"};
-    con_raw(rq, "<a href=\"/runs?");
+    con_raw(rq, "<a href=\"");
+    con_href(rq, "runs?");
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
         const char *v = con_param(rq, keys[i]);
         if (v == NULL)
@@ -117,8 +118,9 @@ unsigned con_page_runs(con_req_t *rq)
         return rq->status;
 
     con_head(rq, "Runs");
-    con_raw(rq, "<form class=\"filters\" method=\"get\" action=\"/runs\">"
-                "<label>state <select name=\"state\"><option value=\"\">any</option>");
+    con_raw(rq, "<form class=\"filters\" method=\"get\" action=\"");
+    con_href(rq, "runs");
+    con_raw(rq, "\"><label>state <select name=\"state\"><option value=\"\">any</option>");
     for (int s = 0; s < TALLY_RUN__COUNT; s++) {
         const char *name = tally_run_state_name((tally_run_state_t)s);
         con_raw(rq, "<option");
@@ -133,7 +135,9 @@ unsigned con_page_runs(con_req_t *rq)
     filter_input(rq, "tool", "tool", "text");
     filter_input(rq, "since", "since (UTC)", "text");
     filter_input(rq, "until", "until", "text");
-    con_raw(rq, "<button>Filter</button> <a href=\"/runs\">clear</a></form>");
+    con_raw(rq, "<button>Filter</button> <a href=\"");
+    con_href(rq, "runs");
+    con_raw(rq, "\">clear</a></form>");
 
     size_t n = json_array_size(runs);
     if (n == 0) {
@@ -928,7 +932,7 @@ unsigned con_page_search(con_req_t *rq)
         const json_t *h = json_array_get(hits, 0);
         bool run = strcmp(cli_str(h, "what", ""), "run") == 0;
         /* a redirect: the page's own link, percent-encoded as the pages write them */
-        con_raw(rq, run ? "/runs/" : "/effects/");
+        con_href(rq, run ? "runs/" : "effects/");
         con_url(rq, cli_str(h, "id", ""));
         rq->location = tally_strbuf_take(&rq->body);
         if (rq->location == NULL) {

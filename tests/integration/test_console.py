@@ -186,6 +186,17 @@ class ConsoleCase(CliCase):
         self.assertEqual(len(found), 1, f"{item_id} in #{container_id}: {box.text()[:2000]}")
         return found[0]
 
+    def resolve(self, page, a):
+        """The address a link of @page leads to."""
+        return urllib.parse.urljoin(self.console_url + page, a.attrs["href"])
+
+    def assert_relative(self, dom):
+        """Every link and form is relative, so that a proxy may serve the console under a
+        path of its own (TALLY_CONSOLE_URL=https://host/console)."""
+        for n in dom.find_all("a") + dom.find_all("form"):
+            target = n.attrs.get("href", n.attrs.get("action", ""))
+            self.assertFalse(target.startswith("/") or "://" in target, target)
+
     @staticmethod
     def commands(node):
         return [n.text() for n in node.find_all("pre", class_="command")]
@@ -241,7 +252,9 @@ class ConsoleTest(ConsoleCase):
         self.assertEqual(listed[run_c].find("span", class_="badge").text(), "COMPENSATED")
         self.assertIn("1 STUCK", listed[run_s].text())
         self.assertIn("1 approval", listed[run_a].text())
-        self.assertEqual(listed[run_s].find("a", class_="run").attrs["href"], f"/runs/{run_s}")
+        self.assertEqual(self.resolve("/runs", listed[run_s].find("a", class_="run")),
+                         f"{self.console_url}/runs/{run_s}")
+        self.assert_relative(dom)
         # Filters narrow it.
         dom = self.browser(self.console_url + "/runs?state=COMPENSATED")
         self.assertEqual([a.text() for a in dom.find(id="runs").find_all("a", class_="run")],
@@ -285,7 +298,9 @@ class ConsoleTest(ConsoleCase):
         self.assertEqual(lanes, ["step 1 · charge_card"])
         [ob_row] = dom.find(id="obligations").find_all("tr")[1:]
         self.assertEqual(ob_row.find("span", class_="badge").text(), "RESOLVED")
-        self.assertEqual(ob_row.find("a", class_="effect").attrs["href"], f"/effects/{charge}")
+        self.assertEqual(self.resolve(f"/runs/{run_c}", ob_row.find("a", class_="effect")),
+                         f"{self.console_url}/effects/{charge}")
+        self.assert_relative(dom)
         self.assertIn("Nothing here needs a human", dom.find(id="problems").text())
 
         # The effect page: its receipt, obligations and events.
@@ -305,11 +320,7 @@ class ConsoleTest(ConsoleCase):
             and m["data"].get("dedup_key") == f"effect:{stuck}" for m in ms), reader=alerts)
         [page] = [m for m in msgs if m["data"].get("dedup_key") == f"effect:{stuck}"]
         link = page["data"].get("console_url")
-        if link is None:
-            # TALLY_CONSOLE_URL in alert payloads is being added beside this test (issue 25);
-            # until the workers carry it, the link is what they will write.
-            link = f"{self.console_url}/runs/{urllib.parse.quote(run_s, safe='')}"
-        self.assertEqual(link, f"{self.console_url}/runs/{run_s}")
+        self.assertEqual(link, f"{self.console_url}/runs/{run_s}", page["data"])
         dom = self.browser(link, screenshot="console-run-stuck.png")
         self.assert_script_ran(dom)
         svg = dom.find("svg", id="timeline")
@@ -343,7 +354,10 @@ class ConsoleTest(ConsoleCase):
                          (record["id"], f"/effects/{stuck}")):
             status, headers, _ = self.http(self.console_url + "/search?q="
                                            + urllib.parse.quote(q, safe=""))
-            self.assertEqual((status, headers.get("Location")), (302, where), q)
+            self.assertEqual(status, 302, q)
+            self.assertEqual(urllib.parse.urljoin(self.console_url + "/search",
+                                                  headers["Location"]),
+                             self.console_url + where, q)
 
         # The console changed nothing (the CLI's resolve aside, which the snapshot predates).
         after = self.snapshot()
@@ -369,7 +383,9 @@ class ConsoleTest(ConsoleCase):
         [a] = dom.find(id="runs").find_all("a", class_="run")
         self.assertEqual(a.text(), hostile)
         self.assertEqual(len(dom.find_all("script")), 1)          # the console's own only
-        dom = self.browser(base + a.attrs["href"], screenshot="console-run-hostile.png")
+        self.assertEqual(self.resolve("/runs", a),
+                         base + "/runs/" + urllib.parse.quote(hostile, safe=""))
+        dom = self.browser(self.resolve("/runs", a), screenshot="console-run-hostile.png")
         self.assertEqual(dom.find("h1").text(), f"Run {hostile}")
         self.assertEqual(len(dom.find_all("script")), 1)
         self.assertEqual(dom.find(id="effects").find("a", class_="effect").text(), eid)
@@ -377,7 +393,8 @@ class ConsoleTest(ConsoleCase):
         self.assertEqual(status, 200)
         status, headers, _ = self.http(base + "/search?q=" + urllib.parse.quote(hostile, safe=""))
         self.assertEqual(status, 302)
-        self.assertEqual(urllib.parse.unquote(headers["Location"]), f"/runs/{hostile}")
+        self.assertEqual(urllib.parse.urljoin(base + "/search", headers["Location"]),
+                         base + "/runs/" + urllib.parse.quote(hostile, safe=""))
 
         # Bad input: a clear 400 page, never a query.
         for path, words in (("/runs?state=NOPE", "not a run state"),
