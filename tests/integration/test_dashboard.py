@@ -253,6 +253,9 @@ class DashboardQueriesTest(CliCase):
         wait_for(lambda: self.scalar("SELECT status FROM obligations WHERE run_id = %s",
                                      (comp_run,)) == "RESOLVED",
                  timeout=40, what="the compensated run's obligation RESOLVED")
+        wait_for(lambda: self.scalar("SELECT status FROM runs WHERE run_id = %s",
+                                     (comp_run,)) == "COMPENSATED",
+                 timeout=30, what="the run COMPENSATED")
         self.assertEqual(self.scalar("SELECT status FROM effects WHERE effect_id = %s",
                                      (stuck_effect,)), "STUCK")
         return stuck_effect
@@ -266,21 +269,21 @@ class DashboardQueriesTest(CliCase):
                    and not p.name.startswith("tally-fake")}
         self.assertEqual(set(workers), {f"tally-{w}" for w in WORKERS})
         # The counters the traffic panels rate exist at 0 before the first event, which
-        # rate() could not see otherwise (a tool's first failure since the start).
-        d = workers["tally-dispatcher"]
-        for tool in ("charge_card", "post_note"):
-            for outcome in ("confirmed", "failed", "retry", "unknown", "not_started"):
-                self.assertEqual(self.metric(d, "tally_connector_calls_total",
-                                             f'{{tool="{tool}",outcome="{outcome}"}}'), 0)
-        self.assertEqual(self.metric(d, "tally_intents_total", '{result="created"}'), 0)
-        self.assertEqual(self.metric(d, "tally_dlq_total", '{reason="not_json"}'), 0)
-        self.assertEqual(self.metric(workers["tally-reconciler"],
-                                     "tally_reconciler_resolutions_total",
-                                     '{outcome="confirmed"}'), 0)
-        c = workers["tally-compensator"]
-        self.assertEqual(self.metric(c, "tally_compensations_total",
-                                     '{tool="charge_card",outcome="RESOLVED"}'), 0)
-        self.assertEqual(self.metric(c, "tally_runs_settled_total", '{status="COMPENSATED"}'), 0)
+        # rate() could not see otherwise (a tool's first failure since the start). A worker
+        # answers /healthz before its loop declares its metrics: wait for them.
+        d, r, c = (workers[f"tally-{w}"] for w in WORKERS)
+        zeros = [(d, "tally_connector_calls_total", f'{{tool="{tool}",outcome="{outcome}"}}')
+                 for tool in ("charge_card", "post_note")
+                 for outcome in ("confirmed", "failed", "retry", "unknown", "not_started")]
+        zeros += [(d, "tally_intents_total", '{result="created"}'),
+                  (d, "tally_dlq_total", '{reason="not_json"}'),
+                  (r, "tally_reconciler_resolutions_total", '{outcome="confirmed"}'),
+                  (c, "tally_compensations_total", '{tool="charge_card",outcome="RESOLVED"}'),
+                  (c, "tally_runs_settled_total", '{status="COMPENSATED"}')]
+        wait_for(lambda: all(self.metric(p, n, l) is not None for p, n, l in zeros),
+                 timeout=30, interval=0.2, what="the workers' metrics declared")
+        for p, name, labels in zeros:
+            self.assertEqual(self.metric(p, name, labels), 0, f"{p.name} {name}{labels}")
         base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
                                       for name, p in workers.items()})
         wait_for(lambda: self.prom.poll() is None and self.scraped_after(base, 0), timeout=60,
