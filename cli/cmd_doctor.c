@@ -1307,6 +1307,7 @@ static json_t *find_run(tally_pg_t *pg, const doctor_opts_t *o, int *rc)
     const char *params[1] = {o->value};
     tally_error_t err;
     json_t *found = NULL;
+    tally_error_setc(&err, TALLY_ERR_OOM, "out of memory"); /* what a failed json_pack means */
     if (o->by == BY_RUN) {
         found = json_pack("{s:s, s:s}", "kind", "run", "id", o->value);
     } else if (o->by == BY_EFFECT || o->by == BY_OBLIGATION) {
