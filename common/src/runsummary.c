@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "tally/alert.h"
+#include "tally/registry.h"
 #include "tally/text.h"
 
 static const char *const LIST_NAMES[TALLY_RUNSUM__COUNT] = {
@@ -343,6 +344,16 @@ static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, 
     return false;
 }
 
+/* A read's or an idempotent call's obligation held behind a STUCK later step: the compensator
+ * will mark it SKIPPED, nothing is to be undone and nobody needs to act. */
+static bool nothing_to_undo_when_reached(const json_t *item)
+{
+    tally_effect_class_t cls;
+    const char *name = str(item, "effect_class");
+    return name != NULL && tally_effect_class_parse(name, &cls) &&
+           (cls == TALLY_CLASS_READ || cls == TALLY_CLASS_IDEMPOTENT);
+}
+
 json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_runsum_list_t *list)
 {
     /* Parsed once, here: an obligation state the ledger would refuse counts as not terminal,
@@ -357,7 +368,8 @@ json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_r
     bool effect_known = effect_status != NULL && tally_effect_state_parse(effect_status, &effect);
     tally_runsum_kind_t kind =
         tally_runsum_classify(view, ob_status != NULL ? &ob : NULL, effect_known ? &effect : NULL);
-    *list = tally_runsum_kind_list(kind);
+    bool blocked_read = kind == TALLY_RUNSUM_BLOCKED && nothing_to_undo_when_reached(item);
+    *list = blocked_read ? TALLY_RUNSUM_SKIPPED : tally_runsum_kind_list(kind);
 
     json_t *e = json_object();
     bool ok = e != NULL && set_copy(e, "effect_id", json_object_get(item, "effect_id")) &&
@@ -368,7 +380,14 @@ json_t *tally_runsum_entry(tally_runsum_view_t view, const json_t *item, tally_r
     if (ok && is_copy(item)) {
         ok = set(e, "duplicate_copy", json_true());
     }
-    if (ok) {
+    if (ok && blocked_read) {
+        char text[512];
+        tally_fmt(text, sizeof text,
+                  "nothing to undo (%s): its obligation is marked SKIPPED once the STUCK later "
+                  "step is settled",
+                  str_or(item, "effect_class", "read"));
+        ok = set_text(e, "status", ob_status) && set_text(e, "reason", text);
+    } else if (ok) {
         ok = fill(e, kind, view, item, effect_known ? &effect : NULL);
     }
     if (!ok) {

@@ -435,6 +435,37 @@ static void test_uncompensated_run_after_a_duplicate(void **state)
     json_decref(items);
 }
 
+/* A read (or idempotent call) held behind a STUCK later step needs nobody: skipped, not failed;
+ * a reversible step held the same way still waits for the human. */
+static void test_blocked_read_is_skipped_not_failed(void **state)
+{
+    (void)state;
+    json_t *items = load("[{\"effect_id\":\"e2\",\"step\":\"2\",\"step_is_number\":true,"
+                         "\"tool\":\"charge_card\",\"effect_class\":\"reversible\","
+                         "\"effect_status\":\"CONFIRMED\",\"obligation_id\":\"o2\","
+                         "\"obligation_status\":\"STUCK\",\"error_code\":\"attempts_exhausted\"},"
+                         "{\"effect_id\":\"e1\",\"step\":\"1\",\"step_is_number\":true,"
+                         "\"tool\":\"check_balance\",\"effect_class\":\"read\","
+                         "\"effect_status\":\"CONFIRMED\",\"obligation_id\":\"o1\","
+                         "\"obligation_status\":\"PENDING\"},"
+                         "{\"effect_id\":\"e0\",\"step\":\"0\",\"step_is_number\":true,"
+                         "\"tool\":\"create_hold\",\"effect_class\":\"reversible\","
+                         "\"effect_status\":\"CONFIRMED\",\"obligation_id\":\"o0\","
+                         "\"obligation_status\":\"PENDING\"}]");
+    tally_run_state_t status;
+    json_t *s = tally_runsum_settled("run-b", NULL, items, &status);
+    assert_int_equal(status, TALLY_RUN_STUCK);
+    json_t *failed = json_object_get(s, "failed"), *skipped = json_object_get(s, "skipped");
+    assert_int_equal(json_array_size(failed), 2);
+    assert_string_equal(field(failed, 0, "effect_id"), "e2");
+    assert_string_equal(field(failed, 1, "effect_id"), "e0"); /* reversible: still held */
+    assert_int_equal(json_array_size(skipped), 1);
+    assert_string_equal(field(skipped, 0, "effect_id"), "e1");
+    assert_non_null(strstr(field(skipped, 0, "reason"), "nothing to undo (read)"));
+    json_decref(s);
+    json_decref(items);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -447,6 +478,7 @@ int main(void)
         cmocka_unit_test(test_live_view_of_a_run_under_way),
         cmocka_unit_test(test_views_differ_only_where_the_run_is_unfinished),
         cmocka_unit_test(test_uncompensated_run_after_a_duplicate),
+        cmocka_unit_test(test_blocked_read_is_skipped_not_failed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

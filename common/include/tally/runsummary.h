@@ -103,11 +103,12 @@ tally_runsum_list_t tally_runsum_kind_list(tally_runsum_kind_t k);
  * "receipt", "external_ref", "obligation_id", "obligation_status" (absent or null: none),
  * "status_reason", "error_code", "error_message", "reverse_receipt", "blast_radius",
  * "attempts", and for the SETTLED view "runbook" and "resolve_command" (the page's); optional
- * "obligation_reason" and "kept_ref" (the effect's own external ref). Borrowed.
+ * "effect_class", "obligation_reason" and "kept_ref" (the effect's own external ref). Borrowed.
  *
  * Beyond the table: an obligation of a "duplicate" is an extra copy's, not a compensation of
  * the effect: its entry says so ("duplicate_copy": true, and what became of the copy and of the
- * kept record), and once settled it goes to the duplicates list in the LIVE views.
+ * kept record), and once settled it goes to the duplicates list in the LIVE views. A read or
+ * idempotent effect's obligation held behind a STUCK step (BLOCKED) needs nothing: skipped.
  * @param list receives the list the entry goes to.
  * @returns a new reference, or NULL when out of memory.
  */
