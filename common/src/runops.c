@@ -117,7 +117,7 @@ void tally_comp_decide(const tally_tool_t *tool, const char *tool_name, tally_ef
         } else {
             decided(out, TALLY_COMP_ACT_CONTAIN, "UNCOMPENSATABLE", "append_only",
                     "tool '%s' is append-only: it cannot be undone; the blast radius is recorded "
-                    "and the containment action %s %s runs",
+                    "and its containment action is %s %s",
                     name, tool->contain.method != NULL ? tool->contain.method : "POST",
                     tool->contain.path);
         }

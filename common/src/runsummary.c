@@ -261,6 +261,33 @@ static void copy_reason(tally_runsum_view_t view, const json_t *item, const char
                   : "has its own entry");
 }
 
+/* The containment action's result, as the compensator recorded it in the blast radius:
+ * "; the containment action: done (HTTP 200)", "...: failed: <code>: <message>"; "" when the
+ * reason speaks of no containment action and none was recorded. */
+static void containment_result(const json_t *item, char *out, size_t outsz)
+{
+    const json_t *c = json_object_get(json_object_get(item, "blast_radius"), "containment");
+    const char *why = str(item, "status_reason");
+    out[0] = '\0';
+    if (!json_is_object(c)) {
+        if (why != NULL && strstr(why, "containment action") != NULL &&
+            strstr(why, "no containment") == NULL) {
+            tally_fmt(out, outsz, "; the containment action: no result recorded");
+        }
+        return;
+    }
+    const char *status = str_or(c, "status", "no result recorded");
+    json_int_t http = json_integer_value(json_object_get(c, "http_status"));
+    if (strcmp(status, "done") == 0 && http > 0) {
+        tally_fmt(out, outsz, "; the containment action: done (HTTP %lld)", (long long)http);
+    } else if (strcmp(status, "done") == 0) {
+        tally_fmt(out, outsz, "; the containment action: done");
+    } else {
+        tally_fmt(out, outsz, "; the containment action: %s: %s: %s", status,
+                  str_or(c, "code", "?"), str_or(c, "message", ""));
+    }
+}
+
 /* The kind's own fields, after the ones every entry carries. */
 static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, const json_t *item,
                  const tally_effect_state_t *effect)
@@ -277,9 +304,14 @@ static bool fill(json_t *e, tally_runsum_kind_t kind, tally_runsum_view_t view, 
         }
         return set_copy(e, "reverse_receipt", json_object_get(item, "reverse_receipt")) &&
                set_copy(e, "reason", json_object_get(item, "status_reason"));
-    case TALLY_RUNSUM_IRREVERSIBLE:
+    case TALLY_RUNSUM_IRREVERSIBLE: {
+        char result[800];
+        containment_result(item, result, sizeof result);
+        tally_fmt(text, sizeof text, "%s%s", str_or(item, "status_reason", "uncompensatable"),
+                  result);
         return set_copy(e, "blast_radius", json_object_get(item, "blast_radius")) &&
-               set_copy(e, "reason", json_object_get(item, "status_reason"));
+               set_text(e, "reason", text);
+    }
     case TALLY_RUNSUM_NOTHING_TO_UNDO:
         if (is_copy(item)) {
             char what[512];

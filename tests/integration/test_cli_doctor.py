@@ -407,6 +407,9 @@ class DoctorTest(CliCase):
         self.assertEqual([e["effect_id"] for e in doc["uncompensatable"]], [ids[3]])
         self.assertEqual(doc["uncompensatable"][0]["blast_radius"]["target"]["value"],
                          "ann@example.com")
+        # what its containment action did, from the ledger, not that it "runs"
+        self.assertRegex(doc["uncompensatable"][0]["reason"],
+                         r"; the containment action: done \(HTTP 2\d\d\)$")
         self.assertEqual([e["effect_id"] for e in doc["skipped"]], [ids[2]])
         [failed] = doc["failed"]
         self.assertEqual((failed["effect_id"], failed["error"]["code"]), (ids[1], "stale_state"))

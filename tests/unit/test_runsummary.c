@@ -466,6 +466,53 @@ static void test_blocked_read_is_skipped_not_failed(void **state)
     json_decref(items);
 }
 
+/* An uncompensatable step's reason ends with its containment action's result, as recorded. */
+static void test_uncompensatable_says_what_its_containment_did(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *blast_radius, *ends_with;
+    } cases[] = {
+        {"{\"containment\":{\"status\":\"done\",\"http_status\":202}}",
+         "; the containment action: done (HTTP 202)"},
+        {"{\"containment\":{\"status\":\"failed\",\"code\":\"attempts_exhausted\","
+         "\"message\":\"not confirmed\"}}",
+         "; the containment action: failed: attempts_exhausted: not confirmed"},
+        {"{}", "; the containment action: no result recorded"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char text[1024];
+        snprintf(text, sizeof text,
+                 "{\"effect_id\":\"e3\",\"step\":\"3\",\"tool\":\"send_email\","
+                 "\"effect_status\":\"CONFIRMED\",\"obligation_id\":\"o3\","
+                 "\"obligation_status\":\"UNCOMPENSATABLE\",\"status_reason\":\"append_only: "
+                 "the blast radius is recorded and its containment action is POST /c\","
+                 "\"blast_radius\":%s}",
+                 cases[i].blast_radius);
+        json_t *item = load(text);
+        tally_runsum_list_t list;
+        json_t *e = tally_runsum_entry(TALLY_RUNSUM_SETTLED, item, &list);
+        assert_int_equal(list, TALLY_RUNSUM_UNCOMPENSATABLE);
+        const char *reason = json_string_value(json_object_get(e, "reason"));
+        assert_non_null(strstr(reason, "its containment action is POST /c"));
+        size_t n = strlen(reason), m = strlen(cases[i].ends_with);
+        assert_true(n >= m);
+        assert_string_equal(reason + n - m, cases[i].ends_with);
+        json_decref(e);
+        json_decref(item);
+    }
+    /* no containment action declared: nothing to report */
+    json_t *item = load("{\"effect_id\":\"e3\",\"obligation_id\":\"o3\","
+                        "\"obligation_status\":\"UNCOMPENSATABLE\",\"status_reason\":"
+                        "\"append_only: declares no containment action\",\"blast_radius\":{}}");
+    tally_runsum_list_t list;
+    json_t *e = tally_runsum_entry(TALLY_RUNSUM_SETTLED, item, &list);
+    assert_string_equal(json_string_value(json_object_get(e, "reason")),
+                        "append_only: declares no containment action");
+    json_decref(e);
+    json_decref(item);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -479,6 +526,7 @@ int main(void)
         cmocka_unit_test(test_views_differ_only_where_the_run_is_unfinished),
         cmocka_unit_test(test_uncompensated_run_after_a_duplicate),
         cmocka_unit_test(test_blocked_read_is_skipped_not_failed),
+        cmocka_unit_test(test_uncompensatable_says_what_its_containment_did),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -108,7 +108,9 @@ tally_runsum_list_t tally_runsum_kind_list(tally_runsum_kind_t k);
  * Beyond the table: an obligation of a "duplicate" is an extra copy's, not a compensation of
  * the effect: its entry says so ("duplicate_copy": true, and what became of the copy and of the
  * kept record), and once settled it goes to the duplicates list in the LIVE views. A read or
- * idempotent effect's obligation held behind a STUCK step (BLOCKED) needs nothing: skipped.
+ * idempotent effect's obligation held behind a STUCK step (BLOCKED) needs nothing: skipped. An
+ * uncompensatable entry's reason ends with its containment action's result, as the compensator
+ * recorded it in the blast radius.
  * @param list receives the list the entry goes to.
  * @returns a new reference, or NULL when out of memory.
  */
