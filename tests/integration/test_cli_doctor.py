@@ -343,22 +343,40 @@ class DoctorTest(CliCase):
         self.assertEqual(sorted(c["id"] for c in doc["candidates"]), sorted([a, b]))
         self.assertEqual(sorted(c["command"] for c in doc["candidates"]), sorted(commands))
 
-    def test_doctor_lists_approvals_and_aging_unknowns_with_their_commands(self):
+    def test_doctor_lists_every_kind_of_problem_most_urgent_first(self):
         self.dispatcher()            # no reconciler: the UNKNOWN stays
         run = run_id()
         eid = self.unknown_charge(run, 1)
         confirmed = self.confirmed_charge(run, 2)
         oid = self.obligation(confirmed, "AWAITING_APPROVAL")
+        third = self.confirmed_charge(run, 3)
+        late = self.obligation(third, "PENDING")
+        self.query("UPDATE runs SET compensation_deadline_at = now() - interval '1 minute'"
+                   " WHERE run_id = %s RETURNING 1", (run,))
+        self.query("INSERT INTO alerts (dedup_key, severity, summary, run_id, reason,"
+                   " resolve_command) VALUES (%s, 'warning', 'a page of the run', %s, 'test',"
+                   " %s) RETURNING 1",
+                   (f"test:{run}", run, f'tally resolve --alert test:{run} --reason "<why>"'))
+        finding = str(uuid.uuid4())
+        self.query("INSERT INTO findings (finding_id, kind, tool, external_ref, run_id,"
+                   " effect_id, summary, evidence, found_by) VALUES (%s, 'orphan',"
+                   " 'charge_card', %s, %s, %s, 'an extra charge upstream', '{}', 'test')"
+                   " RETURNING 1", (finding, f"ch-{run}", run, confirmed))
         wait_for(lambda: self.scalar("SELECT now() - unknown_since > interval '1.2 s'"
                                      " FROM effects WHERE effect_id = %s", (eid,)), timeout=10)
         out = self.tally("doctor", "--run", run, env=self.env(TALLY_UNKNOWN_AGE_S="1"))
         self.assertEqual(out.returncode, 0, out.stderr)
         text = out.stdout
-        self.assertLessEqual(len(text.splitlines()), 40, text)
         unknown = text.index("✗ UNKNOWN too long")
         approval = text.index("⚠ awaiting approval")
         self.assertLess(unknown, approval)
-        self.assertLess(approval, text.index("EFFECTS: 2"))
+        deadline = text.index("⚠ past its deadline")
+        alert = text.index("⚠ open alert")
+        found = text.index("⚠ open finding")
+        self.assertLess(approval, deadline)
+        self.assertLess(deadline, alert)
+        self.assertLess(alert, found)
+        self.assertLess(found, text.index("EFFECTS: 3"))
         self.assertIn(f"tally resolve --effect {eid} --as failed", " ".join(
             text[unknown:approval].split()))
         self.assertEqual(commands_in(text, approval),
@@ -367,7 +385,18 @@ class DoctorTest(CliCase):
         out = self.tally("doctor", "--run", run, "--json", env=self.env(TALLY_UNKNOWN_AGE_S="1"))
         doc = json.loads(out.stdout)
         self.assertEqual([(p["kind"], p["id"]) for p in doc["problems"]],
-                         [("unknown_aging", eid), ("approval", oid)])
+                         [("unknown_aging", eid), ("approval", oid), ("deadline_passed", late),
+                          ("alert", f"test:{run}"), ("finding", finding)])
+        self.assertEqual(doc["problems"][3]["commands"],
+                         [f'tally resolve --alert test:{run} --reason "<why>"'])
+        self.assertEqual(commands_in(text, deadline), [f"tally summary --run {run}"])
+        # The finding's command, as printed, closes it.
+        [close] = commands_in(text, found)
+        self.assertTrue(close.startswith(f"tally resolve --finding {finding} --as resolved"))
+        out = self.tally(*shlex.split(close.replace("<what you did>", "refunded"))[1:])
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        rc, doc = self.tally_json("doctor", "--run", run)
+        self.assertNotIn("finding", [p["kind"] for p in doc["problems"]])
         # Under the threshold, an UNKNOWN is no problem yet.
         out = self.tally("doctor", "--run", run, env=self.env(TALLY_UNKNOWN_AGE_S="3600"))
         self.assertNotIn("UNKNOWN too long", out.stdout)
