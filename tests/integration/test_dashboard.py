@@ -8,8 +8,8 @@ PromQL, and that is tested against a real Prometheus:
   built-in; the core panels exist.
 - DashboardQueriesTest: the three workers on the embedded stack with the fake tool; traffic
   that makes each kind of data (confirmed calls, a failed call, an UNKNOWN the reconciler
-  resolves, a STUCK effect, a compensated run, a dead letter); Debian's Prometheus scraping
-  the workers every second. Every metric the dashboard names is on some worker's /metrics;
+  resolves, a STUCK effect, a compensated run, a STUCK obligation, a dead letter); Debian's
+  Prometheus scraping the workers every second. Every metric the dashboard names is on some worker's /metrics;
   every target, with Grafana's variables substituted, is evaluated through /api/v1/query and
   must parse, and the core panels must return data that shows the traffic. The failure names
   the panel and the query. With Debian's chromium installed, the same queries are drawn by
@@ -233,13 +233,18 @@ class DashboardQueriesTest(CliCase):
 
     def drive_traffic(self):
         """Each kind of data the dashboard shows, made by the real workers."""
-        confirmed_run, failing_run, unknown_run, comp_run = (run_id() for _ in range(4))
+        confirmed_run, failing_run, unknown_run, comp_run, stuck_run = (run_id()
+                                                                         for _ in range(5))
         keys = [self.charge(confirmed_run, s)[0] for s in (1, 2, 3)]
         self.fault("error_4xx", key=f"charge_card:t1:{failing_run}-p1", status=422)
         failed_key = self.charge(failing_run, 1)[0]
         self.fault("apply_then_hang", key=f"charge_card:t1:{unknown_run}-p1", delay_ms=3000)
         unknown_key = self.charge(unknown_run, 1)[0]
         comp_key = self.charge(comp_run, 1)[0]
+        # a hold whose release the tool refuses (412): its obligation goes STUCK
+        self.fault("reverse_412", collection="holds", op="reverse", times=-1)
+        self.publish(self.intent(stuck_run, 1, "create_hold", {"hold_id": f"{stuck_run}-h",
+                                                               "amount": 2}))
         self.produce("intents", b"this is not a CloudEvent")           # a dead letter
         stuck_effect, _ = self.stuck_note(run_id())                     # UNKNOWN, then STUCK
         for k in keys:
@@ -247,15 +252,21 @@ class DashboardQueriesTest(CliCase):
         self.wait_status("charge_card", failed_key, "FAILED", timeout=30)
         self.wait_status("charge_card", unknown_key, "CONFIRMED", timeout=40)
         self.wait_status("charge_card", comp_key, "CONFIRMED", timeout=30)
-        self.publish({"specversion": "1.0", "id": run_id(), "source": "tests/" + self.id(),
-                      "type": "tally.compensate_run.v1", "datacontenttype": "application/json",
-                      "data": {"run_id": comp_run, "reason": "the dashboard test"}})
+        self.wait_status("create_hold", f"create_hold:{stuck_run}-h", "CONFIRMED", timeout=30)
+        for run in (comp_run, stuck_run):
+            self.publish({"specversion": "1.0", "id": run_id(), "source": "tests/" + self.id(),
+                          "type": "tally.compensate_run.v1",
+                          "datacontenttype": "application/json",
+                          "data": {"run_id": run, "reason": "the dashboard test"}})
         wait_for(lambda: self.scalar("SELECT status FROM obligations WHERE run_id = %s",
                                      (comp_run,)) == "RESOLVED",
                  timeout=40, what="the compensated run's obligation RESOLVED")
         wait_for(lambda: self.scalar("SELECT status FROM runs WHERE run_id = %s",
                                      (comp_run,)) == "COMPENSATED",
                  timeout=30, what="the run COMPENSATED")
+        wait_for(lambda: self.scalar("SELECT status FROM obligations WHERE run_id = %s",
+                                     (stuck_run,)) == "STUCK",
+                 timeout=40, what="the refused release's obligation STUCK")
         self.assertEqual(self.scalar("SELECT status FROM effects WHERE effect_id = %s",
                                      (stuck_effect,)), "STUCK")
         return stuck_effect
@@ -294,6 +305,7 @@ class DashboardQueriesTest(CliCase):
         # consumer lag every 10 s) show it.
         self.wait_prometheus(base, 'tally_effects{state="STUCK"}')
         self.wait_prometheus(base, "tally_stuck_oldest_age_seconds")
+        self.wait_prometheus(base, "tally_stuck_obligations_oldest_age_seconds")
         self.wait_prometheus(base, "count(tally_kafka_consumer_lag) + 1")
         self.wait_two_scrapes(base)
 
@@ -351,7 +363,8 @@ class DashboardQueriesTest(CliCase):
                        if all(s["metric"].get(k) == v for k, v in labels.items()))
         self.assertEqual(val("STUCK effects"), 1)
         self.assertGreater(val("Oldest STUCK", "A"), 0)
-        self.assertEqual(val("Oldest STUCK", "B"), 0, "no STUCK obligation")
+        self.assertEqual(val("STUCK obligations"), 1)
+        self.assertGreater(val("Oldest STUCK", "B"), 0)
         self.assertEqual(val("UNKNOWN effects"), 0, "the UNKNOWN was resolved")
         self.assertGreater(val("Intake per second, by result", result="created"), 0)
         self.assertGreater(val("Answers per second, by tool and outcome", tool="charge_card",
