@@ -117,6 +117,11 @@ class ConsoleCase(CliCase):
     def tearDown(self):
         super().tearDown()
         shutil.rmtree(self.profile, ignore_errors=True)
+        # an ASan/UBSan build reports at exit, after the processes stopped
+        for p in self.procs:
+            if p.name == "tally-console":
+                for marker in ("AddressSanitizer", "LeakSanitizer", "runtime error:"):
+                    self.assertNotIn(marker, p.log(), f"{p.log_path}")
 
     # --- the console -------------------------------------------------------------------------
 
