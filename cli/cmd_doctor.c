@@ -1,14 +1,13 @@
-/* cmd_doctor.c — one run, read whole: `tally doctor` (what needs a human first, each with the
- * command that handles it, then one line per effect and per obligation; --full adds the timeline
- * of every audit event in order and each row's receipts and bodies, once each) and
- * `tally summary --run R` (the compensation summary of DESIGN §7: what was undone, what cannot
- * be, what was skipped and what waits for a human).
+/* cmd_doctor.c — `tally doctor`: one run, read for the on-call engineer. What needs a human
+ * first, each with the command that handles it, then one line per effect and per obligation;
+ * --full adds the timeline of every audit event in order and each row whole, every receipt and
+ * body once. (`tally summary` is cmd_summary.c.)
  *
  * The doctor finds its run by the run id or by any handle an operator holds: an effect id (the
  * Tally-Effect-Id header a tool saw), an obligation id, an external ref or an operation key.
- * Both verbs read one snapshot (REPEATABLE READ) so the timeline and the rows agree. Rows come
- * out of PostgreSQL as to_jsonb(row): --json gives every column under its own name, and a column
- * added by a later migration appears without a change here. */
+ * It reads one snapshot (REPEATABLE READ) so the timeline and the rows agree. Rows come out of
+ * PostgreSQL as to_jsonb(row): --json gives every column under its own name, and a column added
+ * by a later migration appears without a change here. */
 #include <getopt.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -20,7 +19,6 @@
 #include "tally/cloudevent.h"
 #include "tally/alert.h"
 #include "tally/ledger.h"
-#include "tally/runsummary.h"
 #include "tally/text.h"
 
 /* Data of one timeline event printed in full up to this many bytes (--json has
@@ -74,26 +72,6 @@ static const char USAGE_DOCTOR[] =
     "\n"
     "Exit status: 0 printed; 1 no such run or item, or a --ref/--key that matches several;\n"
     "2 usage error; 3 PostgreSQL could not be reached.\n";
-
-static const char USAGE_SUMMARY[] =
-    "usage: tally summary --run R [--json]\n"
-    "\n"
-    "The run's compensation summary: the one the compensator wrote when it settled the run,\n"
-    "or, while compensation is under way (or the stored one is older than the run's\n"
-    "obligations), one computed from the ledger now. Per effect, last step first:\n"
-    "  " CLI_SYM_OK " compensated      with the reverse call's receipt\n"
-    "  " CLI_SYM_WARN
-    " uncompensatable  with the blast radius (what it reached, when, the receipt)\n"
-    "  " CLI_SYM_SKIP " skipped          with the reason\n"
-    "  " CLI_SYM_FAIL " failed / STUCK   with the error, the original receipt and what to do\n"
-    "and the obligations still in progress.\n"
-    "\n"
-    "  --run R     the run id\n"
-    "  --json      {run_id, run_status, source, summary_status, compensated, uncompensatable,\n"
-    "              skipped, failed, pending, counts}\n"
-    "  -h, --help  this text\n"
-    "\n"
-    "Exit status: 0 printed; 1 no such run; 2 usage error; 3 PostgreSQL could not be reached.\n";
 
 /* ---------------------------------------------------------------------------------------- */
 /* SQL: $1 is the run id everywhere                                                         */
@@ -197,85 +175,8 @@ static const char SQL_FIND_KEY[] =
 static const char SQL_WAITING[] =
     "SELECT to_jsonb(count(*)) FROM message_outbox WHERE msg_key = $1";
 
-/* For the summary: the stored one, and whether it still describes the run — the
- * outcome it was written for is the run's status, and no obligation moved after
- * it was written. */
-static const char SQL_STORED_SUMMARY[] =
-    "SELECT jsonb_build_object('status', r.status, 'status_reason', r.status_reason,"
-    "  'summary', r.summary, 'summary_status', r.summary_status, 'summary_at', r.summary_at,"
-    "  'current', r.summary IS NOT NULL"
-    "    AND (r.summary_status IS NULL OR r.summary_status = r.status)"
-    "    AND (r.summary_at IS NULL OR r.summary_at >= coalesce((SELECT max(o.updated_at)"
-    "      FROM obligations o WHERE o.run_id = r.run_id), r.summary_at)))"
-    " FROM runs r WHERE r.run_id = $1";
-
-/* One item per obligation, and one per effect that has none, last step first:
- * what the compensator's own summary is built from. */
-static const char SQL_SUMMARY_ITEMS[] =
-    "SELECT coalesce(jsonb_agg(x ORDER BY x.ord), '[]') FROM ("
-    " SELECT row_number() OVER (ORDER BY e.step_num IS NULL DESC, e.step_num DESC, e.seq DESC,"
-    "     o.created_at) AS ord,"
-    "   e.effect_id, e.step, " TALLY_SQL_STEP_IS_NUMBER(
-        "e") " AS step_is_number, e.tool, e.effect_class,"
-             "   e.status AS effect_status,"
-             "   CASE WHEN e.error_code IS NULL THEN NULL ELSE jsonb_build_object('code', "
-             "e.error_code,"
-             "     'message', e.error_message) END AS effect_error,"
-             "   coalesce(o.receipt, e.receipt) AS receipt,"
-             "   coalesce(o.external_ref, e.external_ref) AS external_ref,"
-             "   o.obligation_id, o.status AS obligation_status, o.reason AS obligation_reason,"
-             "   o.status_reason, o.reverse_receipt, o.blast_radius, o.error_code, o.error_message,"
-             "   o.attempts"
-             " FROM effects e LEFT JOIN obligations o ON o.effect_id = e.effect_id"
-             " WHERE e.run_id = $1) x";
-
 /* ---------------------------------------------------------------------------------------- */
 /* Shared                                                                                   */
-
-typedef struct run_opts {
-    const char *verb;
-    const char *run;
-    bool as_json;
-} run_opts_t;
-
-/* Parse the options and connect. @returns the connection, or NULL with *@p rc the exit code
- * (--help, a usage error, PostgreSQL out of reach). */
-static tally_pg_t *open_run(run_opts_t *o, const char *usage, int argc, char **argv,
-                            const tally_config_t *cfg, int *rc)
-{
-    static const struct option opts[] = {
-        {"run", required_argument, NULL, 'r'},
-        {"json", no_argument, NULL, 'j'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
-    };
-    int c;
-    cli_options_begin();
-    while ((c = cli_next_option(o->verb, usage, argc, argv, opts, rc)) != -1) {
-        switch (c) {
-        case 'r':
-            o->run = optarg;
-            break;
-        case 'j':
-            o->as_json = true;
-            break;
-        }
-    }
-    if (*rc >= 0)
-        return NULL;
-    if (o->run == NULL) {
-        *rc = cli_usage_error(o->verb, "--run R is required");
-        return NULL;
-    }
-    if (!cli_check_text(o->verb, "--run", o->run)) {
-        *rc = CLI_EXIT_USAGE;
-        return NULL;
-    }
-    tally_pg_t *pg = cli_connect(o->verb, cfg);
-    if (pg == NULL)
-        *rc = CLI_EXIT_INFRA;
-    return pg;
-}
 
 /* "HH:MM:SS.mmm" of an ISO timestamp as PostgreSQL writes it in UTC. */
 static void clock_of(const char *iso, char *out, size_t outsz)
@@ -397,24 +298,6 @@ static bool alert_open(const json_t *alert)
     tally_alert_state_t st;
     return tally_alert_state_parse(cli_str(alert, "status", ""), &st) &&
            st == TALLY_ALERT_TRIGGERED;
-}
-
-/* Whether a run in status @p status (its name) was ever asked to compensate: not while it is
- * ACTIVE, CANCELLED (without compensation) or completing; an unknown status counts as asked. */
-static bool compensation_asked(const char *status)
-{
-    tally_run_state_t rs;
-    if (status == NULL || !tally_run_state_parse(status, &rs))
-        return true;
-    switch (rs) {
-    case TALLY_RUN_ACTIVE:
-    case TALLY_RUN_CANCELLED:
-    case TALLY_RUN_COMPLETING:
-    case TALLY_RUN_COMPLETED:
-        return false;
-    default:
-        return true;
-    }
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -1485,236 +1368,6 @@ out:
     json_decref(alerts);
     json_decref(findings);
     json_decref(waiting);
-    tally_pg_free(pg);
-    return rc;
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* summary                                                                                  */
-
-/* The summary document: the stored one's lists, or the LIVE view of @p items (runsummary.h). */
-static json_t *build_summary(const char *run_id, const json_t *stored, const json_t *items)
-{
-    const json_t *summary = json_object_get(stored, "summary");
-    bool use_stored =
-        json_is_true(json_object_get(stored, "current")) && !is_completion_summary(summary);
-    json_t *doc = json_pack("{s:s, s:O, s:O, s:s, s:O?, s:O?}", "run_id", run_id, "run_status",
-                            json_object_get(stored, "status"), "run_reason",
-                            json_object_get(stored, "status_reason")
-                                ? json_object_get(stored, "status_reason")
-                                : json_null(),
-                            "source", use_stored ? "compensator" : "ledger", "summary_status",
-                            json_object_get(stored, "summary_status"), "summary_at",
-                            json_object_get(stored, "summary_at"));
-    if (doc == NULL)
-        return NULL;
-    json_t *lists[TALLY_RUNSUM__COUNT]; /* borrowed from doc */
-    bool ok = true;
-    for (int l = 0; ok && l < TALLY_RUNSUM__COUNT; l++) {
-        const char *name = tally_runsum_list_name((tally_runsum_list_t)l);
-        const json_t *from = use_stored ? json_object_get(summary, name) : NULL;
-        lists[l] = json_is_array(from) ? json_deep_copy(from) : json_array();
-        ok = lists[l] != NULL && json_object_set_new(doc, name, lists[l]) == 0;
-    }
-    if (ok && !use_stored)
-        ok = tally_runsum_sort(TALLY_RUNSUM_LIVE, items, lists);
-    json_t *counts = json_object();
-    ok = ok && counts != NULL;
-    for (int l = 0; ok && l < TALLY_RUNSUM__COUNT; l++)
-        ok = json_object_set_new(counts, tally_runsum_list_name((tally_runsum_list_t)l),
-                                 json_integer((json_int_t)json_array_size(lists[l]))) == 0;
-    if (ok) {
-        ok = json_object_set_new(doc, "counts", counts) == 0; /* takes counts */
-        counts = NULL;
-    }
-    json_decref(counts);
-    if (!ok) {
-        json_decref(doc);
-        return NULL;
-    }
-    return doc;
-}
-
-/* An action_required text: the words, then the commands to copy when they end the text (this
- * file's summaries and the compensator's "...; then settle it: tally resolve ..."); a command
- * in the middle of a sentence stays in the sentence. */
-static void print_action(const char *action)
-{
-    const char *cmd = strstr(action, "tally resolve");
-    if (cmd == NULL || strchr(cmd, ';') != NULL) {
-        cli_field(stdout, 6, 13, "action", action);
-        return;
-    }
-    size_t len = (size_t)(cmd - action);
-    while (len > 0 && (action[len - 1] == ' ' || action[len - 1] == '\n'))
-        len--;
-    char what[1024];
-    char *slice = strndup(action, len);
-    tally_text_copy(what, sizeof what, slice != NULL ? slice : action); /* may be a tool's text */
-    free(slice);
-    cli_field(stdout, 6, 13, "action", what);
-    cli_print_command(stdout, cmd, 8);
-}
-
-/* One entry: the symbol, the step and tool, then its details. */
-static void print_entry(const char *sym, const json_t *e, tally_runsum_list_t list)
-{
-    char line[1024];
-    const json_t *step = json_object_get(e, "step");
-    char step_text[128];
-    if (json_is_integer(step))
-        snprintf(step_text, sizeof step_text, "%lld", (long long)json_integer_value(step));
-    else
-        snprintf(step_text, sizeof step_text, "%s",
-                 json_string_value(step) ? json_string_value(step) : "?");
-    snprintf(line, sizeof line, "%s step %s  %s%s%s", sym, step_text, cli_str(e, "tool", "?"),
-             cli_str(e, "status", NULL) ? "  " : "", cli_str(e, "status", ""));
-    printf("  ");
-    cli_wrap(stdout, line, 2, 6);
-    field_member(e, "effect_id", "effect", 6);
-    field_member(e, "external_ref", "external ref", 6);
-    switch (list) {
-    case TALLY_RUNSUM_COMPENSATED:
-        field_member(e, "reverse_receipt", "reverse rcpt", 6);
-        field_member(e, "reason", "how", 6);
-        return;
-    case TALLY_RUNSUM_UNCOMPENSATABLE: {
-        const json_t *br = json_object_get(e, "blast_radius");
-        const json_t *target = json_object_get(br, "target");
-        if (json_is_object(target)) {
-            char *value = member_text(target, "value");
-            snprintf(line, sizeof line, "%s = %s", cli_str(target, "field", "?"),
-                     value != NULL ? value : "?");
-            free(value);
-            cli_field(stdout, 6, 13, "reached", line);
-        }
-        field_member(br, "time", "happened at", 6);
-        field_member(br, "receipt", "receipt", 6);
-        field_member(br, "args", "args", 6);
-        field_member(e, "reason", "why", 6);
-        return;
-    }
-    case TALLY_RUNSUM_SKIPPED:
-    case TALLY_RUNSUM_PENDING:
-        field_member(e, "reason", "reason", 6);
-        return;
-    case TALLY_RUNSUM_FAILED:
-    case TALLY_RUNSUM__COUNT:
-        break;
-    }
-    const json_t *err = json_object_get(e, "error");
-    if (json_is_object(err)) {
-        snprintf(line, sizeof line, "%s: %s", cli_str(err, "code", "?"),
-                 cli_str(err, "message", ""));
-        cli_field(stdout, 6, 13, "error", line);
-    }
-    field_member(e, "receipt", "receipt", 6);
-    const char *action = cli_str(e, "action_required", NULL);
-    if (action != NULL)
-        print_action(action);
-}
-
-static bool print_summary(const json_t *doc)
-{
-    static const struct {
-        tally_runsum_list_t list;
-        const char *sym, *title;
-    } SECTIONS[] = {
-        {TALLY_RUNSUM_COMPENSATED, CLI_SYM_OK, "compensated"},
-        {TALLY_RUNSUM_UNCOMPENSATABLE, CLI_SYM_WARN, "uncompensatable"},
-        {TALLY_RUNSUM_SKIPPED, CLI_SYM_SKIP, "skipped"},
-        {TALLY_RUNSUM_FAILED, CLI_SYM_FAIL, "failed / STUCK: action required"},
-        {TALLY_RUNSUM_PENDING, "…", "in progress"},
-    };
-    char line[1024];
-    const char *source = cli_str(doc, "source", "ledger");
-    snprintf(line, sizeof line, "COMPENSATION SUMMARY of run %s: %s", cli_str(doc, "run_id", "?"),
-             cli_str(doc, "run_status", "?"));
-    cli_wrap(stdout, line, 0, 2);
-    if (cli_str(doc, "run_reason", NULL) != NULL)
-        cli_field(stdout, 2, 8, "reason", cli_str(doc, "run_reason", NULL));
-    if (strcmp(source, "compensator") == 0) {
-        char at[48];
-        date_of(cli_str(doc, "summary_at", NULL), at, sizeof at);
-        snprintf(line, sizeof line, "written by the compensator%s%s",
-                 cli_str(doc, "summary_at", NULL) ? " at " : "",
-                 cli_str(doc, "summary_at", NULL) ? at : "");
-    } else {
-        snprintf(
-            line, sizeof line,
-            "computed from the ledger now (the compensator writes its own once the run settles)");
-    }
-    cli_field(stdout, 2, 8, "source", line);
-    if (!compensation_asked(cli_str(doc, "run_status", NULL)) &&
-        json_array_size(json_object_get(doc, "compensated")) == 0 &&
-        json_array_size(json_object_get(doc, "uncompensatable")) == 0) {
-        snprintf(line, sizeof line,
-                 "no compensation was asked for this run; `tally compensate --run %s "
-                 "--dry-run` shows what it would do",
-                 cli_str(doc, "run_id", "?"));
-        cli_field(stdout, 2, 8, "note", line);
-    }
-
-    size_t total = 0;
-    for (size_t s = 0; s < sizeof SECTIONS / sizeof SECTIONS[0]; s++) {
-        const json_t *list = json_object_get(doc, tally_runsum_list_name(SECTIONS[s].list));
-        total += json_array_size(list);
-        if (json_array_size(list) == 0)
-            continue;
-        printf("\n%s %s: %zu\n", SECTIONS[s].sym, SECTIONS[s].title, json_array_size(list));
-        size_t i;
-        json_t *e;
-        json_array_foreach(list, i, e)
-        {
-            print_entry(SECTIONS[s].sym, e, SECTIONS[s].list);
-        }
-    }
-    if (total == 0)
-        printf("\nThe run has no effects.\n");
-    return fflush(stdout) == 0;
-}
-
-int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg)
-{
-    run_opts_t o = {.verb = "summary"};
-    int rc;
-    tally_pg_t *pg = open_run(&o, USAGE_SUMMARY, argc, argv, cfg, &rc);
-    if (pg == NULL)
-        return rc;
-    const char *params[1] = {o.run};
-    tally_error_t err;
-    json_t *stored = NULL, *items = NULL, *doc = NULL;
-    if (!cli_begin_snapshot(pg, &err)) {
-        rc = cli_pg_fail(o.verb, "cannot read the ledger", &err);
-        goto out;
-    }
-    PGresult *res = tally_pg_exec(pg, SQL_STORED_SUMMARY, 1, params, &err);
-    if (res == NULL) {
-        rc = cli_pg_fail(o.verb, "cannot read the run", &err);
-        goto out;
-    }
-    if (PQntuples(res) == 0) {
-        PQclear(res);
-        fprintf(stderr, "tally summary: no run '%s' in this ledger\n", o.run);
-        rc = CLI_EXIT_REFUSED;
-        goto out;
-    }
-    stored = json_loads(PQgetvalue(res, 0, 0), 0, NULL);
-    PQclear(res);
-    if (stored == NULL ||
-        (items = cli_query_json(pg, SQL_SUMMARY_ITEMS, 1, params, &err)) == NULL) {
-        if (stored == NULL)
-            tally_error_setc(&err, TALLY_ERR_JSON, "the run row did not read back as JSON");
-        rc = cli_pg_fail(o.verb, "cannot read the run's obligations", &err);
-        goto out;
-    }
-    tally_pg_rollback(pg);
-    doc = build_summary(o.run, stored, items);
-    rc = cli_print_report(o.verb, doc, o.as_json, print_summary);
-out:
-    json_decref(doc);
-    json_decref(items);
-    json_decref(stored);
     tally_pg_free(pg);
     return rc;
 }
