@@ -464,6 +464,17 @@ class ConsoleTest(ConsoleCase):
         self.assertEqual(proc.terminate(), 0)
 
     def test_a_non_loopback_address_needs_listen(self):
+        # `tally --help` lists it; its own --help says how it reads; no database: exit 3
+        out = self.tally("--help")
+        self.assertIn("console", out.stdout)
+        out = self.tally("console", "--help")
+        self.assertEqual(out.returncode, 0)
+        self.assertIn("TALLY_PG_READER", out.stdout)
+        self.assertIn("READ ONLY", out.stdout)
+        out = subprocess.run([binary("tally"), "console", "--listen", "127.0.0.1:0"],
+                             env=self.env(TALLY_PG="host=/nonexistent dbname=x"),
+                             capture_output=True, text=True, timeout=30)
+        self.assertEqual(out.returncode, 3, out.stderr)
         env = self.env(TALLY_PG_READER=self.pg_as("reader"),
                        TALLY_CONSOLE_ADDR=f"0.0.0.0:{free_port()}")
         out = subprocess.run([binary("tally"), "console"], env=env, capture_output=True,
