@@ -22,7 +22,6 @@ int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg);         /* cmd_de
 int tally_cmd_config(int argc, char **argv, tally_config_t *cfg);      /* main.c */
 int tally_cmd_status(int argc, char **argv, tally_config_t *cfg);      /* cmd_status.c */
 int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg);      /* cmd_doctor.c */
-int tally_cmd_summary(int argc, char **argv, tally_config_t *cfg);     /* cmd_doctor.c */
 int tally_cmd_run_summary(int argc, char **argv, tally_config_t *cfg); /* cmd_summary.c */
 int tally_cmd_resolve(int argc, char **argv, tally_config_t *cfg);     /* cmd_resolve.c */
 int tally_cmd_approve(int argc, char **argv, tally_config_t *cfg);     /* cmd_resolve.c */

@@ -37,7 +37,7 @@ static const cli_verb_t verbs[] = {
     {"status", tally_cmd_status,
      "what needs a human: STUCK, aging UNKNOWN, approvals, alerts, counts"},
     {"console", tally_cmd_console, "serve the read-only web console: runs, timelines, queues"},
-    {"doctor", tally_cmd_doctor, "one run's whole timeline, effects, obligations and alerts"},
+    {"doctor", tally_cmd_doctor, "one run: its problems with their commands, its effects, --full"},
     {"verify", tally_cmd_verify, "the ledger's invariants, and with --tools the tools' records"},
     {"summary", tally_cmd_run_summary, "one run's compensation summary"},
     {"resolve", tally_cmd_resolve, "settle an UNKNOWN/STUCK effect or obligation, or a finding"},
