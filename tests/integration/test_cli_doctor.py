@@ -238,6 +238,14 @@ class DoctorTest(CliCase):
         out = self.tally("doctor", "--run", run)
         self.assertLessEqual(len(out.stdout.splitlines()), 40, out.stdout)
         self.assertIn("OBLIGATIONS: 3, in compensation order", out.stdout)
+        # --full prints each receipt once: on its effect, not again on its obligation or as
+        # the connector call's answer.
+        full = self.tally("doctor", "--run", run, "--full").stdout
+        self.assertEqual(full.count(f'"idempotency_key": "charge_card:t1:{run}-p1"'), 1, full)
+        self.assertEqual(full.count("receipt        its effect's (above)"), 3, full)
+        rc, doc = self.tally_json("doctor", "--run", run)
+        self.assertEqual([("receipt" in o, o["receipt_same_as_effect"])
+                          for o in doc["obligations"]], [(False, True)] * 3)
 
         # Every id whole on one line, at any width; lines fit unless one word is wider.
         ids = [first, second, third] + obligations
