@@ -9,11 +9,12 @@ PromQL, and that is tested against a real Prometheus:
 - DashboardQueriesTest: the three workers on the embedded stack with the fake tool; traffic
   that makes each kind of data (confirmed calls, a failed call, an UNKNOWN the reconciler
   resolves, a STUCK effect, a compensated run, a STUCK obligation, a dead letter); Debian's
-  Prometheus scraping the workers every second. Every metric the dashboard names is on some worker's /metrics;
-  every target, with Grafana's variables substituted, is evaluated through /api/v1/query and
-  must parse, and the core panels must return data that shows the traffic. The failure names
-  the panel and the query. With Debian's chromium installed, the same queries are drawn by
-  Prometheus' own graph page and screenshotted into $TALLY_BUILD_DIR/artifacts/dashboard/.
+  Prometheus scraping the workers every second. Every metric the dashboard names is on some
+  worker's /metrics, the tool variable lists the tools; every target, with Grafana's
+  variables substituted, is evaluated through /api/v1/query and must parse, and the core
+  panels must return data that shows the traffic. A failure names the panel and the query.
+  With Debian's chromium installed, the core panels' queries are drawn by Prometheus' own
+  graph page and screenshotted into $TALLY_BUILD_DIR/artifacts/dashboard/.
 """
 
 import calendar
@@ -331,6 +332,19 @@ class DashboardQueriesTest(CliCase):
         unknown = sorted(f"{n} (panel {title!r})" for n, title in used if n not in exported)
         self.assertFalse(unknown, "the dashboard reads metrics no worker exports: " +
                          ", ".join(unknown))
+
+        # The query variables' values (Grafana's label_values(metric, label)) exist.
+        options = {}
+        for v in dash["templating"]["list"]:
+            if v["type"] != "query":
+                continue
+            m = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", v["query"])
+            self.assertTrue(m, f"variable {v['name']}: {v['query']}")
+            options[v["name"]] = self.http_json(
+                f"{base}/api/v1/label/{m.group(2)}/values?" +
+                urllib.parse.urlencode({"match[]": m.group(1)}))["data"]
+            self.assertTrue(options[v["name"]], f"variable {v['name']} has no values")
+        self.assertIn("charge_card", options["tool"])
 
         # Every target parses and runs; the core panels have data.
         values = dict(variables(dash), **BUILTINS)
