@@ -479,8 +479,12 @@ static void print_event(const json_t *ev, const json_t *effects, const json_t *o
             size_t cut = EVENT_DATA_MAX;
             while (cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80)
                 cut--;
-            snprintf(text + cut, strlen(text) + 1 - cut, " …(%zu bytes; --json has it all)",
-                     strlen(text));
+            char *whole = text;
+            /* lint: slice (a prefix cut on a character boundary just above) */
+            if (asprintf(&text, "%.*s …(%zu bytes; --full --json has it all)", (int)cut, whole,
+                         strlen(whole)) < 0)
+                text = NULL;
+            free(whole);
         }
         printf("    ");
         cli_wrap(stdout, text != NULL ? text : "(out of memory)", 4, 6);

@@ -152,6 +152,8 @@ class DoctorTest(CliCase):
                  timeout=30, what="the replay's and the conflict's events")
         oid = self.obligation(effect, "RESOLVED")
         self.audit(None, None, oid, "operator", None, None, "ivy", "checked upstream by hand")
+        self.audit(run, None, None, "operator", None, None, "ivy", "a long note",
+                   {"note": "wörd " * 600})  # 3,000 characters: cut in the text, whole in JSON
 
         expected = self.query(
             "SELECT event_id::text, kind, run_id FROM events WHERE run_id = %s"
@@ -163,9 +165,12 @@ class DoctorTest(CliCase):
         self.assertEqual(rc, 0)
         self.assertEqual([(e["event_id"], e["kind"], e["run_id"]) for e in doc["events"]],
                          [tuple(e) for e in expected])
+        self.assertIn({"note": "wörd " * 600}, [e["data"] for e in doc["events"]])
         out = self.tally("doctor", "--run", run, "--full")
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("checked upstream by hand", out.stdout)
+        self.assertRegex(" ".join(out.stdout.split()),
+                         r'\{"note": "(wörd )+\w* …\(\d+ bytes; --full --json has it all\)')
         # The other run's timeline has the two events under its own id.
         rc, doc = self.tally_json("doctor", "--run", other, "--full")
         self.assertEqual(rc, 0)
