@@ -195,7 +195,7 @@ static char *approval_command(const char *what, const char *id)
     char *out = NULL;
     if (asprintf(&out,
                  "tally approve --%s %s --reason \"<why>\"  # let it go ahead\n"
-                 "tally deny --%s %s --reason \"<why>\"  # never do it",
+                 "tally deny --%s %s --reason \"<why>\"  # refuse it",
                  what, id, what, id) < 0)
         return NULL;
     return out;

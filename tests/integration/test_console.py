@@ -281,7 +281,7 @@ class ConsoleTest(ConsoleCase):
         it = self.item(dom, "queue-approvals", gated)
         self.assertEqual(self.copy_target(it),
                          f'tally approve --effect {gated} --reason "<why>"  # let it go ahead\n'
-                         f'tally deny --effect {gated} --reason "<why>"  # never do it')
+                         f'tally deny --effect {gated} --reason "<why>"  # refuse it')
         self.assertIn("STUCK: 1", dom.find(id="queue-stuck").find("h2").text())
         self.assertIn("Awaiting approval: 1", dom.find(id="queue-approvals").find("h2").text())
 
