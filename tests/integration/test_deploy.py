@@ -1002,7 +1002,7 @@ class RealPrometheusTest(tallytest.TallyCase):
         wait_for(targets_up, timeout=60, interval=0.5, what="all three workers scraped")
 
         # Metadata (# HELP / # TYPE) is known per target even for a labelled family that has
-        # no series yet, e.g. tally_dlq_total before the first dead letter.
+        # no series yet, e.g. tally_dispatcher_db_errors_total before the first failed stage.
         def metadata(job):
             sel = urllib.parse.quote(f'{{job="{job}"}}')
             data = self.http_json(f"{base}/api/v1/targets/metadata?match_target={sel}")["data"]
