@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 #include <microhttpd.h>
@@ -395,6 +396,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
         }
     }
 
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     size_t slot;
     rq.pg = pool_take(pool, &slot);
     tally_error_t err;
@@ -409,6 +412,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
         tally_pg_rollback(rq.pg); /* it read; there is nothing to commit */
     }
     pool_give(pool, slot);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    if (rq.status >= 500)
+        TALLY_WARN("console: %s %s: %u in %.1f ms", method, url, rq.status, ms);
+    else
+        TALLY_DEBUG("console: %s %s: %u in %.1f ms", method, url, rq.status, ms);
     enum MHD_Result ret = send_page(conn, &rq);
     free(rq.location);
     return ret;
