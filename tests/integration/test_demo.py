@@ -161,6 +161,24 @@ class DemoStoryTest(TallyCase):
         st = self.cli("status")
         self.assertEqual(st.returncode, 0, st.stdout + st.stderr)
 
+        # 7. each run's `tally doctor` fits a screen (40 lines) at 80 columns, and every id of
+        # its effects and obligations is whole on one line, whatever the width
+        for name, rid in run.items():
+            ids = [r[0] for r in self.query(
+                "SELECT effect_id::text FROM effects WHERE run_id = %s UNION ALL"
+                " SELECT obligation_id::text FROM obligations WHERE run_id = %s", (rid, rid))]
+            self.assertTrue(ids, name)
+            for width in ("40", "80", "200"):
+                doc = self.cli("doctor", "--run", rid, env=self.env(COLUMNS=width))
+                self.assertEqual(doc.returncode, 0, doc.stdout + doc.stderr)
+                lines = doc.stdout.splitlines()
+                if width == "80":
+                    self.assertLessEqual(len(lines), 40, f"doctor of {name}:\n" + doc.stdout)
+                for i in ids:
+                    self.assertTrue(any(i in line for line in lines),
+                                    f"{i} is not whole on a line of doctor of {name} at "
+                                    f"{width} columns:\n" + doc.stdout)
+
         check_invariants(self, fake_url=fake_url, allow_duplicates=True,
                          obligations_settled=True)
 
