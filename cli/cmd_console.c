@@ -502,7 +502,7 @@ int tally_cmd_console(int argc, char **argv, tally_config_t *cfg)
     bool explicit_listen = listen != NULL;
     const char *addr = listen;
     if (addr == NULL)
-        addr = getenv("TALLY_CONSOLE_ADDR");
+        addr = cfg->console_addr;
     if (addr == NULL || addr[0] == '\0')
         addr = DEFAULT_ADDR;
 

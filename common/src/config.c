@@ -78,6 +78,8 @@ static const param_t params[] = {
     CHECKED(console_url, "TALLY_CONSOLE_URL", check_console_url,
             "where operators reach `tally console` (https://host/console, behind its proxy): "
             "every alert and page links to <it>/runs/<run id>; empty: no link"),
+    STR(console_addr, "TALLY_CONSOLE_ADDR", "127.0.0.1:8089", NULL, NULL,
+        "host:port `tally console` listens on unless --listen says; a loopback one only"),
     STR(reply_prefix, "TALLY_REPLY_TOPIC_PREFIX", "", NULL, "<TALLY_TOPIC_PREFIX>replies.",
         "reply topics named by intents must start with this (docs/agent-protocol.md)"),
     STR(master_key, "TALLY_MASTER_KEY", "", NULL, NULL,

@@ -39,6 +39,8 @@ typedef struct tally_config {
     char *console_url;       /**< TALLY_CONSOLE_URL: where operators reach `tally console`
                                   (http:// or https://, checked); every alert and page links to
                                   <it>/runs/<run id> (alert.h); "" for no link */
+    char *console_addr;      /**< TALLY_CONSOLE_ADDR: where `tally console` listens unless
+                                  --listen says; a loopback address (cmd_console.c) */
     char *reply_prefix;      /**< TALLY_REPLY_TOPIC_PREFIX: reply topics must start with it;
                                   "" means "<topic_prefix>replies." (tally_config_reply_prefix) */
     char *master_key;        /**< TALLY_MASTER_KEY: "ID:BASE64[,ID:BASE64]" master keys (seal.h) */
