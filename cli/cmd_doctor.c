@@ -884,9 +884,24 @@ static void print_header(const json_t *doc)
     const json_t *counts = json_object_get(doc, "counts");
     char line[1024], created[48], age[32], states[512];
 
-    snprintf(line, sizeof line, "RUN %s  %s%s%s", cli_str(run, "run_id", "?"),
-             cli_str(run, "status", "?"), cli_str(run, "status_reason", NULL) ? ": " : "",
-             cli_str(run, "status_reason", ""));
+    int at = snprintf(line, sizeof line, "RUN %s  %s%s%s", cli_str(run, "run_id", "?"),
+                      cli_str(run, "status", "?"), cli_str(run, "status_reason", NULL) ? ": " : "",
+                      cli_str(run, "status_reason", ""));
+    tally_run_state_t rs;
+    size_t open = 0, i, moving = 0, total = json_array_size(effects);
+    json_t *row;
+    json_array_foreach(effects, i, row)
+    {
+        tally_effect_state_t st;
+        moving += !effect_state(row, &st) || st == TALLY_EFFECT_AWAITING_APPROVAL ||
+                  st == TALLY_EFFECT_STUCK || in_flight(row);
+    }
+    /* an ACTIVE run whose work is over (nothing in flight, waiting or STUCK) must not read as one
+     * still going */
+    if (run_state(run, &rs) && rs == TALLY_RUN_ACTIVE && total > 0 && moving == 0 && at > 0 &&
+        (size_t)at < sizeof line)
+        tally_fmt(line + at, sizeof line - (size_t)at, " · %s %zu effect%s settled, not completed",
+                  total == 1 ? "its" : "all", total, total == 1 ? "" : "s");
     cli_wrap(stdout, line, 0, 2);
     date_of(cli_str(run, "created_at", NULL), created, sizeof created);
     cli_age(cli_num(run, "updated_age_s", -1), age, sizeof age);
@@ -896,8 +911,6 @@ static void print_header(const json_t *doc)
         cli_field(stdout, 2, 13, "tenant", cli_str(run, "tenant", NULL));
     if (cli_str(run, "compensation_deadline_at", NULL) != NULL) /* compensate_run deadline_ms */
         cli_field(stdout, 2, 13, "deadline", cli_str(run, "compensation_deadline_at", NULL));
-    size_t open = 0, i;
-    json_t *row;
     json_array_foreach(alerts, i, row)
     {
         open += alert_open(row);

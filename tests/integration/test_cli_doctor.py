@@ -194,6 +194,7 @@ class DoctorTest(CliCase):
         lines = text.splitlines()
         self.assertLessEqual(len(lines), 40, text)
         self.assertTrue(lines[0].startswith(f"RUN {run}  ACTIVE"), text)
+        self.assertNotIn("settled", lines[0])  # a STUCK effect waits for a human
         # The problem first, with the commands that handle it; then one line per effect.
         problems, effects = text.index("PROBLEMS: 1"), text.index("EFFECTS: 3")
         self.assertLess(problems, effects)
@@ -233,6 +234,9 @@ class DoctorTest(CliCase):
         out = self.tally("doctor", "--run", run)
         self.assertIn("PROBLEMS: none", out.stdout)
         self.assertIn(f"ref {record['id']}", out.stdout)
+        # ACTIVE, as the ledger has it, but its work is over: the header says so
+        self.assertEqual(out.stdout.splitlines()[0],
+                         f"RUN {run}  ACTIVE · all 3 effects settled, not completed", out.stdout)
 
         # Compensation asked: one line per obligation too, still a screen.
         out = self.tally("compensate", "--run", run, "--reason", "roll back")
