@@ -587,58 +587,6 @@ void cli_json_block(FILE *out, const json_t *v, size_t indent)
     free(text);
 }
 
-/* A JSON string: '"', '\\' and the control characters escaped, everything else (UTF-8
- * included) as it is, as jansson writes it. */
-static void json_put_string(tally_strbuf_t *b, const char *s, size_t len)
-{
-    static const char hex[] = "0123456789abcdef";
-    tally_strbuf_putc(b, '"');
-    size_t run = 0;
-    for (size_t i = 0; i < len; i++) {
-        unsigned char c = (unsigned char)s[i];
-        const char *esc = NULL;
-        char u[7];
-        switch (c) {
-        case '"':
-            esc = "\\\"";
-            break;
-        case '\\':
-            esc = "\\\\";
-            break;
-        case '\n':
-            esc = "\\n";
-            break;
-        case '\t':
-            esc = "\\t";
-            break;
-        case '\r':
-            esc = "\\r";
-            break;
-        case '\b':
-            esc = "\\b";
-            break;
-        case '\f':
-            esc = "\\f";
-            break;
-        default:
-            if (c < 0x20) {
-                memcpy(u, "\\u00", 4);
-                u[4] = hex[c >> 4];
-                u[5] = hex[c & 0xf];
-                u[6] = '\0';
-                esc = u;
-            }
-        }
-        if (esc == NULL)
-            continue;
-        tally_strbuf_put(b, s + run, i - run);
-        tally_strbuf_puts(b, esc);
-        run = i + 1;
-    }
-    tally_strbuf_put(b, s + run, len - run);
-    tally_strbuf_putc(b, '"');
-}
-
 static void json_newline(tally_strbuf_t *b, cli_json_style_t style, size_t depth)
 {
     if (style != CLI_JSON_INDENT2)
@@ -658,7 +606,6 @@ static void json_put(tally_strbuf_t *b, const json_t *v, cli_json_style_t style,
 {
     const char *sep = style == CLI_JSON_COMPACT ? "," : style == CLI_JSON_LINE ? ", " : ",";
     const char *colon = style == CLI_JSON_COMPACT ? ":" : ": ";
-    char num[48];
     if (depth > 2048) { /* deeper than jansson parses: a built value gone wrong */
         b->failed = true;
         return;
@@ -688,7 +635,7 @@ static void json_put(tally_strbuf_t *b, const json_t *v, cli_json_style_t style,
             if (i > 0)
                 tally_strbuf_puts(b, sep);
             json_newline(b, style, depth + 1);
-            json_put_string(b, keys[i], strlen(keys[i]));
+            tally_json_put_string(b, keys[i], strlen(keys[i]));
             tally_strbuf_puts(b, colon);
             json_put(b, json_object_get(v, keys[i]), style, sort, depth + 1);
         }
@@ -712,31 +659,10 @@ static void json_put(tally_strbuf_t *b, const json_t *v, cli_json_style_t style,
         json_newline(b, style, depth);
         tally_strbuf_putc(b, ']');
         return;
-    case JSON_STRING:
-        json_put_string(b, json_string_value(v), json_string_length(v));
-        return;
-    case JSON_INTEGER:
-        snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        tally_strbuf_puts(b, num);
-        return;
-    case JSON_REAL:
-        if (!cli_format_real(json_real_value(v), num, sizeof num)) {
-            b->failed = true;
-            return;
-        }
-        tally_strbuf_puts(b, num);
-        return;
-    case JSON_TRUE:
-        tally_strbuf_puts(b, "true");
-        return;
-    case JSON_FALSE:
-        tally_strbuf_puts(b, "false");
-        return;
-    case JSON_NULL:
-        tally_strbuf_puts(b, "null");
+    default:
+        tally_json_put_scalar(b, v);
         return;
     }
-    b->failed = true;
 }
 
 char *cli_json_dumps(const json_t *v, cli_json_style_t style, bool sort_keys)

@@ -30,7 +30,7 @@
 /* jansson's own parser stops at 2048 levels; a deeper built value is refused, not overflowed. */
 #define CANON_MAX_DEPTH 2048
 
-static void put_string(tally_strbuf_t *b, const char *s, size_t len)
+void tally_json_put_string(tally_strbuf_t *b, const char *s, size_t len)
 {
     static const char hex[] = "0123456789abcdef";
     tally_strbuf_putc(b, '"');
@@ -156,7 +156,7 @@ static void put_value(tally_strbuf_t *b, const json_t *v, int depth)
         for (i = 0; i < n; i++) {
             if (i > 0)
                 tally_strbuf_putc(b, ',');
-            put_string(b, m[i].key, m[i].keylen);
+            tally_json_put_string(b, m[i].key, m[i].keylen);
             tally_strbuf_putc(b, ':');
             put_value(b, m[i].value, depth + 1);
         }
@@ -174,35 +174,43 @@ static void put_value(tally_strbuf_t *b, const json_t *v, int depth)
         tally_strbuf_putc(b, ']');
         return;
     }
-    case JSON_STRING:
-        put_string(b, json_string_value(v), json_string_length(v));
+    default:
+        tally_json_put_scalar(b, v);
         return;
-    case JSON_INTEGER: {
-        char num[32];
+    }
+}
+
+bool tally_json_put_scalar(tally_strbuf_t *b, const json_t *v)
+{
+    char num[40];
+    switch (v != NULL ? json_typeof(v) : JSON_OBJECT) {
+    case JSON_STRING:
+        tally_json_put_string(b, json_string_value(v), json_string_length(v));
+        return true;
+    case JSON_INTEGER:
         snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
         tally_strbuf_puts(b, num);
-        return;
-    }
-    case JSON_REAL: {
-        char num[40];
-        if (!format_real(json_real_value(v), num, sizeof num)) {
-            b->failed = true;
-            return;
-        }
+        return true;
+    case JSON_REAL:
+        if (!format_real(json_real_value(v), num, sizeof num))
+            break;
         tally_strbuf_puts(b, num);
-        return;
-    }
+        return true;
     case JSON_TRUE:
         tally_strbuf_puts(b, "true");
-        return;
+        return true;
     case JSON_FALSE:
         tally_strbuf_puts(b, "false");
-        return;
+        return true;
     case JSON_NULL:
         tally_strbuf_puts(b, "null");
-        return;
+        return true;
+    case JSON_OBJECT:
+    case JSON_ARRAY:
+        break;
     }
     b->failed = true;
+    return false;
 }
 
 char *tally_json_canonical(const json_t *v)

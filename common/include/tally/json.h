@@ -22,6 +22,17 @@
  */
 char *tally_json_canonical(const json_t *v) TALLY_WUR;
 
+/** @brief Append @p s[0..len) to @p b as a JSON string: '"', '\\' and the control characters
+ * escaped, everything else (UTF-8 included) as it is. */
+void tally_json_put_string(tally_strbuf_t *b, const char *s, size_t len);
+
+/**
+ * @brief Append @p v, a string, number, true, false or null, to @p b as tally_json_canonical
+ * writes it (the CLI's writers use it too, so what they print and what is sent agree).
+ * @returns false, with b->failed set, for NULL, an object or array, or a NaN or infinite real.
+ */
+bool tally_json_put_scalar(tally_strbuf_t *b, const json_t *v);
+
 /** @brief SHA-256 of @p len bytes as 64 lowercase hex characters and a NUL (OpenSSL EVP). */
 bool tally_sha256_hex(const void *data, size_t len, char out[65]) TALLY_WUR;
 
