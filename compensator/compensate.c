@@ -65,6 +65,9 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
         "Outcomes not written because another worker had taken the lease over", NULL);
     c->m_inflight = tally_metrics_gauge(m, "tally_compensator_inflight",
                                         "Reverse and containment calls in flight", NULL);
+    c->m_tool_inflight =
+        tally_metrics_gauge(m, "tally_reverse_calls_inflight",
+                            "Reverse and containment calls in flight, by tool", "tool");
     c->m_db_errors = tally_metrics_counter(m, "tally_compensator_db_errors_total",
                                            "PostgreSQL errors by step", "step");
     c->m_runs = tally_metrics_counter(m, "tally_runs_settled_total",
@@ -96,6 +99,7 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
                 tally_metric_add(c->m_outcomes, 0, tool, tally_obligation_state_name(to));
             }
         }
+        tally_metric_set(c->m_tool_inflight, 0, tool);
     }
     static const tally_run_state_t settled[] = {TALLY_RUN_COMPENSATED,
                                                 TALLY_RUN_PARTIALLY_COMPENSATED, TALLY_RUN_STUCK};
@@ -614,6 +618,7 @@ static int wait_and_collect(compensator_t *c, int timeout_ms)
         c->lease_wanted = true;
     }
     tally_metric_set(c->m_inflight, tally_connector_inflight(c->conn));
+    tally_connector_publish_inflight(c->conn, c->m_tool_inflight);
     return done > 0 ? done : 0;
 }
 

@@ -141,6 +141,7 @@ typedef struct compensator {
     tally_metric_t *m_outcomes;      /**< tally_compensations_total{tool,outcome} */
     tally_metric_t *m_lease_lost;    /**< tally_obligation_lease_lost_total */
     tally_metric_t *m_inflight;      /**< tally_compensator_inflight */
+    tally_metric_t *m_tool_inflight; /**< tally_reverse_calls_inflight{tool} */
     tally_metric_t *m_db_errors;     /**< tally_compensator_db_errors_total{step} */
     tally_metric_t *m_runs;          /**< tally_runs_settled_total{status} */
     tally_metric_t *m_past_deadline; /**< tally_obligations_past_deadline */

@@ -393,6 +393,7 @@ int deliver_claim(dispatcher_t *d)
     free(lims);
     free(got);
     tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    tally_connector_publish_inflight(d->conn, d->m_tool_inflight);
     if (n > 0)
         TALLY_DEBUG("claimed %d effects; %d calls in flight", n, tally_connector_inflight(d->conn));
     return n;

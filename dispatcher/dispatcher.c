@@ -173,6 +173,8 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
                                        "Connector calls by tool and verdict", "tool,outcome");
     d->m_inflight =
         tally_metrics_gauge(m, "tally_inflight_calls", "Connector calls in flight", NULL);
+    d->m_tool_inflight = tally_metrics_gauge(m, "tally_connector_inflight",
+                                             "Connector calls in flight, by tool", "tool");
     d->m_backlog = tally_metrics_gauge(
         m, "tally_dispatch_backlog",
         "Effects waiting in the dispatch outbox (due or not), counted up to the backlog limit + 1",
@@ -200,6 +202,7 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
         for (size_t i = 0; i < sizeof verdicts / sizeof verdicts[0]; i++)
             tally_metric_add(d->m_calls, 0, tool, tally_verdict_name(verdicts[i]));
         tally_metric_add(d->m_calls, 0, tool, "not_started");
+        tally_metric_set(d->m_tool_inflight, 0, tool);
     }
 }
 

@@ -153,6 +153,7 @@ typedef struct dispatcher {
     tally_metric_t *m_connector_seconds;
     tally_metric_t *m_calls;
     tally_metric_t *m_inflight;
+    tally_metric_t *m_tool_inflight; /**< tally_connector_inflight{tool} */
     tally_metric_t *m_backlog;
     tally_metric_t *m_lease_lost;
     tally_metric_t *m_lag;

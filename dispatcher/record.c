@@ -744,6 +744,7 @@ int recorder_collect(dispatcher_t *d)
     if (n > 0 && d->claim_capped)
         d->claim_wanted = true;
     tally_metric_set(d->m_inflight, tally_connector_inflight(d->conn));
+    tally_connector_publish_inflight(d->conn, d->m_tool_inflight);
     return (int)n;
 }
 

@@ -92,6 +92,7 @@ typedef struct reconciler {
     tally_metric_t *m_lease_expired;
     tally_metric_t *m_lost;
     tally_metric_t *m_inflight;
+    tally_metric_t *m_tool_inflight; /* tally_status_checks_inflight{tool} */
     tally_metric_t *m_alert_fail;
 } reconciler_t;
 
@@ -528,6 +529,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     free(release);
     free(items);
     tally_metric_set(rc->m_inflight, (double)rc->inflight);
+    tally_connector_publish_inflight(rc->conn, rc->m_tool_inflight);
     return n - (int)n_release;
 }
 
@@ -1080,6 +1082,7 @@ static int wait_for_events(reconciler_t *rc, int timeout_ms, bool intake)
         tally_consume_serve(rc->cs);
     }
     tally_metric_set(rc->m_inflight, (double)rc->inflight);
+    tally_connector_publish_inflight(rc->conn, rc->m_tool_inflight);
     return n;
 }
 
@@ -1151,6 +1154,13 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         "Verdicts not recorded because another worker took the lease over", NULL);
     rc->m_inflight = tally_metrics_gauge(m, "tally_reconciler_inflight_checks",
                                          "Status checks in flight in this worker", NULL);
+    rc->m_tool_inflight = tally_metrics_gauge(
+        m, "tally_status_checks_inflight",
+        "Calls in flight in this worker, by tool: status checks, audits of CONFIRMED effects "
+        "and orphan sweep list pages",
+        "tool");
+    for (size_t i = 0; i < tally_registry_count(rc->reg); i++)
+        tally_metric_set(rc->m_tool_inflight, 0, tally_registry_at(rc->reg, i)->name);
     rc->m_alert_fail = tally_metrics_counter(
         m, "tally_alert_write_failures_total",
         "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",

@@ -34,6 +34,7 @@
 typedef struct conn_slot {
     const tally_tool_t *tool;
     int inflight;
+    int published; /* what tally_connector_publish_inflight last set */
 } conn_slot_t;
 
 typedef struct conn_xfer {
@@ -136,7 +137,7 @@ static conn_slot_t *slot_for(tally_connector_t *c, const tally_tool_t *tool, siz
         c->slots = s;
         c->cap_slots = cap;
     }
-    c->slots[c->n_slots] = (conn_slot_t){.tool = tool, .inflight = 0};
+    c->slots[c->n_slots] = (conn_slot_t){.tool = tool, .inflight = 0, .published = 0};
     *idx = c->n_slots;
     return &c->slots[c->n_slots++];
 }
@@ -179,6 +180,22 @@ int tally_connector_inflight(const tally_connector_t *c)
     int n = c->inflight;
     pthread_mutex_unlock(&m->mu);
     return n;
+}
+
+/* The counts are the ones that enforce max_concurrency, moved under the lock at submit and in
+ * finish, so the gauge balances by construction. Only the tools whose count moved since the
+ * last look are written (a lookup under the metrics lock each), nothing per call. */
+void tally_connector_publish_inflight(tally_connector_t *c, tally_metric_t *gauge)
+{
+    pthread_mutex_lock(&c->mu);
+    for (size_t i = 0; i < c->n_slots; i++) {
+        conn_slot_t *s = &c->slots[i];
+        if (s->inflight != s->published) {
+            tally_metric_set(gauge, s->inflight, s->tool->name);
+            s->published = s->inflight;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
 }
 
 int tally_connector_capacity(const tally_connector_t *c, const tally_tool_t *tool)

@@ -1141,6 +1141,88 @@ static void test_engine_thread(void **state)
     assert_int_equal(g.n, 5);
 }
 
+/* The per-tool in-flight gauge: up at submit, back to 0 whichever way each call leaves (an
+ * answer, a timeout, a refused connection, a submit refused for capacity). */
+static bool has_line(const char *text, const char *line)
+{
+    size_t n = strlen(line);
+    for (const char *p = strstr(text, line); p != NULL; p = strstr(p + 1, line))
+        if ((p == text || p[-1] == '\n') && p[n] == '\n')
+            return true;
+    return false;
+}
+
+static void assert_gauge(tally_metrics_t *m, const char *line)
+{
+    char *text = tally_metrics_render(m);
+    assert_non_null(text);
+    if (!has_line(text, line))
+        fail_msg("no line '%s' in:\n%s", line, text);
+    free(text);
+}
+
+static void test_publish_inflight(void **state)
+{
+    (void)state;
+    char err_s[256];
+    tally_connector_t *c = tally_connector_new(8, 0, err_s, sizeof err_s);
+    assert_non_null(c);
+    tally_metrics_t *m = tally_metrics_new();
+    tally_metric_t *gauge = tally_metrics_gauge(m, "t_inflight", "calls in flight", "tool");
+    tally_tool_t a = demo_tool(), b = demo_tool();
+    a.name = (char *)"a";
+    b.name = (char *)"b";
+    char base[64];
+    snprintf(base, sizeof base, "http://127.0.0.1:%d", rsp.port);
+    char refused[64];
+    snprintf(refused, sizeof refused, "http://127.0.0.1:%d", closed_port());
+    a.base_url = base;
+    b.base_url = refused;
+    a.timeout_ms = 300;
+    a.max_concurrency = 3;
+    a.execute.path = (char *)"/hang";
+    b.execute.path = (char *)"/ok";
+    tally_metric_set(gauge, 0, "a");
+    tally_metric_set(gauge, 0, "b");
+    tally_metric_set(gauge, 0, "idle"); /* a registry tool never called */
+    tally_connector_publish_inflight(c, gauge);
+    assert_gauge(m, "t_inflight{tool=\"a\"} 0");
+
+    tally_error_t err;
+    tally_conn_request_t req = {
+        .tool = &a, .op = TALLY_CONN_EXECUTE, .idempotency_key = "k", .body = "{}", .body_len = 2};
+    assert_true(tally_connector_submit(c, &req, &err));
+    assert_true(tally_connector_submit(c, &req, &err));
+    a.execute.path = (char *)"/ok";
+    assert_true(tally_connector_submit(c, &req, &err));
+    assert_false(tally_connector_submit(c, &req, &err)); /* a's own cap: never in flight */
+    req.tool = &b;
+    assert_true(tally_connector_submit(c, &req, &err));
+    tally_connector_publish_inflight(c, gauge);
+    assert_gauge(m, "t_inflight{tool=\"a\"} 3");
+    assert_gauge(m, "t_inflight{tool=\"b\"} 1");
+    assert_gauge(m, "t_inflight{tool=\"idle\"} 0");
+
+    got_t g = {0};
+    for (int i = 0; i < 100 && g.n < 4; i++) {
+        assert_true(tally_connector_poll(c, NULL, 0, 100, on_done, &g, &err) >= 0);
+        if (g.n == 2) { /* the answered one and the refused one; the two hangs remain */
+            tally_connector_publish_inflight(c, gauge);
+            assert_gauge(m, "t_inflight{tool=\"a\"} 2");
+            assert_gauge(m, "t_inflight{tool=\"b\"} 0");
+        }
+    }
+    assert_int_equal(g.n, 4);
+    for (int i = 0; i < g.n; i++)
+        free(g.ref[i]);
+    tally_connector_publish_inflight(c, gauge);
+    assert_gauge(m, "t_inflight{tool=\"a\"} 0");
+    assert_gauge(m, "t_inflight{tool=\"b\"} 0");
+    assert_gauge(m, "t_inflight{tool=\"idle\"} 0");
+    tally_connector_free(c, NULL);
+    tally_metrics_free(m);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1162,6 +1244,7 @@ int main(void)
         cmocka_unit_test(test_engine_thread),
         cmocka_unit_test(test_no_silent_replay_of_side_effects),
         cmocka_unit_test(test_capacity),
+        cmocka_unit_test(test_publish_inflight),
     };
     return cmocka_run_group_tests(tests, start_responder, NULL);
 }

@@ -15,6 +15,7 @@
 
 #include "tally/error.h"
 #include "tally/json.h"
+#include "tally/metrics.h"
 #include "tally/registry.h"
 #include "tally/text.h"
 
@@ -307,6 +308,15 @@ int tally_connector_capacity(const tally_connector_t *c, const tally_tool_t *too
 /** @brief Calls in flight, in total and for one tool. */
 int tally_connector_inflight(const tally_connector_t *c);
 int tally_connector_tool_inflight(const tally_connector_t *c, const tally_tool_t *tool);
+
+/**
+ * @brief Set @p gauge{tool} (a gauge family labelled "tool") to the calls in flight of each tool
+ * whose count moved since the last publish: a count goes up when a call is submitted and down
+ * when it leaves by any path (answer, timeout, error) once its callback has returned. A tool
+ * never called is not written: declare its series at 0. Call it where the worker refreshes its
+ * other gauges (once per loop turn), from the thread that submits.
+ */
+void tally_connector_publish_inflight(tally_connector_t *c, tally_metric_t *gauge);
 
 /**
  * @brief Drive the calls: perform, wait up to @p timeout_ms (curl_multi_poll) for curl's
