@@ -2,8 +2,9 @@
  *
  * A throwaway PostgreSQL cluster (initdb in a temporary directory, the server in its own
  * session so a terminal's Ctrl-C reaches only us), librdkafka's mock cluster served from this
- * process, the ledger migrated, and the three workers as supervised child processes. It
- * prints the environment that points at it, stays up until SIGINT/SIGTERM, then stops
+ * process, the ledger migrated, and the three workers as supervised child processes, with
+ * `tally console` beside them, reading as the reader role. It prints the environment that
+ * points at it, stays up until SIGINT/SIGTERM, then stops
  * everything in reverse order and leaves nothing behind: no process, no directory, no env
  * file — also when start-up fails halfway. This file is the command: its options, the order
  * things start and stop in, what it prints, and supervision; dev.h names the parts. */
@@ -43,18 +44,23 @@ static void dev_usage(FILE *out)
 {
     fprintf(out,
             "usage: tally dev [--tools FILE] [--env-file PATH] [--no-workers] [--pg CONNINFO]\n"
-            "                 [--partitions N] [--data-dir DIR] [--keep]\n\n"
+            "                 [--partitions N] [--data-dir DIR] [--keep]\n"
+            "                 [--console-addr HOST:PORT | --no-console]\n\n"
             "Run the embedded stack in the foreground: a throwaway PostgreSQL cluster, the\n"
             "librdkafka mock Kafka cluster with the tally topics, the ledger migrated, and\n"
-            "tally-dispatcher, tally-reconciler and tally-compensator as supervised child\n"
-            "processes. Prints `export TALLY_...` lines on stdout; Ctrl-C (or SIGTERM) stops\n"
-            "everything and removes what was created.\n\n"
+            "tally-dispatcher, tally-reconciler, tally-compensator and the web console\n"
+            "(tally console) as supervised child processes. Prints `export TALLY_...` lines\n"
+            "on stdout; Ctrl-C (or SIGTERM) stops everything and removes what was created.\n\n"
             "options:\n"
             "  --tools FILE      the tool registry the workers load (default: $TALLY_TOOLS;\n"
             "                    required unless --no-workers)\n"
             "  --env-file PATH   also write the export lines to PATH (atomically); removed at\n"
             "                    stop\n"
-            "  --no-workers      only PostgreSQL and Kafka (what the test suite uses)\n"
+            "  --no-workers      only PostgreSQL and Kafka (what the test suite uses): no\n"
+            "                    workers, no console\n"
+            "  --console-addr HOST:PORT\n"
+            "                    where the console serves (default 127.0.0.1 and a free port)\n"
+            "  --no-console      do not run the console\n"
             "  --pg CONNINFO     use this PostgreSQL instead of a throwaway cluster\n"
             "                    (default: $TALLY_PG when set)\n"
             "  --partitions N    partitions of each tally topic (default %d)\n"
@@ -73,9 +79,13 @@ static void dev_usage(FILE *out)
             "The workers get TALLY_PG, TALLY_KAFKA_BROKERS, TALLY_TOPIC_PREFIX, their own\n"
             "TALLY_METRICS_ADDR, and TALLY_SESSION_TIMEOUT_MS=6000,\n"
             "TALLY_KAFKA_HEARTBEAT_INTERVAL_MS=500 and TALLY_KAFKA_FETCH_WAIT_MAX_MS=10 (the\n"
-            "mock broker holds an empty fetch this long) unless those are set. A worker that dies\n"
-            "is restarted at most %d times, with backoff. A temporary directory left behind\n"
-            "by a tally dev that was killed outright (SIGKILL) is removed by the next one.\n",
+            "mock broker holds an empty fetch this long) unless those are set, and\n"
+            "TALLY_CONSOLE_URL=http://HOST:PORT of the console, so that every alert and page\n"
+            "links to its run there; the env file and stdout carry TALLY_CONSOLE_URL too. The\n"
+            "console reads as TALLY_PG_READER (the read-only role). A worker or the console\n"
+            "that dies is restarted at most %d times, with backoff. A temporary directory\n"
+            "left behind by a tally dev that was killed outright (SIGKILL) is removed by the\n"
+            "next one.\n",
             DEV_DEFAULT_PARTITIONS, DEV_MAX_RESTARTS);
 }
 
@@ -133,6 +143,14 @@ static bool exports_format(const dev_stack_t *s, char *out, size_t outsz)
         char tools[sizeof(s->tools) * 4 + 8];
         shell_quote(s->tools, false, tools, sizeof(tools));
         int m = snprintf(out + n, outsz - (size_t)n, "export TALLY_TOOLS=%s\n", tools);
+        if (m <= 0 || (size_t)m >= outsz - (size_t)n)
+            return false;
+        n += m;
+    }
+    if (s->console_url[0] != '\0') {
+        char url[sizeof(s->console_url) * 4 + 8];
+        shell_quote(s->console_url, false, url, sizeof(url));
+        int m = snprintf(out + n, outsz - (size_t)n, "export TALLY_CONSOLE_URL=%s\n", url);
         if (m <= 0 || (size_t)m >= outsz - (size_t)n)
             return false;
         n += m;
@@ -230,6 +248,15 @@ static void banner(const dev_stack_t *s)
             fprintf(stderr, "  %-18s pid %-7d http://127.0.0.1:%d/metrics\n", s->workers[i].name,
                     (int)s->workers[i].pid, s->workers[i].metrics_port);
         fprintf(stderr, "  tools       %s\n", s->tools);
+        if (s->console.pid > 0)
+            fprintf(stderr,
+                    "  console     %s/  (tally console, pid %d, reading as %s; every alert "
+                    "links here)\n",
+                    s->console_url, (int)s->console.pid,
+                    s->pg_given != NULL ? "the given role"
+                                        : tally_role_name(s->cfg, TALLY_ROLE_READER));
+        else
+            fprintf(stderr, "  console     none (--no-console)\n");
     }
     if (s->env_file != NULL)
         fprintf(stderr, "  env file    %s  (source it in another shell)\n", s->env_file);
@@ -281,6 +308,8 @@ static int parse_args(dev_stack_t *s, int argc, char **argv)
         {"partitions", required_argument, NULL, 'P'},
         {"data-dir", required_argument, NULL, 'd'},
         {"keep", no_argument, NULL, 'k'},
+        {"console-addr", required_argument, NULL, 'c'},
+        {"no-console", no_argument, NULL, 'C'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -325,6 +354,12 @@ static int parse_args(dev_stack_t *s, int argc, char **argv)
         case 'k':
             s->keep = true;
             break;
+        case 'c':
+            s->console_addr = optarg;
+            break;
+        case 'C':
+            s->no_console = true;
+            break;
         case 'h':
             dev_usage(stdout);
             return 0;
@@ -348,6 +383,25 @@ static int parse_args(dev_stack_t *s, int argc, char **argv)
                         "combined with --pg or TALLY_PG\n");
         return 2;
     }
+    if (s->console_addr != NULL && (s->no_console || s->no_workers)) {
+        fprintf(stderr, "tally dev: --console-addr places the console, which %s does not run\n",
+                s->no_console ? "--no-console" : "--no-workers");
+        return 2;
+    }
+    if (s->console_addr != NULL) {
+        const char *colon = strrchr(s->console_addr, ':');
+        char *end = NULL;
+        long port = colon != NULL ? strtol(colon + 1, &end, 10) : 0;
+        if (colon == NULL || colon == s->console_addr || end == colon + 1 || *end != '\0' ||
+            port < 1 || port > 65535 || strlen(s->console_addr) >= sizeof(s->console_listen)) {
+            fprintf(stderr,
+                    "tally dev: --console-addr: '%s' is not HOST:PORT (e.g. 127.0.0.1:8089)\n",
+                    s->console_addr);
+            return 2;
+        }
+    }
+    if (s->no_workers)
+        s->no_console = true; /* only PostgreSQL and Kafka */
     if (!s->no_workers) {
         if (tools == NULL) {
             fprintf(stderr, "tally dev: the workers need a tool registry: pass --tools FILE "
@@ -417,6 +471,12 @@ int tally_cmd_dev(int argc, char **argv, tally_config_t *cfg)
     if (dev_signals > 0)
         goto interrupted;
 
+    /* the console first: the workers carry its URL, and its port is taken before they pick
+     * theirs */
+    if (!s->no_workers && !dev_console_up(s, errstr, sizeof(errstr)))
+        goto out;
+    if (dev_signals > 0)
+        goto interrupted;
     if (!s->no_workers && !dev_workers_up(s, errstr, sizeof(errstr)))
         goto out;
     if (dev_signals > 0)

@@ -1,7 +1,8 @@
 /* dev.h — what the files of `tally dev` share. cmd_dev.c is the command (options, the order
  * things start and stop in, what it prints, supervision); dev_pg.c the throwaway PostgreSQL
  * cluster and the ledger on it; dev_kafka.c librdkafka's mock cluster; dev_workers.c the three
- * workers, spawned, awaited and restarted; dev_proc.c the child processes underneath. */
+ * workers and `tally console`, spawned, awaited and restarted; dev_proc.c the child processes
+ * underneath. */
 #ifndef TALLY_CLI_DEV_H
 #define TALLY_CLI_DEV_H
 
@@ -29,12 +30,14 @@ enum {
 /** The tally topics the mock cluster hosts, without the prefix (dev_kafka.c). */
 extern const char *const dev_topics[DEV_N_TOPICS];
 
+/* A supervised child: one of the workers, or `tally console`. */
 typedef struct dev_worker {
     const char *name;
     char path[PATH_MAX];
-    int metrics_port;
-    char **envp; /* built before any fork: the child only calls async-signal-safe functions */
-    pid_t pid;   /* 0 while not running */
+    char *argv[5];    /* path and its arguments, NULL-terminated; set before the first spawn */
+    int metrics_port; /* where it answers /healthz: a worker's metrics, the console's pages */
+    char **envp;      /* built before any fork: the child only calls async-signal-safe functions */
+    pid_t pid;        /* 0 while not running */
     int restarts;
     long long restart_at_ms; /* when pid == 0 and a restart is due; -1 when none */
 } dev_worker_t;
@@ -45,6 +48,8 @@ typedef struct dev_stack {
     const char *pg_given; /* --pg or TALLY_PG; NULL runs our own cluster */
     const char *data_dir; /* --data-dir; NULL uses a temporary directory */
     bool no_workers;
+    bool no_console;
+    const char *console_addr; /* --console-addr; NULL: a free port on 127.0.0.1 */
     bool keep;
     int partitions;
     char tools[PATH_MAX];
@@ -78,6 +83,11 @@ typedef struct dev_stack {
     char brokers[256];
 
     dev_worker_t workers[DEV_N_WORKERS]; /* dev_workers.c */
+    /* `tally console` reading as the reader role, its path "" when it does not run; its URL
+     * is every worker's TALLY_CONSOLE_URL, so that each alert and page links to it */
+    dev_worker_t console;
+    char console_listen[300]; /* HOST:PORT, its --listen */
+    char console_url[320];    /* http://HOST:PORT */
     bool env_written;
 } dev_stack_t;
 
@@ -172,18 +182,24 @@ void dev_workers_init(dev_stack_t *s);
  * they accept. */
 bool dev_workers_check(dev_stack_t *s, char *errstr, size_t errsz);
 
-/** Spawn the three and wait until each answers /healthz. */
+/** Unless --no-console: spawn `tally console` as the reader role on s->console_listen (a free
+ * port on 127.0.0.1 unless --console-addr) and wait until it answers /healthz; fills
+ * s->console_url. Before the workers, which carry the URL. */
+bool dev_console_up(dev_stack_t *s, char *errstr, size_t errsz);
+
+/** Spawn the three (with TALLY_CONSOLE_URL when the console runs) and wait until each answers
+ * /healthz. */
 bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz);
 
-/** @p pid (reaped with @p status) was a worker: schedule its restart, or say it stays down.
- * false when it was none of ours. */
+/** @p pid (reaped with @p status) was a worker or the console: schedule its restart, or say it
+ * stays down. false when it was none of ours. */
 bool dev_workers_reaped(dev_stack_t *s, pid_t pid, int status);
 
-/** Restart the workers whose restart is due. */
+/** Restart the workers (and the console) whose restart is due. */
 void dev_workers_restart_due(dev_stack_t *s);
 
-/** SIGTERM each worker once, wait for the drain; a second signal to us or the grace running
- * out sends SIGKILL. */
+/** SIGTERM each worker and the console once, wait for the drain; a second signal to us or the
+ * grace running out sends SIGKILL. */
 void dev_workers_stop(dev_stack_t *s);
 
 #endif

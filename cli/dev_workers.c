@@ -1,6 +1,7 @@
 /* dev_workers.c — the workers of `tally dev` (dev.h): tally-dispatcher, tally-reconciler and
- * tally-compensator as child processes pointed at the stack, awaited until each answers
- * /healthz, restarted a few times with backoff when one dies, and drained at stop. */
+ * tally-compensator, and `tally console` beside them, as child processes pointed at the stack,
+ * awaited until each answers /healthz, restarted a few times with backoff when one dies, and
+ * drained at stop. */
 #include <errno.h>
 #include <libgen.h>
 #include <signal.h>
@@ -35,6 +36,19 @@ void dev_workers_init(dev_stack_t *s)
         s->workers[i].name = dev_worker_names[i];
         s->workers[i].restart_at_ms = -1;
     }
+    s->console.name = "tally console";
+    s->console.restart_at_ms = -1;
+}
+
+/* The supervised children: the workers, then the console when it runs. */
+static size_t children_count(const dev_stack_t *s)
+{
+    return DEV_N_WORKERS + (s->console.path[0] != '\0' ? 1 : 0);
+}
+
+static dev_worker_t *child_at(dev_stack_t *s, size_t i)
+{
+    return i < DEV_N_WORKERS ? &s->workers[i] : &s->console;
 }
 
 static char **env_build(char *const *base, const char *const (*set)[2], size_t n_set,
@@ -125,6 +139,25 @@ static bool workers_locate(dev_stack_t *s, char *errstr, size_t errsz)
                     w->name, w->path);
             return false;
         }
+        w->argv[0] = w->path;
+        w->argv[1] = "--tools";
+        w->argv[2] = s->tools;
+        w->argv[3] = NULL;
+    }
+    if (!s->no_console) {
+        /* the console is this program: `tally console` */
+        ssize_t m = readlink("/proc/self/exe", s->console.path, sizeof(s->console.path) - 1);
+        if (m < 0) {
+            dev_err(errstr, errsz, "cannot find this program (/proc/self/exe): %s",
+                    strerror(errno));
+            return false;
+        }
+        s->console.path[m] = '\0';
+        s->console.argv[0] = s->console.path;
+        s->console.argv[1] = "console";
+        s->console.argv[2] = "--listen";
+        s->console.argv[3] = s->console_listen;
+        s->console.argv[4] = NULL;
     }
     return true;
 }
@@ -136,9 +169,8 @@ bool dev_workers_check(dev_stack_t *s, char *errstr, size_t errsz)
 
 static bool worker_spawn(dev_stack_t *s, dev_worker_t *w, char *errstr, size_t errsz)
 {
-    char *argv[] = {w->path, "--tools", s->tools, NULL};
     dev_spawn_t sp = {.path = w->path,
-                      .argv = argv,
+                      .argv = w->argv,
                       .envp = w->envp,
                       .out_fd = -1, /* stderr shared with us; stdout kept for the exports */
                       /* its own group: a terminal's Ctrl-C reaches only us, and we send the
@@ -176,50 +208,16 @@ static long http_status(const char *url)
     return code;
 }
 
-bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz)
+/* Ready = /healthz answers 200; a child that exits now has a problem a restart won't fix. */
+static bool await_ready(dev_worker_t *const *list, size_t n, const char *what, char *errstr,
+                        size_t errsz)
 {
-    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-        dev_worker_t *w = &s->workers[i];
-        w->metrics_port = dev_free_port();
-        if (w->metrics_port <= 0) {
-            dev_err(errstr, errsz, "no free TCP port on 127.0.0.1 for %s", w->name);
-            return false;
-        }
-        char addr[64];
-        snprintf(addr, sizeof(addr), "127.0.0.1:%d", w->metrics_port);
-        /* each worker as its own role; one given conninfo (--pg) owns the ledger, and the
-         * workers may only run as it when told so */
-        const char *const set[][2] = {
-            {"TALLY_PG", s->conn_role[i]},
-            {"TALLY_ALLOW_OWNER_ROLE", s->pg_given != NULL ? "1" : "0"},
-            {"TALLY_KAFKA_BROKERS", s->brokers},
-            {"TALLY_TOPIC_PREFIX", s->cfg->topic_prefix},
-            {"TALLY_TOOLS", s->tools},
-            {"TALLY_METRICS_ADDR", addr},
-        };
-        const char *const dflt[][2] = {
-            {"TALLY_SESSION_TIMEOUT_MS", "6000"},
-            {"TALLY_KAFKA_HEARTBEAT_INTERVAL_MS", "500"},
-            /* the mock broker holds an empty fetch for the whole wait (500 ms by default)
-             * even when data arrives meanwhile: that would be every outcome's latency */
-            {"TALLY_KAFKA_FETCH_WAIT_MAX_MS", "10"},
-        };
-        w->envp = env_build(environ, set, sizeof(set) / sizeof(set[0]), dflt,
-                            sizeof(dflt) / sizeof(dflt[0]));
-        if (w->envp == NULL) {
-            dev_err(errstr, errsz, "out of memory");
-            return false;
-        }
-        if (!worker_spawn(s, w, errstr, errsz))
-            return false;
-    }
-    /* ready = /healthz answers 200; a worker that exits now has a problem a restart won't fix */
-    bool ready[DEV_N_WORKERS] = {false};
+    bool ready[DEV_N_WORKERS + 1] = {false};
     long long deadline = dev_now_ms() + DEV_WORKER_READY_TIMEOUT_MS;
     for (;;) {
         size_t n_ready = 0;
-        for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-            dev_worker_t *w = &s->workers[i];
+        for (size_t i = 0; i < n; i++) {
+            dev_worker_t *w = list[i];
             int status;
             if (waitpid(w->pid, &status, WNOHANG) == w->pid) {
                 w->pid = 0;
@@ -235,18 +233,18 @@ bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz)
             }
             n_ready += ready[i];
         }
-        if (n_ready == DEV_N_WORKERS)
+        if (n_ready == n)
             return true;
         if (dev_signals > 0) {
-            dev_err(errstr, errsz, "interrupted while the workers were starting");
+            dev_err(errstr, errsz, "interrupted while %s starting", what);
             return false;
         }
         if (dev_now_ms() > deadline) {
             size_t i = 0;
-            while (i < DEV_N_WORKERS - 1 && ready[i])
+            while (i < n - 1 && ready[i])
                 i++;
             dev_err(errstr, errsz, "%s (pid %d) did not answer /healthz on port %d within %d s",
-                    s->workers[i].name, (int)s->workers[i].pid, s->workers[i].metrics_port,
+                    list[i]->name, (int)list[i]->pid, list[i]->metrics_port,
                     DEV_WORKER_READY_TIMEOUT_MS / 1000);
             return false;
         }
@@ -254,21 +252,100 @@ bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz)
     }
 }
 
+bool dev_console_up(dev_stack_t *s, char *errstr, size_t errsz)
+{
+    dev_worker_t *w = &s->console;
+    if (w->path[0] == '\0')
+        return true;
+    if (s->console_addr != NULL) {
+        const char *colon = strrchr(s->console_addr, ':');
+        w->metrics_port = colon != NULL ? atoi(colon + 1) : 0;
+        snprintf(s->console_listen, sizeof(s->console_listen), "%s", s->console_addr);
+    } else {
+        w->metrics_port = dev_free_port();
+        if (w->metrics_port <= 0) {
+            dev_err(errstr, errsz, "no free TCP port on 127.0.0.1 for the console");
+            return false;
+        }
+        snprintf(s->console_listen, sizeof(s->console_listen), "127.0.0.1:%d", w->metrics_port);
+    }
+    snprintf(s->console_url, sizeof(s->console_url), "http://%s", s->console_listen);
+    /* the read-only role: what an operator's console reads as (docs/operations.md); with --pg
+     * that is the given role, and the console's READ ONLY transactions still hold */
+    const char *reader = s->conn_role[TALLY_ROLE_READER];
+    const char *const set[][2] = {
+        {"TALLY_PG", reader},
+        {"TALLY_PG_READER", reader},
+    };
+    w->envp = env_build(environ, set, sizeof(set) / sizeof(set[0]), NULL, 0);
+    if (w->envp == NULL) {
+        dev_err(errstr, errsz, "out of memory");
+        return false;
+    }
+    if (!worker_spawn(s, w, errstr, errsz))
+        return false;
+    dev_worker_t *const list[] = {w};
+    return await_ready(list, 1, "the console was", errstr, errsz);
+}
+
+bool dev_workers_up(dev_stack_t *s, char *errstr, size_t errsz)
+{
+    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
+        dev_worker_t *w = &s->workers[i];
+        w->metrics_port = dev_free_port();
+        if (w->metrics_port <= 0) {
+            dev_err(errstr, errsz, "no free TCP port on 127.0.0.1 for %s", w->name);
+            return false;
+        }
+        char addr[64];
+        snprintf(addr, sizeof(addr), "127.0.0.1:%d", w->metrics_port);
+        /* each worker as its own role; one given conninfo (--pg) owns the ledger, and the
+         * workers may only run as it when told so. The console's URL goes last: set only when
+         * the console runs, so that every alert and page links to it */
+        const char *const set[][2] = {
+            {"TALLY_PG", s->conn_role[i]},
+            {"TALLY_ALLOW_OWNER_ROLE", s->pg_given != NULL ? "1" : "0"},
+            {"TALLY_KAFKA_BROKERS", s->brokers},
+            {"TALLY_TOPIC_PREFIX", s->cfg->topic_prefix},
+            {"TALLY_TOOLS", s->tools},
+            {"TALLY_METRICS_ADDR", addr},
+            {"TALLY_CONSOLE_URL", s->console_url},
+        };
+        size_t n_set = sizeof(set) / sizeof(set[0]) - (s->console_url[0] == '\0' ? 1 : 0);
+        const char *const dflt[][2] = {
+            {"TALLY_SESSION_TIMEOUT_MS", "6000"},
+            {"TALLY_KAFKA_HEARTBEAT_INTERVAL_MS", "500"},
+            /* the mock broker holds an empty fetch for the whole wait (500 ms by default)
+             * even when data arrives meanwhile: that would be every outcome's latency */
+            {"TALLY_KAFKA_FETCH_WAIT_MAX_MS", "10"},
+        };
+        w->envp = env_build(environ, set, n_set, dflt, sizeof(dflt) / sizeof(dflt[0]));
+        if (w->envp == NULL) {
+            dev_err(errstr, errsz, "out of memory");
+            return false;
+        }
+        if (!worker_spawn(s, w, errstr, errsz))
+            return false;
+    }
+    dev_worker_t *const list[DEV_N_WORKERS] = {&s->workers[0], &s->workers[1], &s->workers[2]};
+    return await_ready(list, DEV_N_WORKERS, "the workers were", errstr, errsz);
+}
+
 void dev_workers_stop(dev_stack_t *s)
 {
     int signals_at_start = dev_signals;
-    size_t running = 0;
-    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-        if (s->workers[i].pid > 0) {
-            kill(s->workers[i].pid, SIGTERM);
+    size_t n = children_count(s), running = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (child_at(s, i)->pid > 0) {
+            kill(child_at(s, i)->pid, SIGTERM);
             running++;
         }
     }
     long long deadline = dev_now_ms() + DEV_WORKER_STOP_GRACE_MS;
     bool killed = false;
     while (running > 0) {
-        for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-            dev_worker_t *w = &s->workers[i];
+        for (size_t i = 0; i < n; i++) {
+            dev_worker_t *w = child_at(s, i);
             int status;
             if (w->pid > 0 && waitpid(w->pid, &status, WNOHANG) == w->pid) {
                 /* killed by our own SIGTERM: it had not installed its handler yet */
@@ -288,23 +365,23 @@ void dev_workers_stop(dev_stack_t *s)
         if (!killed && (dev_now_ms() > deadline || dev_signals > signals_at_start)) {
             dev_say("%s: sending SIGKILL to the workers still running",
                     dev_now_ms() > deadline ? "the workers did not stop in time" : "second signal");
-            for (size_t i = 0; i < DEV_N_WORKERS; i++)
-                if (s->workers[i].pid > 0)
-                    kill(s->workers[i].pid, SIGKILL);
+            for (size_t i = 0; i < n; i++)
+                if (child_at(s, i)->pid > 0)
+                    kill(child_at(s, i)->pid, SIGKILL);
             killed = true;
         }
         dev_sleep_ms(50);
     }
-    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-        env_free(s->workers[i].envp);
-        s->workers[i].envp = NULL;
+    for (size_t i = 0; i < n; i++) {
+        env_free(child_at(s, i)->envp);
+        child_at(s, i)->envp = NULL;
     }
 }
 
 bool dev_workers_reaped(dev_stack_t *s, pid_t pid, int status)
 {
-    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-        dev_worker_t *w = &s->workers[i];
+    for (size_t i = 0; i < children_count(s); i++) {
+        dev_worker_t *w = child_at(s, i);
         if (w->pid != pid)
             continue;
         char how[128];
@@ -328,15 +405,18 @@ bool dev_workers_reaped(dev_stack_t *s, pid_t pid, int status)
 
 void dev_workers_restart_due(dev_stack_t *s)
 {
-    for (size_t i = 0; i < DEV_N_WORKERS; i++) {
-        dev_worker_t *w = &s->workers[i];
+    for (size_t i = 0; i < children_count(s); i++) {
+        dev_worker_t *w = child_at(s, i);
         if (w->pid != 0 || w->restart_at_ms < 0 || dev_now_ms() < w->restart_at_ms)
             continue;
         char errstr[512];
         w->restarts++;
         if (worker_spawn(s, w, errstr, sizeof(errstr))) {
-            dev_say("%s restarted as pid %d (metrics http://127.0.0.1:%d/metrics)", w->name,
-                    (int)w->pid, w->metrics_port);
+            if (w == &s->console)
+                dev_say("%s restarted as pid %d (%s/)", w->name, (int)w->pid, s->console_url);
+            else
+                dev_say("%s restarted as pid %d (metrics http://127.0.0.1:%d/metrics)", w->name,
+                        (int)w->pid, w->metrics_port);
         } else {
             dev_say("could not restart %s: %s", w->name, errstr);
             w->restart_at_ms =

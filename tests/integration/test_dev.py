@@ -1,21 +1,27 @@
-"""`tally dev`: the embedded stack comes up, says where it is, runs the workers, and on SIGTERM
-leaves nothing behind — no process, no temporary directory, no env file.
+"""`tally dev`: the embedded stack comes up, says where it is, runs the workers and the web
+console (every alert linking to it), and on SIGTERM leaves nothing behind — no process, no
+temporary directory, no env file.
 
 Plain unittest (not TallyCase): each test starts its OWN `tally dev`, the way a developer does,
 and looks at it from the outside with psql, kcat and /proc.
 """
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import socket
 import tempfile
+import threading
 import time
 import unittest
-import uuid
+import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tallytest import SOURCE_DIR, TOPICS, binary, wait_for  # noqa: E402
@@ -156,6 +162,45 @@ class DevStack:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+class SilentTool:
+    """A tool that takes each request and never answers: the call times out after it was sent,
+    so its effect goes UNKNOWN, and STUCK at once for a tool without a status endpoint."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.held = []
+        self.closed = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+def http_get(url):
+    """(status, body) of a GET; (0, reason) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError as e:
+        return 0, str(e)
+
+
 def run(*args, env=None, timeout=60):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -209,6 +254,10 @@ class DevTest(unittest.TestCase):
                 out[os.path.basename(argv[0])] = p
         return out
 
+    def console_children(self, stack):
+        return [p for p in children(stack.proc.pid)
+                if _cmdline(p)[1:2] == ["console"] and _stat(p)[0] != "Z"]
+
     # --- tests -------------------------------------------------------------------------------
 
     def test_help_lists_verbs_and_unknown_verb_exits_2(self):
@@ -228,6 +277,16 @@ class DevTest(unittest.TestCase):
         out = run(binary("tally"), "dev", "--help")
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("--no-workers", out.stdout)
+        for opt in ("--console-addr HOST:PORT", "--no-console", "TALLY_CONSOLE_URL"):
+            self.assertIn(opt, out.stdout)
+
+        # --console-addr places a console that would not run, or is no address: refused
+        for args in (["--no-console", "--console-addr", "127.0.0.1:8089"],
+                     ["--no-workers", "--console-addr", "127.0.0.1:8089"],
+                     ["--no-workers", "--console-addr", "8089"]):
+            out = run(binary("tally"), "dev", *args)
+            self.assertEqual(out.returncode, 2, (args, out.stderr))
+            self.assertIn("--console-addr", out.stderr)
 
         # the workers need a registry: refuse before starting anything
         env = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
@@ -393,6 +452,102 @@ class DevTest(unittest.TestCase):
         self.assertEqual(rc, 0, stack.stderr()[-5000:])
         self.assertLess(took, 30)
         self.assert_nothing_left(stack, recorded)
+
+    def test_the_console_runs_beside_the_workers_and_every_alert_links_to_it(self):
+        tool = SilentTool()
+        self.addCleanup(tool.close)
+        with open(DEMO_TOOLS) as f:
+            doc = json.load(f)
+        doc["tools"].append({
+            "name": "post_note", "owner": "support", "effect_class": "append_only",
+            "operation_key": ["note_id"],
+            "connector": {"type": "http", "base_url": f"http://127.0.0.1:{tool.port}",
+                          "execute": {"method": "POST", "path": "/notes"},
+                          "timeout_ms": 800, "receipt_ref": "/id"},
+            "retry": {"max_attempts": 2, "backoff_ms": 100, "max_backoff_ms": 200}})
+        tools = os.path.join(tempfile.mkdtemp(prefix="tally-test-dev-tools-"), "tools.json")
+        self.addCleanup(shutil.rmtree, os.path.dirname(tools), True)
+        with open(tools, "w") as f:
+            json.dump(doc, f)
+
+        stack = self.start("--tools", tools)
+        values = stack.wait_up()
+        url = values.get("TALLY_CONSOLE_URL", "")
+        self.assertRegex(url, r"^http://127\.0\.0\.1:\d+$", values)
+        self.assertIn(f"export TALLY_CONSOLE_URL={url}\n", stack.stdout())
+        self.assertRegex(stack.stderr(), rf"(?m)^  console +{re.escape(url)}/ .*tally_reader")
+
+        # it answers where it was printed, reading the ledger as the read-only role
+        self.assertEqual(http_get(url + "/healthz")[0], 200)
+        status, body = http_get(url + "/runs")
+        self.assertEqual(status, 200)
+        self.assertIn("<html", body.lower())
+        (console,) = self.console_children(stack)
+        self.assertEqual(_cmdline(console)[2:], ["--listen", url[len("http://"):]])
+        out = run("psql", values["TALLY_PG_ADMIN"], "-XAtc",
+                  "SELECT DISTINCT usename FROM pg_stat_activity"
+                  " WHERE application_name = 'tally-console'")
+        self.assertEqual(out.stdout.split(), ["tally_reader"], out.stderr)
+
+        # a STUCK effect raised in this stack: its alert links to its run in this console
+        run_id = f"dev-console {uuid.uuid4().hex[:8]}"
+        shell = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_")}
+        shell.update(values)
+        out = run(binary("tally"), "publish", "--run", run_id, "--step", "1", "--tool",
+                  "post_note", "--args", json.dumps({"note_id": uuid.uuid4().hex, "text": "hi"}),
+                  env=shell)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        topic = values.get("TALLY_TOPIC_PREFIX", "tally.") + "alerts"
+
+        def alert():
+            got = run("kcat", "-b", values["TALLY_KAFKA_BROKERS"], "-C", "-t", topic,
+                      "-o", "beginning", "-e", "-q", "-m", "10")
+            for line in got.stdout.splitlines():
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("data", {}).get("run_id") == run_id:
+                    return ev
+            return None
+        ev = wait_for(alert, timeout=60, what=f"an alert of run {run_id} on {topic}")
+        link = url + "/runs/" + urllib.parse.quote(run_id, safe="")
+        self.assertEqual(ev["data"].get("console_url"), link, ev)
+        status, body = http_get(link)
+        self.assertEqual(status, 200)
+        self.assertIn(run_id, body)
+
+        # the console is supervised like a worker: killed, it comes back on the same address
+        os.kill(console, signal.SIGKILL)
+        new = wait_for(lambda: (lambda c: c[0] if c and c[0] != console else None)(
+            self.console_children(stack)), timeout=30, what="the console to be restarted")
+        self.assertRegex(stack.stderr(), r"tally console \(pid \d+\) was killed by signal 9.*"
+                                         r"restarting it")
+        wait_for(lambda: http_get(url + "/healthz")[0] == 200, timeout=30,
+                 what="the restarted console to answer")
+        self.assertNotEqual(new, console)
+
+        recorded = [identity(p) for p in descendants(stack.proc.pid)]
+        recorded = [r for r in recorded if r]
+        rc, took = stack.stop()
+        self.assertEqual(rc, 0, stack.stderr()[-5000:])
+        self.assertLess(took, 30)
+        self.assert_nothing_left(stack, recorded)
+
+    def test_no_console_starts_none_and_links_nowhere(self):
+        stack = self.start("--tools", DEMO_TOOLS, "--no-console")
+        values = stack.wait_up()
+        self.assertNotIn("TALLY_CONSOLE_URL", values)
+        self.assertNotIn("TALLY_CONSOLE_URL", stack.stdout())
+        self.assertIn("console     none (--no-console)", stack.stderr())
+        workers = wait_for(lambda: (lambda w: w if len(w) == len(WORKERS) else None)(
+            self.worker_children(stack)), timeout=30, what="the three workers")
+        self.assertEqual(self.console_children(stack), [])
+        for pid in workers.values():
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                self.assertNotIn(b"TALLY_CONSOLE_URL=", f.read())
+        rc, _ = stack.stop()
+        self.assertEqual(rc, 0, stack.stderr()[-5000:])
 
 
 if __name__ == "__main__":
