@@ -86,7 +86,13 @@ static const char STYLE[] =
     "table{border-collapse:collapse;background:#fff;width:100%}"
     "th,td{text-align:left;padding:4px 8px;border-bottom:1px solid #e3e6ea;vertical-align:top}"
     "th{background:#eef0f3;font-weight:600}td.id,.mono,pre{font-family:ui-monospace,monospace;"
-    "font-size:12.5px}pre{white-space:pre-wrap;word-break:break-all;margin:0}"
+    "font-size:12.5px}"
+    /* an id (UUID, operation key, external ref) never wraps inside: it copies whole; a table
+     * too wide for the window scrolls in its wrapper, a long <pre> line in its box */
+    "td.id,a.run,a.effect,.mono,code{white-space:nowrap;overflow-wrap:normal;"
+    "word-break:keep-all}pre{white-space:pre-wrap;overflow-wrap:normal;word-break:keep-all;"
+    "overflow-x:auto;margin:0}td pre{max-width:70ch}.wide{overflow-x:auto;max-width:100%}"
+    ".settled{color:#6b7380;font-style:italic}"
     ".badge{display:inline-block;padding:0 6px;border-radius:3px;font-size:12px;"
     "font-weight:600;background:#e3e6ea}.s-STUCK,.s-FAILED,.s-REJECTED{background:#f8d0d0;"
     "color:#8a1010}.s-UNKNOWN,.s-AWAITING_APPROVAL,.s-PARTIALLY_COMPENSATED,.s-TRIGGERED{"
@@ -94,7 +100,7 @@ static const char STYLE[] =
     "background:#cfeccf;color:#1b5e20}.s-COMPENSATING,.s-RUNNING,.s-DISPATCHING,.s-PENDING{"
     "background:#d6e4fb;color:#143c8a}"
     ".cmd{display:flex;gap:8px;align-items:flex-start;background:#1d2330;color:#e8ecf3;"
-    "padding:6px 8px;border-radius:4px;margin:4px 0}.cmd pre{flex:1}"
+    "padding:6px 8px;border-radius:4px;margin:4px 0}.cmd pre{flex:1;min-width:0}"
     ".cmd button{font-size:12px;cursor:pointer}"
     ".item{background:#fff;border:1px solid #e3e6ea;border-left:4px solid #c62828;"
     "padding:8px 10px;margin:8px 0}.item.warn{border-left-color:#e0a000}"

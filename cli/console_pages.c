@@ -17,6 +17,25 @@
 #define RUN_EVENTS_MAX 2000
 #define QUEUE_MAX      "200"
 
+/* The effect states that are not settled: in flight, waiting for approval, or STUCK. An
+ * ACTIVE run with none of them reads as tally doctor's header says (run_state). */
+#define SQL_UNSETTLED                                                                              \
+    "e.status IN ('PLANNED', 'AWAITING_APPROVAL', 'DISPATCHING', 'UNKNOWN', 'STUCK')"
+
+/* A run's state: its badge, and for an ACTIVE run whose effects are all settled, tally doctor's
+ * words, so that it does not read as one still going. @p run has "status", "n_effects" and
+ * "n_unsettled" (SQL_UNSETTLED). */
+static void run_state(con_req_t *rq, const json_t *run)
+{
+    con_badge(rq, cli_str(run, "status", NULL));
+    tally_run_state_t st;
+    long long total = (long long)cli_num(run, "n_effects", 0);
+    if (tally_run_state_parse(cli_str(run, "status", ""), &st) && st == TALLY_RUN_ACTIVE &&
+        total > 0 && cli_num(run, "n_unsettled", 1) == 0)
+        con_rawf(rq, " <span class=\"settled\">%s %lld effect%s settled, not completed</span>",
+                 total == 1 ? "its" : "all", total, total == 1 ? "" : "s");
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Runs                                                                                     */
 
@@ -30,7 +49,7 @@
 #define SQL_RUNS(TOOL_CLAUSE)                                                                      \
     "SELECT coalesce(json_agg(x ORDER BY x.created_at DESC, x.run_id DESC), '[]') FROM ("          \
     " SELECT r.run_id, r.tenant, r.status, r.status_reason, r.created_at, r.updated_at,"           \
-    "   s.n_effects, s.n_stuck, s.n_unknown, s.n_approval, s.tools"                                \
+    "   s.n_effects, s.n_unsettled, s.n_stuck, s.n_unknown, s.n_approval, s.tools"                 \
     " FROM (SELECT * FROM runs r"                                                                  \
     "   WHERE ($1::text IS NULL OR r.status = $1::text)"                                           \
     "     AND ($2::text IS NULL OR r.tenant = $2::text)"                                           \
@@ -39,6 +58,7 @@
     "     AND ($5::timestamptz IS NULL OR r.created_at < $5::timestamptz)"                         \
     "   ORDER BY r.created_at DESC, r.run_id DESC LIMIT $6::int OFFSET $7::int) r"                 \
     " LEFT JOIN LATERAL (SELECT count(*) AS n_effects,"                                            \
+    "   count(*) FILTER (WHERE " SQL_UNSETTLED ") AS n_unsettled,"                                 \
     "   count(*) FILTER (WHERE e.status = 'STUCK') AS n_stuck,"                                    \
     "   count(*) FILTER (WHERE e.status = 'UNKNOWN') AS n_unknown,"                                \
     "   count(*) FILTER (WHERE e.status = 'AWAITING_APPROVAL') AS n_approval,"                     \
@@ -143,7 +163,8 @@ unsigned con_page_runs(con_req_t *rq)
     if (n == 0) {
         con_raw(rq, "<p class=\"muted\" id=\"no-runs\">No runs match.</p>");
     } else {
-        con_raw(rq, "<table id=\"runs\"><thead><tr><th>run</th><th>state</th><th>tenant</th>"
+        con_raw(rq, "<div class=\"wide\">"
+                    "<table id=\"runs\"><thead><tr><th>run</th><th>state</th><th>tenant</th>"
                     "<th>effects</th><th>tools</th><th>created (UTC)</th><th>updated</th>"
                     "</tr></thead><tbody>");
         for (size_t i = 0; i < n && i < CON_PAGE_ROWS; i++) {
@@ -151,7 +172,7 @@ unsigned con_page_runs(con_req_t *rq)
             con_raw(rq, "<tr><td class=\"id\">");
             con_run_link(rq, cli_str(r, "run_id", ""));
             con_raw(rq, "</td><td>");
-            con_badge(rq, cli_str(r, "status", NULL));
+            run_state(rq, r);
             con_raw(rq, "</td><td>");
             con_esc(rq, cli_str(r, "tenant", NULL));
             con_rawf(rq, "</td><td>%lld", (long long)cli_num(r, "n_effects", 0));
@@ -172,7 +193,7 @@ unsigned con_page_runs(con_req_t *rq)
             con_time(rq, cli_str(r, "updated_at", NULL));
             con_raw(rq, "</td></tr>");
         }
-        con_raw(rq, "</tbody></table>");
+        con_raw(rq, "</tbody></table></div>");
     }
     con_raw(rq, "<div class=\"pager\">");
     if (page > 1)
@@ -260,8 +281,10 @@ static void approve_command(con_req_t *rq, bool obligation, const char *id)
 static const char SQL_RUN[] =
     "SELECT json_build_object("
     " 'run', (SELECT to_json(r) FROM (SELECT run_id, tenant, status, status_reason, created_at,"
-    "   updated_at, completed_at, compensation_deadline_at, summary_status, summary_at"
-    "   FROM runs WHERE run_id = $1) r),"
+    "   updated_at, completed_at, compensation_deadline_at, summary_status, summary_at,"
+    "   s.n_effects, s.n_unsettled FROM runs, LATERAL (SELECT count(*) AS n_effects,"
+    "   count(*) FILTER (WHERE " SQL_UNSETTLED ") AS n_unsettled"
+    "   FROM effects e WHERE e.run_id = $1) s WHERE run_id = $1) r),"
     " 'effects', (SELECT coalesce(json_agg(e ORDER BY e.step_num IS NULL, e.step_num, e.seq),"
     "   '[]') FROM (SELECT effect_id, seq, step, step_num, tool, effect_class, operation_key,"
     "   status, status_reason, attempts, external_ref, error_code, error_message, created_at,"
@@ -463,7 +486,7 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
     tally_fmt(title, sizeof title, "Run %s", run_id);
     con_head(rq, title);
     con_raw(rq, "<dl id=\"run-header\"><dt>state</dt><dd>");
-    con_badge(rq, cli_str(run, "status", NULL));
+    run_state(rq, run);
     if (cli_str(run, "status_reason", NULL) != NULL) {
         con_raw(rq, " ");
         con_esc(rq, cli_str(run, "status_reason", NULL));
@@ -497,7 +520,8 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
     }
     con_timeline(rq, effects, events);
 
-    con_raw(rq, "<h2>Effects</h2><table id=\"effects\"><thead><tr><th>step</th><th>tool</th>"
+    con_raw(rq, "<h2>Effects</h2><div class=\"wide\">"
+                "<table id=\"effects\"><thead><tr><th>step</th><th>tool</th>"
                 "<th>effect</th><th>state</th><th>attempts</th><th>external ref</th>"
                 "<th>operation key</th><th>updated</th></tr></thead><tbody>");
     size_t i;
@@ -510,7 +534,7 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
         con_esc(rq, cli_str(e, "tool", ""));
         con_raw(rq, " <span class=\"muted\">");
         con_esc(rq, cli_str(e, "effect_class", ""));
-        con_raw(rq, "</span></td><td>");
+        con_raw(rq, "</span></td><td class=\"id\">");
         con_effect_link(rq, cli_str(e, "effect_id", ""));
         con_raw(rq, "</td><td>");
         con_badge(rq, cli_str(e, "status", NULL));
@@ -522,21 +546,22 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
         con_time(rq, cli_str(e, "updated_at", NULL));
         con_raw(rq, "</td></tr>");
     }
-    con_raw(rq, "</tbody></table>");
+    con_raw(rq, "</tbody></table></div>");
 
     const json_t *obligations = json_object_get(doc, "obligations");
     con_raw(rq, "<h2>Obligations</h2>");
     if (json_array_size(obligations) == 0) {
         con_raw(rq, "<p class=\"muted\">None: nothing of this run was asked to be undone.</p>");
     } else {
-        con_raw(rq, "<table id=\"obligations\"><thead><tr><th>obligation</th><th>effect</th>"
+        con_raw(rq, "<div class=\"wide\">"
+                    "<table id=\"obligations\"><thead><tr><th>obligation</th><th>effect</th>"
                     "<th>step</th><th>reason</th><th>state</th><th>attempts</th>"
                     "<th>why</th></tr></thead><tbody>");
         json_array_foreach(obligations, i, e)
         {
             con_raw(rq, "<tr><td class=\"id\">");
             con_esc(rq, cli_str(e, "obligation_id", ""));
-            con_raw(rq, "</td><td>");
+            con_raw(rq, "</td><td class=\"id\">");
             con_effect_link(rq, cli_str(e, "effect_id", ""));
             con_raw(rq, "</td><td>");
             con_esc(rq, cli_str(e, "step", ""));
@@ -550,11 +575,12 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
             con_esc(rq, cli_str(e, "status_reason", NULL));
             con_raw(rq, "</td></tr>");
         }
-        con_raw(rq, "</tbody></table>");
+        con_raw(rq, "</tbody></table></div>");
     }
     const json_t *alerts = json_object_get(doc, "alerts");
     if (json_array_size(alerts) > 0) {
-        con_raw(rq, "<h2>Pages</h2><table id=\"alerts\"><thead><tr><th>page</th><th>state</th>"
+        con_raw(rq, "<h2>Pages</h2><div class=\"wide\">"
+                    "<table id=\"alerts\"><thead><tr><th>page</th><th>state</th>"
                     "<th>summary</th><th>opened</th></tr></thead><tbody>");
         json_array_foreach(alerts, i, e)
         {
@@ -568,7 +594,7 @@ unsigned con_page_run(con_req_t *rq, const char *run_id)
             con_time(rq, cli_str(e, "created_at", NULL));
             con_raw(rq, "</td></tr>");
         }
-        con_raw(rq, "</tbody></table>");
+        con_raw(rq, "</tbody></table></div>");
     }
     con_raw(rq, "<p class=\"muted\">In a shell: <code>tally doctor --run ");
     con_esc(rq, run_id);
@@ -717,7 +743,8 @@ unsigned con_page_effect(con_req_t *rq, const char *effect_id)
     }
 
     const json_t *events = json_object_get(doc, "events");
-    con_raw(rq, "<h2>Events</h2><table id=\"events\"><thead><tr><th>time (UTC)</th><th>kind</th>"
+    con_raw(rq, "<h2>Events</h2><div class=\"wide\">"
+                "<table id=\"events\"><thead><tr><th>time (UTC)</th><th>kind</th>"
                 "<th>move</th><th>actor</th><th>reason</th><th>data</th></tr></thead><tbody>");
     const json_t *ev;
     json_array_foreach(events, i, ev)
@@ -747,7 +774,7 @@ unsigned con_page_effect(con_req_t *rq, const char *effect_id)
         }
         con_raw(rq, "</td></tr>");
     }
-    con_raw(rq, "</tbody></table>");
+    con_raw(rq, "</tbody></table></div>");
     con_foot(rq);
     json_decref(doc);
     return rq->status;
@@ -957,7 +984,8 @@ unsigned con_page_search(con_req_t *rq)
         con_raw(rq, "<p id=\"no-match\">No run, effect, obligation, operation key or external "
                     "ref is exactly this.</p>");
     } else {
-        con_raw(rq, "<table id=\"hits\"><thead><tr><th>matched</th><th>run</th><th>effect</th>"
+        con_raw(rq, "<div class=\"wide\">"
+                    "<table id=\"hits\"><thead><tr><th>matched</th><th>run</th><th>effect</th>"
                     "<th>what</th></tr></thead><tbody>");
         size_t i;
         const json_t *h;
@@ -968,16 +996,16 @@ unsigned con_page_search(con_req_t *rq)
             bool run = strcmp(cli_str(h, "what", ""), "run") == 0;
             con_raw(rq, "<tr><td>");
             con_esc(rq, cli_str(h, "what", ""));
-            con_raw(rq, "</td><td>");
+            con_raw(rq, "</td><td class=\"id\">");
             con_run_link(rq, cli_str(h, "run_id", ""));
-            con_raw(rq, "</td><td>");
+            con_raw(rq, "</td><td class=\"id\">");
             if (!run)
                 con_effect_link(rq, cli_str(h, "id", ""));
             con_raw(rq, "</td><td>");
             con_esc(rq, cli_str(h, "detail", NULL));
             con_raw(rq, "</td></tr>");
         }
-        con_raw(rq, "</tbody></table>");
+        con_raw(rq, "</tbody></table></div>");
         if (n > 50)
             con_raw(rq, "<p class=\"muted\">The first 50 matches.</p>");
     }

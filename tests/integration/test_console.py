@@ -103,6 +103,22 @@ def parse(markup):
     return b.root
 
 
+def css_rules(dom):
+    """The page's stylesheet as {selector: {property: value}}, each selector of a group on its
+    own (the console's <style> is plain, without @-rules or comments)."""
+    rules = {}
+    for style in dom.find_all("style"):
+        for block in style.text().split("}"):
+            if "{" not in block:
+                continue
+            selectors, body = block.split("{", 1)
+            decls = dict(d.split(":", 1) for d in body.split(";") if ":" in d)
+            for sel in selectors.split(","):
+                rules.setdefault(sel.strip(), {}).update(
+                    {k.strip(): v.strip() for k, v in decls.items()})
+    return rules
+
+
 class ConsoleCase(CliCase):
 
     def setUp(self):
@@ -369,6 +385,61 @@ class ConsoleTest(ConsoleCase):
         for table in ("runs", "obligations"):
             self.assertEqual(before[table], after[table], table)
         self.invariants()
+
+    def test_ids_never_wrap_and_an_active_run_with_every_effect_settled_says_so(self):
+        self.dispatcher()
+        run_d = "run-settled-" + uuid.uuid4().hex[:8]
+        charges = [self.confirmed_charge(run_d, step) for step in (1, 2)]
+        run_a = "run-approval-" + uuid.uuid4().hex[:8]
+        self.publish(self.intent(run_a, 1, "delete_account", {"account_id": f"{run_a}-acct"}))
+        self.wait_status("delete_account", f"delete_account:{run_a}-acct", "AWAITING_APPROVAL",
+                         timeout=30)
+        self.assertEqual(self.scalar("SELECT status FROM runs WHERE run_id = %s", (run_d,)),
+                         "ACTIVE")
+        self.console()
+        settled = "all 2 effects settled, not completed"  # tally doctor's header says the same
+
+        # The runs list: the ACTIVE badge, then the words; not for a run still waiting.
+        dom = self.browser(self.console_url + "/runs", screenshot="console-runs-settled.png")
+        rows = {r.find("a", class_="run").text(): r
+                for r in dom.find(id="runs").find_all("tr")[1:]}
+        state = rows[run_d].find_all("td")[1]
+        self.assertEqual(state.find("span", class_="badge").text(), "ACTIVE")
+        self.assertEqual(state.find("span", class_="settled").text(), settled)
+        self.assertEqual(" ".join(state.text().split()), f"ACTIVE {settled}")
+        self.assertEqual(rows[run_a].find("span", class_="badge").text(), "ACTIVE")
+        self.assertIsNone(rows[run_a].find("span", class_="settled"), rows[run_a].text())
+        # ... and the run's own page
+        dom = self.browser(self.console_url + f"/runs/{run_d}")
+        header = dom.find(id="run-header")
+        self.assertEqual(header.find("span", class_="badge").text(), "ACTIVE")
+        self.assertEqual(header.find("span", class_="settled").text(), settled)
+        dom_a = self.browser(self.console_url + f"/runs/{run_a}")
+        self.assertIsNone(dom_a.find(id="run-header").find("span", class_="settled"))
+
+        # Ids stand whole: every cell holding an effect id, an operation key or an external
+        # ref is an id cell, and the stylesheet keeps id cells and id links from wrapping;
+        # a table too wide scrolls in its wrapper instead.
+        rules = css_rules(dom)
+        for sel in ("td.id", "a.effect", "a.run"):
+            self.assertEqual(rules.get(sel, {}).get("white-space"), "nowrap", (sel, rules))
+            self.assertNotEqual(rules[sel].get("word-break"), "break-all", sel)
+        self.assertNotEqual(rules["pre"].get("word-break"), "break-all")
+        self.assertEqual(rules[".wide"].get("overflow-x"), "auto")
+        table = dom.find(id="effects")
+        self.assertIn("wide", table.parent.attrs.get("class", "").split())
+        refs = self.query("SELECT effect_id::text, operation_key, external_ref FROM effects"
+                          " WHERE run_id = %s", (run_d,))
+        self.assertEqual(sorted(r[0] for r in refs), sorted(charges))
+        cells = table.find_all("td")
+        for effect, key, ref in refs:
+            for value in (effect, key, ref):
+                [cell] = [c for c in cells if c.text().strip() == value]
+                self.assertIn("id", cell.attrs.get("class", "").split(), value)
+        for page in ("/runs", f"/runs/{run_d}"):
+            dom = self.browser(self.console_url + page)
+            for t in dom.find_all("table"):
+                self.assertIn("wide", t.parent.attrs.get("class", "").split(), page)
 
     def test_hostile_input_is_escaped_refused_and_never_written(self):
         self.dispatcher()
