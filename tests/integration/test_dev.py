@@ -254,6 +254,11 @@ class DevTest(unittest.TestCase):
                 out[os.path.basename(argv[0])] = p
         return out
 
+    def assert_no_sanitizer_report(self, stack):
+        """Under ASan/UBSan (CI) tally dev, its console and workers report on this stderr."""
+        for marker in ("AddressSanitizer", "LeakSanitizer", "runtime error:"):
+            self.assertNotIn(marker, stack.stderr())
+
     def console_children(self, stack):
         return [p for p in children(stack.proc.pid)
                 if _cmdline(p)[1:2] == ["console"] and _stat(p)[0] != "Z"]
@@ -533,6 +538,7 @@ class DevTest(unittest.TestCase):
         self.assertEqual(rc, 0, stack.stderr()[-5000:])
         self.assertLess(took, 30)
         self.assert_nothing_left(stack, recorded)
+        self.assert_no_sanitizer_report(stack)
 
     def test_no_console_starts_none_and_links_nowhere(self):
         stack = self.start("--tools", DEMO_TOOLS, "--no-console")
@@ -548,6 +554,7 @@ class DevTest(unittest.TestCase):
                 self.assertNotIn(b"TALLY_CONSOLE_URL=", f.read())
         rc, _ = stack.stop()
         self.assertEqual(rc, 0, stack.stderr()[-5000:])
+        self.assert_no_sanitizer_report(stack)
 
 
 if __name__ == "__main__":
