@@ -34,10 +34,11 @@ extern const char *const dev_topics[DEV_N_TOPICS];
 typedef struct dev_worker {
     const char *name;
     char path[PATH_MAX];
-    char *argv[5];    /* path and its arguments, NULL-terminated; set before the first spawn */
-    int metrics_port; /* where it answers /healthz: a worker's metrics, the console's pages */
-    char **envp;      /* built before any fork: the child only calls async-signal-safe functions */
-    pid_t pid;        /* 0 while not running */
+    char *argv[5];        /* path and its arguments, NULL-terminated; set before the first spawn */
+    int metrics_port;     /* where it answers /healthz: a worker's metrics, the console's pages */
+    const char *base_url; /* the console's URL, its /healthz beneath; NULL: 127.0.0.1 */
+    char **envp; /* built before any fork: the child only calls async-signal-safe functions */
+    pid_t pid;   /* 0 while not running */
     int restarts;
     long long restart_at_ms; /* when pid == 0 and a restart is due; -1 when none */
 } dev_worker_t;

@@ -227,8 +227,11 @@ static bool await_ready(dev_worker_t *const *list, size_t n, const char *what, c
                 return false;
             }
             if (!ready[i]) {
-                char url[96];
-                snprintf(url, sizeof(url), "http://127.0.0.1:%d/healthz", w->metrics_port);
+                char url[sizeof(((dev_stack_t *)0)->console_url) + 16];
+                if (w->base_url != NULL) /* the console, wherever --console-addr put it */
+                    snprintf(url, sizeof(url), "%s/healthz", w->base_url);
+                else
+                    snprintf(url, sizeof(url), "http://127.0.0.1:%d/healthz", w->metrics_port);
                 ready[i] = http_status(url) == 200;
             }
             n_ready += ready[i];
@@ -270,6 +273,7 @@ bool dev_console_up(dev_stack_t *s, char *errstr, size_t errsz)
         snprintf(s->console_listen, sizeof(s->console_listen), "127.0.0.1:%d", w->metrics_port);
     }
     snprintf(s->console_url, sizeof(s->console_url), "http://%s", s->console_listen);
+    w->base_url = s->console_url;
     /* the read-only role: what an operator's console reads as (docs/operations.md); with --pg
      * that is the given role, and the console's READ ONLY transactions still hold */
     const char *reader = s->conn_role[TALLY_ROLE_READER];

@@ -540,6 +540,23 @@ class DevTest(unittest.TestCase):
         self.assert_nothing_left(stack, recorded)
         self.assert_no_sanitizer_report(stack)
 
+    def test_console_addr_places_the_console(self):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        stack = self.start("--tools", DEMO_TOOLS, "--console-addr", f"127.0.0.1:{port}")
+        values = stack.wait_up()
+        self.assertEqual(values.get("TALLY_CONSOLE_URL"), f"http://127.0.0.1:{port}", values)
+        self.assertEqual(http_get(f"http://127.0.0.1:{port}/healthz")[0], 200)
+        workers = wait_for(lambda: (lambda w: w if len(w) == len(WORKERS) else None)(
+            self.worker_children(stack)), timeout=30, what="the three workers")
+        for pid in workers.values():
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                self.assertIn(f"TALLY_CONSOLE_URL=http://127.0.0.1:{port}\0".encode(), f.read())
+        rc, _ = stack.stop()
+        self.assertEqual(rc, 0, stack.stderr()[-5000:])
+        self.assert_no_sanitizer_report(stack)
+
     def test_no_console_starts_none_and_links_nowhere(self):
         stack = self.start("--tools", DEMO_TOOLS, "--no-console")
         values = stack.wait_up()
