@@ -3,6 +3,7 @@ service, dispatchers pointed at it, intents, fault rules and the fake's records.
 
 import json
 import os
+import re
 import time
 import urllib.request
 import uuid
@@ -46,6 +47,34 @@ class DispatchCase(TallyCase):
                 "TALLY_POLL_MS": 200, "TALLY_SHUTDOWN_GRACE_MS": 5000}
         base.update(env)
         return self.start("tally-dispatcher", **base)
+
+    # --- the per-tool in-flight gauges ---------------------------------------------------
+
+    def tool_inflight(self, proc, name):
+        """{tool: value} of the per-tool in-flight gauge @name (tally_connector_inflight,
+        tally_status_checks_inflight, tally_reverse_calls_inflight) on @proc's /metrics."""
+        status, text = proc.http_get("/metrics")
+        self.assertEqual(status, 200)
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^' + name + r'\{tool="([^"]+)"\} (\S+)$', text, re.M)}
+
+    def wait_tool_inflight(self, proc, name, tool, value, timeout=30):
+        """Wait until @proc's gauge @name shows @value calls to @tool in flight; returns that
+        reading, {tool: value}."""
+        def seen():
+            got = self.tool_inflight(proc, name)
+            return got if got.get(tool) == value else None
+        return wait_for(seen, timeout=timeout, interval=0.05,
+                        what=f"{name}{{tool={tool!r}}} == {value}")
+
+    def assert_inflight_settled(self, proc, name, timeout=10):
+        """Once the traffic settled, @proc's gauge @name is back to 0 for every tool of the
+        registry (each declared from the start): an unbalanced gauge stays above 0."""
+        with open(self.tools_file) as f:
+            tools = {t["name"] for t in json.load(f)["tools"]}
+        wait_for(lambda: set(self.tool_inflight(proc, name).values()) == {0}, timeout=timeout,
+                 interval=0.1, what=f"every {name} back to 0")
+        self.assertEqual(self.tool_inflight(proc, name), {t: 0 for t in tools})
 
     # --- the fake tool -----------------------------------------------------------------
 

@@ -418,6 +418,21 @@ class CompensateFlowTest(CompensateCase):
         self.invariants(obligations_settled=True)
         self.compensation_invariants()
 
+    def test_a_held_reverse_is_in_flight_for_its_tool(self):
+        run_id, _ = self.four_step_run()
+        # the hold's release (step 4, reversed first) waits 1.2 s, under the 2 s timeout
+        self.fault("slow", collection="holds", op="reverse", delay_ms=1200)
+        comp = self.compensator()
+        self.assert_inflight_settled(comp, "tally_reverse_calls_inflight")
+        self.compensate(run_id)
+        held = self.wait_tool_inflight(comp, "tally_reverse_calls_inflight", "create_hold", 1)
+        self.assertEqual(sum(held.values()), 1, held)
+        self.wait_run(run_id, "PARTIALLY_COMPENSATED")
+        self.assert_inflight_settled(comp, "tally_reverse_calls_inflight")
+        self.assertEqual(comp.terminate(), 0)
+        self.invariants(obligations_settled=True)
+        self.compensation_invariants()
+
     def test_compensate_asked_twice_creates_no_second_obligation(self):
         run_id, _ = self.four_step_run()
         first = self.compensate(run_id)

@@ -12,7 +12,7 @@ from tallytest import wait_for
 class DispatchFaultsTest(DispatchCase):
 
     def test_4xx_is_failed(self):
-        self.dispatcher()
+        d = self.dispatcher()
         run = run_id()
         key = f"create_hold:{run}-h"
         self.fault("error_4xx", key=key, status=422)
@@ -24,6 +24,7 @@ class DispatchFaultsTest(DispatchCase):
         self.assertEqual(ev["data"]["error"]["code"], "http_422")
         time.sleep(1)
         self.assertEqual(len(self.requests(key)), 1)
+        self.assert_inflight_settled(d, "tally_connector_inflight")  # answered with an error
         self.invariants()
 
     def test_503_is_retried_then_confirmed(self):
@@ -77,12 +78,16 @@ class DispatchFaultsTest(DispatchCase):
         self.invariants(allow_unknown_applied=True)
 
     def test_timeout_after_apply_is_unknown_and_not_called_again(self):
-        self.dispatcher()
+        d = self.dispatcher()
+        self.assert_inflight_settled(d, "tally_connector_inflight")
         run = run_id()
         key = f"send_email:{run}-m"
         # The tool's timeout is 2 s; it applies and then answers after 4 s.
         self.fault("apply_then_hang", key=key, delay_ms=4000)
         ce = self.publish(self.intent(run, 1, "send_email", {"message_id": f"{run}-m"}))
+        # the held call is in flight for its tool alone, until it times out
+        held = self.wait_tool_inflight(d, "tally_connector_inflight", "send_email", 1)
+        self.assertEqual(sum(held.values()), 1, held)
         row = self.wait_status("send_email", key, "UNKNOWN", timeout=30)
         self.assertEqual(row["error_code"], "timeout")
         [ev] = self.outcomes_for([ce["id"]])[ce["id"]]
@@ -90,10 +95,11 @@ class DispatchFaultsTest(DispatchCase):
         time.sleep(3)
         self.assertEqual(len(self.requests(key)), 1)
         self.assertEqual(self.effect("send_email", key)["status"], "UNKNOWN")
+        self.assert_inflight_settled(d, "tally_connector_inflight")  # timed out
         self.invariants(allow_unknown_applied=True)
 
     def test_connection_dropped_after_apply_is_unknown_and_sent_once(self):
-        self.dispatcher()
+        d = self.dispatcher()
         run = run_id()
         # Warm the dispatcher's connection pool first: a dropped *reused* connection is the
         # case where curl would silently send the request again.
@@ -106,6 +112,7 @@ class DispatchFaultsTest(DispatchCase):
         self.assertIn(row["error_code"], ("empty_reply", "connection_reset"))
         time.sleep(1)
         self.assertEqual(len(self.requests(key)), 1)
+        self.assert_inflight_settled(d, "tally_connector_inflight")  # the connection dropped
         self.invariants(allow_unknown_applied=True)
 
     def test_timeout_of_an_idempotent_tool_is_retried_with_the_same_key(self):
@@ -155,6 +162,7 @@ class DispatchFaultsTest(DispatchCase):
         self.fault("slow", key=key, delay_ms=1500)
         self.publish(self.intent(run, 1, "create_hold", {"hold_id": f"{run}-h"}))
         row = self.wait_status("create_hold", key, "DISPATCHING", timeout=30)
+        self.wait_tool_inflight(d, "tally_connector_inflight", "create_hold", 1)
         # Another worker takes the effect over while the call is still running.
         self.query("UPDATE effects SET lease_epoch = lease_epoch + 1, lease_owner = 'takeover',"
                    " lease_until = now() + interval '1 hour' WHERE effect_id = %s",
@@ -169,6 +177,7 @@ class DispatchFaultsTest(DispatchCase):
                                      " AND kind = 'connector_call'", (row["effect_id"],)), 0)
         status, text = d.http_get("/metrics")
         self.assertIn("tally_lease_lost_total 1", text)
+        self.assert_inflight_settled(d, "tally_connector_inflight")  # its result dropped
         # SQL only: the upstream record belongs to the lease the takeover now holds.
         check_invariants(self)
 

@@ -151,6 +151,21 @@ class ReconcileResolveTest(ReconcileCase):
                                      '{outcome="confirmed"}'), 1)
         self.invariants()
 
+    def test_a_held_status_check_is_in_flight_for_its_tool(self):
+        self.dispatcher()
+        rec = self.reconciler(TALLY_SWEEP_MS=60000)
+        self.assert_inflight_settled(rec, "tally_status_checks_inflight")
+        run = run_id()
+        key = f"charge_card:t1:{run}-p1"
+        self.fault("apply_then_hang", key=key, delay_ms=5000)
+        self.fault("slow", key=key, op="status", delay_ms=600)  # under the 800 ms timeout
+        self.charge(run)
+        held = self.wait_tool_inflight(rec, "tally_status_checks_inflight", "charge_card", 1)
+        self.assertEqual(sum(held.values()), 1, held)
+        self.wait_status("charge_card", key, "CONFIRMED", timeout=30)
+        self.assert_inflight_settled(rec, "tally_status_checks_inflight")
+        self.invariants()
+
     def test_every_answer_carries_the_step_exactly_as_the_intent_had_it(self):
         # DESIGN §5: the dispatcher's answers and the reconciler's alike. A string of digits
         # stays a string ("03", not 3) though it orders numerically; a number stays a number.
