@@ -46,7 +46,7 @@ CORE = (
     "Intake per second, by result", "Answers per second, by tool and outcome",
     "Live effects by state",
     "Answer latency (connector call), by tool", "Dispatch latency (claim to recorded outcome)",
-    "Calls in flight",
+    "Calls in flight, by tool", "Calls in flight, by worker",
     "Obligations by state", "Obligations past and near their deadline",
     "Relay lag (age of the oldest outbox row)", "Consumer lag (intents not yet read)",
 )
@@ -292,8 +292,18 @@ class DashboardQueriesTest(CliCase):
                   (r, "tally_reconciler_resolutions_total", '{outcome="confirmed"}'),
                   (c, "tally_compensations_total", '{tool="charge_card",outcome="RESOLVED"}'),
                   (c, "tally_runs_settled_total", '{status="COMPENSATED"}')]
-        wait_for(lambda: all(self.metric(p, n, l) is not None for p, n, l in zeros),
-                 timeout=30, interval=0.2, what="the workers' metrics declared")
+        # and so do the per-tool in-flight gauges, for every tool of the registry
+        zeros += [(p, name, f'{{tool="{tool}"}}') for p, name in (
+                      (d, "tally_connector_inflight"), (r, "tally_status_checks_inflight"),
+                      (c, "tally_reverse_calls_inflight"))
+                  for tool in ("charge_card", "create_hold", "post_note")]
+        def missing():
+            return [f"{p.name} {n}{l}" for p, n, l in zeros if self.metric(p, n, l) is None]
+        try:
+            wait_for(lambda: not missing(), timeout=30, interval=0.2,
+                     what="the workers' metrics declared")
+        except AssertionError:
+            self.fail(f"not declared: {missing()}")
         for p, name, labels in zeros:
             self.assertEqual(self.metric(p, name, labels), 0, f"{p.name} {name}{labels}")
         base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
@@ -394,6 +404,15 @@ class DashboardQueriesTest(CliCase):
         self.assertGreater(val("Runs compensated, by final status", status="COMPENSATED"), 0)
         self.assertGreater(val("Dead letters (DLQ) per second, by reason"), 0)
         self.assertGreater(val("Status check verdicts per second", outcome="confirmed"), 0)
+        # the traffic settled: nothing in flight, for any tool or worker; every tool the
+        # traffic called has its three series (execute, status check, reverse)
+        for title in ("Calls in flight, by tool", "Calls in flight, by worker"):
+            for ref in ("A", "B", "C"):
+                self.assertEqual(val(title, ref), 0, f"{title} [{ref}]")
+        for ref in ("A", "B", "C"):
+            got = results[f"Calls in flight, by tool [{ref}]"]["response"]["data"]["result"]
+            self.assertLessEqual({"charge_card", "create_hold", "post_note"},
+                                 {s["metric"]["tool"] for s in got}, ref)
 
         self.screenshot(base, panels, values)
 
