@@ -649,6 +649,9 @@ static int audit_round(reconciler_t *rc, tally_error_t *err)
     if (cap < 1) {
         cap = 1;
     }
+    /* every way out below looks again after a poll at the latest: a round that returned
+     * without moving this would be due again at once, and the tick would spin */
+    rc->next_audit_ms = now_ms() + AUDIT_POLL_MS;
     long long room = cap - (long long)rc->audit_inflight;
     long long free_slots = (long long)rc->cfg->max_inflight - (long long)rc->inflight;
     if (room > free_slots) {
@@ -705,7 +708,9 @@ static int audit_round(reconciler_t *rc, tally_error_t *err)
         return -1;
     }
     /* a full claim may leave more due: look again at once (the budget still paces) */
-    rc->next_audit_ms = now_ms() + (n == room ? 0 : AUDIT_POLL_MS);
+    if (n == room) {
+        rc->next_audit_ms = 0;
+    }
     for (int i = 0; i < n; i++) {
         tally_recon_item_t *it = items[i];
         tally_error_t serr;

@@ -96,6 +96,30 @@ class WorkerLifecycleTest(TallyCase):
                 self.assertTrue(any(m.startswith("stopped") for m in msgs), p.log())
                 self.assertEqual(messages(p.log_lines(), "error"), [], p.log())
 
+    def test_an_idle_worker_waits_instead_of_spinning(self):
+        # With no work and no tool that audits or lists, each worker's loop must sleep until
+        # its next timer: a round that forgets to move its timer made the reconciler tick
+        # ~100,000 times a second while idle. A slow machine ticks fewer times, never more.
+        poll_ms = 200
+        procs = {name: self.start(name, TALLY_POLL_MS=poll_ms, TALLY_SWEEP_MS=poll_ms)
+                 for name in WORKERS}
+
+        def ticks(p):
+            m = re.search(r"(?m)^tally_worker_ticks_total ([0-9]+)$", p.http_get("/metrics")[1])
+            return int(m.group(1)) if m else None
+        for name, p in procs.items():
+            wait_for(lambda: (ticks(p) or 0) > 0, timeout=30, what=f"{name} to tick")
+        before = {name: ticks(p) for name, p in procs.items()}
+        t0 = time.monotonic()
+        time.sleep(3)
+        elapsed_ms = (time.monotonic() - t0) * 1000
+        for name, p in procs.items():
+            with self.subTest(worker=name):
+                n = ticks(p) - before[name]
+                # a tick per poll at most, a few more for timers and scrapes
+                self.assertLessEqual(n, 4 * elapsed_ms / poll_ms + 50,
+                                     f"{name} ticked {n} times in {elapsed_ms:.0f} ms idle")
+
     def test_held_metrics_connections_cannot_starve_the_health_listener(self):
         # 64 idle connections used to fill the metrics listener, and the liveness probe on it
         # failed: the kubelet restarted a healthy worker. Now one client gets 8 of them, and
