@@ -595,17 +595,6 @@ typedef enum {
 static const char *const PROBLEM_NAMES[PROBLEM__COUNT] = {
     "stuck", "unknown_aging", "approval", "deadline_passed", "alert", "finding"};
 
-static char *approval_command(const char *subject, const char *id)
-{
-    char *cmd = NULL;
-    if (asprintf(&cmd,
-                 "tally approve --%s %s --reason \"<why>\"  # let it go ahead\n"
-                 "tally deny --%s %s --reason \"<why>\"  # refuse it",
-                 subject, id, subject, id) < 0)
-        return NULL;
-    return cmd;
-}
-
 /* The commands of a command text (alert.h's form: one a line, each maybe followed by
  * "  # when it applies"), without their comments: what a script would run. */
 static json_t *command_list(const char *text)
@@ -722,7 +711,8 @@ static json_t *build_problems(const json_t *doc, long unknown_age_s)
             ok = problems_add(lists, PROBLEM_UNKNOWN_AGING, p);
         } else if (st == TALLY_EFFECT_AWAITING_APPROVAL) {
             p = problem_new(PROBLEM_APPROVAL, "effect", row, id, tally_effect_state_name(st),
-                            cli_num(row, "updated_age_s", 0), NULL, approval_command("effect", id));
+                            cli_num(row, "updated_age_s", 0), NULL,
+                            tally_alert_approval_command(false, id));
             ok = problems_add(lists, PROBLEM_APPROVAL, p);
         }
         const json_t *a = p != NULL ? alert_of(alerts, id, NULL) : NULL;
@@ -749,7 +739,7 @@ static json_t *build_problems(const json_t *doc, long unknown_age_s)
         } else if (st == TALLY_OBLIGATION_AWAITING_APPROVAL) {
             p = problem_new(PROBLEM_APPROVAL, "obligation", row, id,
                             tally_obligation_state_name(st), cli_num(row, "updated_age_s", 0), NULL,
-                            approval_command("obligation", id));
+                            tally_alert_approval_command(true, id));
             ok = problems_add(lists, PROBLEM_APPROVAL, p);
         } else if (!tally_obligation_state_terminal(st) &&
                    json_is_true(json_object_get(row, "past_deadline"))) {

@@ -210,18 +210,6 @@ unsigned con_page_runs(con_req_t *rq)
 /* ---------------------------------------------------------------------------------------- */
 /* Commands                                                                                 */
 
-/* The approve and deny commands of an item awaiting approval, as `tally doctor` prints them. */
-static char *approval_command(const char *what, const char *id)
-{
-    char *out = NULL;
-    if (asprintf(&out,
-                 "tally approve --%s %s --reason \"<why>\"  # let it go ahead\n"
-                 "tally deny --%s %s --reason \"<why>\"  # refuse it",
-                 what, id, what, id) < 0)
-        return NULL;
-    return out;
-}
-
 /* The open page naming this effect alone (@p obligation_id NULL) or this obligation. */
 static const json_t *open_alert(const json_t *alerts, const char *effect_id,
                                 const char *obligation_id)
@@ -259,7 +247,7 @@ static void stuck_command(con_req_t *rq, const json_t *alert, bool obligation, c
 
 static void approve_command(con_req_t *rq, bool obligation, const char *id)
 {
-    char *cmd = approval_command(obligation ? "obligation" : "effect", id);
+    char *cmd = tally_alert_approval_command(obligation, id);
     if (cmd == NULL)
         rq->body.failed = true;
     con_command(rq, cmd);
@@ -336,6 +324,28 @@ static void problem_head(con_req_t *rq, const char *cls, const char *what, const
     con_raw(rq, "</span>");
 }
 
+/* One problem of a run's page: an effect or obligation (@p obligation) STUCK (@p stuck) or
+ * awaiting approval, its step and tool, then the commands that move it. */
+static void item_problem(con_req_t *rq, const json_t *item, const json_t *alerts, bool obligation,
+                         bool stuck)
+{
+    const char *id = cli_str(item, obligation ? "obligation_id" : "effect_id", "");
+    problem_head(rq, stuck ? "" : "warn", stuck ? "STUCK" : "Awaiting approval", id, obligation);
+    con_raw(rq, obligation && !stuck ? " — the reversal of step " : " — step ");
+    con_esc(rq, cli_str(item, "step", ""));
+    con_raw(rq, " ");
+    con_esc(rq, cli_str(item, "tool", ""));
+    if (stuck) {
+        con_raw(rq, ": ");
+        con_esc(rq, cli_str(item, "status_reason", cli_str(item, "error_message", "")));
+        stuck_command(rq, obligation ? open_alert(alerts, NULL, id) : open_alert(alerts, id, NULL),
+                      obligation, id);
+    } else {
+        approve_command(rq, obligation, id);
+    }
+    con_raw(rq, "</div>");
+}
+
 /* The run's problems, most urgent first; @returns how many. */
 static size_t run_problems(con_req_t *rq, const json_t *doc)
 {
@@ -350,26 +360,9 @@ static size_t run_problems(con_req_t *rq, const json_t *doc)
             tally_obligation_state_t st;
             if (!tally_obligation_state_parse(cli_str(e, "status", ""), &st))
                 continue;
-            const char *id = cli_str(e, "obligation_id", "");
-            if (pass == 0 && st == TALLY_OBLIGATION_STUCK) {
-                problem_head(rq, "", "STUCK", id, true);
-                con_raw(rq, " — step ");
-                con_esc(rq, cli_str(e, "step", ""));
-                con_raw(rq, " ");
-                con_esc(rq, cli_str(e, "tool", ""));
-                con_raw(rq, ": ");
-                con_esc(rq, cli_str(e, "status_reason", cli_str(e, "error_message", "")));
-                stuck_command(rq, open_alert(alerts, NULL, id), true, id);
-                con_raw(rq, "</div>");
-                n++;
-            } else if (pass == 1 && st == TALLY_OBLIGATION_AWAITING_APPROVAL) {
-                problem_head(rq, "warn", "Awaiting approval", id, true);
-                con_raw(rq, " — the reversal of step ");
-                con_esc(rq, cli_str(e, "step", ""));
-                con_raw(rq, " ");
-                con_esc(rq, cli_str(e, "tool", ""));
-                approve_command(rq, true, id);
-                con_raw(rq, "</div>");
+            if ((pass == 0 && st == TALLY_OBLIGATION_STUCK) ||
+                (pass == 1 && st == TALLY_OBLIGATION_AWAITING_APPROVAL)) {
+                item_problem(rq, e, alerts, true, pass == 0);
                 n++;
             }
         }
@@ -379,25 +372,9 @@ static size_t run_problems(con_req_t *rq, const json_t *doc)
             if (!tally_effect_state_parse(cli_str(e, "status", ""), &st))
                 continue;
             const char *id = cli_str(e, "effect_id", "");
-            if (pass == 0 && st == TALLY_EFFECT_STUCK) {
-                problem_head(rq, "", "STUCK", id, false);
-                con_raw(rq, " — step ");
-                con_esc(rq, cli_str(e, "step", ""));
-                con_raw(rq, " ");
-                con_esc(rq, cli_str(e, "tool", ""));
-                con_raw(rq, ": ");
-                con_esc(rq, cli_str(e, "status_reason", cli_str(e, "error_message", "")));
-                stuck_command(rq, open_alert(alerts, id, NULL), false, id);
-                con_raw(rq, "</div>");
-                n++;
-            } else if (pass == 1 && st == TALLY_EFFECT_AWAITING_APPROVAL) {
-                problem_head(rq, "warn", "Awaiting approval", id, false);
-                con_raw(rq, " — step ");
-                con_esc(rq, cli_str(e, "step", ""));
-                con_raw(rq, " ");
-                con_esc(rq, cli_str(e, "tool", ""));
-                approve_command(rq, false, id);
-                con_raw(rq, "</div>");
+            if ((pass == 0 && st == TALLY_EFFECT_STUCK) ||
+                (pass == 1 && st == TALLY_EFFECT_AWAITING_APPROVAL)) {
+                item_problem(rq, e, alerts, false, pass == 0);
                 n++;
             } else if (pass == 2 && st == TALLY_EFFECT_UNKNOWN) {
                 bool aging = cli_num(e, "age_s", 0) > (double)rq->unknown_age_s;

@@ -134,16 +134,8 @@ char *comp_deadline_command(tally_obligation_state_t state, const char *obligati
     switch (state) {
     case TALLY_OBLIGATION_STUCK:
         return tally_alert_obligation_command(obligation_id);
-    case TALLY_OBLIGATION_AWAITING_APPROVAL: {
-        const char *fmt = "tally approve --obligation %s --reason \"<why>\"  # reverse it now\n"
-                          "tally deny --obligation %s --reason \"<why>\"  # nothing is to be "
-                          "undone (SKIPPED)";
-        int len = snprintf(NULL, 0, fmt, obligation_id, obligation_id);
-        char *out = len >= 0 ? malloc((size_t)len + 1) : NULL;
-        if (out != NULL)
-            snprintf(out, (size_t)len + 1, fmt, obligation_id, obligation_id);
-        return out;
-    }
+    case TALLY_OBLIGATION_AWAITING_APPROVAL:
+        return tally_alert_approval_command(true, obligation_id);
     default:
         break;
     }

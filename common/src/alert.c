@@ -438,6 +438,18 @@ char *tally_alert_obligation_command(const char *obligation_id)
                   obligation_id, obligation_id);
 }
 
+char *tally_alert_approval_command(bool obligation, const char *id)
+{
+    if (obligation)
+        return format("tally approve --obligation %s --reason \"<why>\"  # reverse it now\n"
+                      "tally deny --obligation %s --reason \"<why>\"  # nothing is to be "
+                      "undone (SKIPPED)",
+                      id, id);
+    return format("tally approve --effect %s --reason \"<why>\"  # let it go ahead\n"
+                  "tally deny --effect %s --reason \"<why>\"  # refuse it",
+                  id, id);
+}
+
 char *tally_alert_close_command(const char *dedup_key)
 {
     return format("tally resolve --alert %s --reason \"<what you did about it>\"  # close the "

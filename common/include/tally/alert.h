@@ -123,6 +123,13 @@ char *tally_alert_effect_command(const char *effect_id) TALLY_WUR;
 char *tally_alert_obligation_command(const char *obligation_id) TALLY_WUR;
 
 /**
+ * @brief The approve and deny commands of an item AWAITING_APPROVAL, two lines each with its
+ * shell comment: an effect's (`--effect`: let it go ahead / refuse it) or, with @p obligation,
+ * an obligation's (`--obligation`: reverse it now / nothing is to be undone). Malloc'd.
+ */
+char *tally_alert_approval_command(bool obligation, const char *id) TALLY_WUR;
+
+/**
  * @brief The command that closes a page whose item needs no state change (a destructive
  * effect escalated as UNCOMPENSATABLE): `tally resolve --alert <key> --reason ...`. Malloc'd.
  */
