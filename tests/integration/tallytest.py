@@ -334,6 +334,38 @@ class TallyCase(unittest.TestCase):
             return "owner"
         return "operator" if verb in OPERATOR_VERBS else "reader"
 
+    def start_prometheus(self, targets, **config):
+        """Debian's prometheus scraping {job: host:port} every second, with @config added to
+        its configuration's top level (rule_files=[...]); its log is prometheus.log in the
+        test's directory. Returns (process, base URL); stopped at cleanup."""
+        import yaml  # Debian's python3-yaml; only the tests that run Prometheus need it
+        port = free_port()
+        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
+                                  for job, t in targets.items()],
+               **config}
+        path = os.path.join(self.tmp, "prometheus.yml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        log = open(os.path.join(self.tmp, "prometheus.log"), "w")
+        proc = subprocess.Popen(
+            ["prometheus", f"--config.file={path}",
+             f"--storage.tsdb.path={os.path.join(self.tmp, 'tsdb')}",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+
+        def stop():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()
+        self.addCleanup(stop)
+        return proc, f"http://127.0.0.1:{port}"
+
     def cli(self, *args, input=None, env=None, timeout=120):
         """Run `tally ARGS...` under its verb's role (verb_role); returns the CompletedProcess
         (text)."""

@@ -23,16 +23,13 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import unittest
 import urllib.parse
 import urllib.request
 
-import yaml
-
-from tallytest import BUILD_DIR, SOURCE_DIR, free_port, wait_for
+from tallytest import BUILD_DIR, SOURCE_DIR, wait_for
 from test_cli_status import CliCase, main, run_id
 
 DASHBOARD = os.path.join(SOURCE_DIR, "deploy", "grafana", "dashboards", "tally.json")
@@ -155,36 +152,6 @@ class DashboardQueriesTest(CliCase):
         with urllib.request.urlopen(url, timeout=10) as r:
             return json.load(r)
 
-    def start_prometheus(self, targets):
-        """Debian's prometheus scraping {job: host:port} every second; returns its URL."""
-        port = free_port()
-        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-               "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
-                                  for job, t in targets.items()]}
-        path = os.path.join(self.tmp, "prometheus.yml")
-        with open(path, "w") as f:
-            yaml.safe_dump(cfg, f)
-        self.prom_log = os.path.join(self.tmp, "prometheus.log")
-        log = open(self.prom_log, "w")
-        proc = subprocess.Popen(
-            ["prometheus", f"--config.file={path}",
-             f"--storage.tsdb.path={os.path.join(self.tmp, 'tsdb')}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-
-        def stop():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            log.close()
-        self.addCleanup(stop)
-        self.prom = proc
-        return f"http://127.0.0.1:{port}"
-
     def scraped_after(self, base, t):
         """Every target's last scrape started after @t (seconds since the epoch) and was up."""
         try:
@@ -306,7 +273,8 @@ class DashboardQueriesTest(CliCase):
             self.fail(f"not declared: {missing()}")
         for p, name, labels in zeros:
             self.assertEqual(self.metric(p, name, labels), 0, f"{p.name} {name}{labels}")
-        base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
+        self.prom_log = os.path.join(self.tmp, "prometheus.log")
+        self.prom, base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
                                       for name, p in workers.items()})
         wait_for(lambda: self.prom.poll() is None and self.scraped_after(base, 0), timeout=60,
                  interval=0.5, what="prometheus scraping the three workers")

@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,7 +35,7 @@ import urllib.request
 import yaml
 
 import tallytest
-from tallytest import SOURCE_DIR, binary, free_port, wait_for
+from tallytest import SOURCE_DIR, binary, wait_for
 
 DEPLOY = os.path.join(SOURCE_DIR, "deploy")
 PROM_DIR = os.path.join(DEPLOY, "prometheus")
@@ -953,34 +952,7 @@ class RealPrometheusTest(tallytest.TallyCase):
             return json.load(r)
 
     def start_prometheus(self, targets):
-        port = free_port()
-        cfg = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [os.path.join(PROM_DIR, "alerts.yml")],
-            "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [t]}]}
-                               for job, t in targets.items()],
-        }
-        path = os.path.join(self.tmp, "prometheus.yml")
-        with open(path, "w") as f:
-            yaml.safe_dump(cfg, f)
-        log = open(os.path.join(self.tmp, "prometheus.log"), "w")
-        proc = subprocess.Popen(
-            ["prometheus", f"--config.file={path}",
-             f"--storage.tsdb.path={os.path.join(self.tmp, 'tsdb')}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-
-        def stop():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        self.addCleanup(stop)
-        self.addCleanup(log.close)
-        return proc, f"http://127.0.0.1:{port}"
+        return super().start_prometheus(targets, rule_files=[os.path.join(PROM_DIR, "alerts.yml")])
 
     def test_prometheus_finds_every_documented_metric(self):
         doc, where = documented_metrics()
