@@ -193,45 +193,6 @@ static void clock_of(const char *iso, char *out, size_t outsz)
     snprintf(out, outsz, "%.*s.%s", 8, iso + 11, ms); /* lint: slice (ISO time, ASCII) */
 }
 
-/* "2026-11-22 00:33:21 UTC" */
-static void date_of(const char *iso, char *out, size_t outsz)
-{
-    if (iso == NULL || strlen(iso) < 19)
-        snprintf(out, outsz, "%s", iso != NULL ? iso : "-");
-    else
-        /* lint: slice (the date and time of an ISO timestamp, ASCII) */
-        snprintf(out, outsz, "%.*s %.*s UTC", 10, iso, 8, iso + 11);
-}
-
-/* A member as text for a field line: strings as they are, other JSON compact;
- * NULL when the member is missing or null. Malloc'd. */
-static char *member_text(const json_t *obj, const char *key)
-{
-    const json_t *v = json_object_get(obj, key);
-    if (v == NULL || json_is_null(v))
-        return NULL;
-    if (json_is_string(v))
-        return strdup(json_string_value(v));
-    return cli_json_text(v);
-}
-
-/* Print "label  value" when the member is set; an object or array too wide for the line is
- * printed indented below its label. */
-static void field_member(const json_t *obj, const char *key, const char *label, size_t indent)
-{
-    char *text = member_text(obj, key);
-    if (text == NULL)
-        return;
-    const json_t *v = json_object_get(obj, key);
-    if ((json_is_object(v) || json_is_array(v)) && indent + 15 + cli_text_width(text) > CLI_WIDTH) {
-        printf("%*s%s\n", (int)indent, "", label);
-        cli_json_block(stdout, v, indent + 2);
-    } else {
-        cli_field(stdout, indent, 13, label, text);
-    }
-    free(text);
-}
-
 static void field_error(const json_t *obj, const char *code_key, const char *msg_key, size_t indent)
 {
     const char *code = cli_str(obj, code_key, NULL);
@@ -271,15 +232,6 @@ static const json_t *find_by(const json_t *rows, const char *key, const char *id
             return row;
     }
     return NULL;
-}
-
-/* runs.summary holds a completed run's completion summary ({total, effects: {status: count},
- * open: [...], open_count}) or, once the run is compensated, the compensation summary
- * ({compensated, uncompensatable, skipped, failed, ...}). */
-static bool is_completion_summary(const json_t *summary)
-{
-    return json_is_object(json_object_get(summary, "effects")) &&
-           json_object_get(summary, "compensated") == NULL;
 }
 
 /* A row's "status", parsed once here; false when it is missing or not a state the ledger has. */
@@ -340,13 +292,13 @@ static void field_completion(const json_t *run, const json_t *effects)
         cli_field(stdout, 2, 13, "completing", line);
         return;
     }
-    if (!is_completion_summary(summary))
+    if (!cli_is_completion_summary(summary))
         return;
     size_t len = 0;
     long long total = (long long)cli_num(summary, "total", 0);
     char at[48] = "";
     if (cli_str(run, "completed_at", NULL) != NULL) {
-        date_of(cli_str(run, "completed_at", NULL), at, sizeof at);
+        cli_date(cli_str(run, "completed_at", NULL), at, sizeof at);
         tally_fmt(at + strlen(at), sizeof at - strlen(at), ": ");
     }
     int w = snprintf(line, sizeof line, "%s%lld effect%s", at, total, total == 1 ? "" : "s");
@@ -375,7 +327,7 @@ static bool print_open(const json_t *run)
     const json_t *summary = json_object_get(run, "summary");
     const json_t *open = json_object_get(summary, "open");
     long long count = (long long)cli_num(summary, "open_count", (double)json_array_size(open));
-    if (!is_completion_summary(summary) || count == 0)
+    if (!cli_is_completion_summary(summary) || count == 0)
         return true;
     char head[128];
     snprintf(head, sizeof head, "LEFT OPEN AT COMPLETION: %lld (a human decides these)", count);
@@ -498,18 +450,18 @@ static void print_effect(const json_t *e)
     snprintf(line, sizeof line, "step %s  %s (%s)  %s", cli_str(e, "step", "?"),
              cli_str(e, "tool", "?"), cli_str(e, "effect_class", "?"), cli_str(e, "status", "?"));
     cli_wrap(stdout, line, 0, 2);
-    field_member(e, "effect_id", "effect", 2);
-    field_member(e, "operation_key", "key", 2);
-    field_member(e, "status_reason", "reason", 2);
+    cli_field_member(e, "effect_id", "effect", 2);
+    cli_field_member(e, "operation_key", "key", 2);
+    cli_field_member(e, "status_reason", "reason", 2);
     snprintf(line, sizeof line, "%lld", (long long)cli_num(e, "attempts", 0));
     cli_field(stdout, 2, 13, "attempts", line);
     field_lease(e, 2);
-    field_member(e, "receipt", "receipt", 2);
-    field_member(e, "external_ref", "external ref", 2);
+    cli_field_member(e, "receipt", "receipt", 2);
+    cli_field_member(e, "external_ref", "external ref", 2);
     field_error(e, "error_code", "error_message", 2);
     if (cli_str(e, "unknown_since", NULL) != NULL) {
         char since[48];
-        date_of(cli_str(e, "unknown_since", NULL), since, sizeof since);
+        cli_date(cli_str(e, "unknown_since", NULL), since, sizeof since);
         cli_field(stdout, 2, 13, "unknown since", since);
     }
     if (json_object_get(e, "status_checks") != NULL) {
@@ -520,12 +472,12 @@ static void print_effect(const json_t *e)
     }
     if (cli_str(e, "outbox_due_at", NULL) != NULL) {
         char due[48];
-        date_of(cli_str(e, "outbox_due_at", NULL), due, sizeof due);
+        cli_date(cli_str(e, "outbox_due_at", NULL), due, sizeof due);
         snprintf(line, sizeof line, "due %s", due);
         cli_field(stdout, 2, 13, "dispatch", line);
     }
-    field_member(e, "intent_id", "intent", 2);
-    field_member(e, "args_canonical", "args", 2);
+    cli_field_member(e, "intent_id", "intent", 2);
+    cli_field_member(e, "args_canonical", "args", 2);
 }
 
 static void print_obligation(const json_t *o)
@@ -535,25 +487,25 @@ static void print_obligation(const json_t *o)
              cli_str(o, "step", "?"), cli_str(o, "tool", "?"), cli_str(o, "effect_class", "?"),
              cli_str(o, "status", "?"), cli_str(o, "reason", "?"));
     cli_wrap(stdout, line, 0, 2);
-    field_member(o, "obligation_id", "obligation", 2);
-    field_member(o, "effect_id", "effect", 2);
-    field_member(o, "external_ref", "external ref", 2);
-    field_member(o, "status_reason", "reason", 2);
+    cli_field_member(o, "obligation_id", "obligation", 2);
+    cli_field_member(o, "effect_id", "effect", 2);
+    cli_field_member(o, "external_ref", "external ref", 2);
+    cli_field_member(o, "status_reason", "reason", 2);
     snprintf(line, sizeof line, "%lld", (long long)cli_num(o, "attempts", 0));
     cli_field(stdout, 2, 13, "attempts", line);
     field_lease(o, 2);
     if (cli_str(o, "approved_by", NULL) != NULL) {
         char at[48];
-        date_of(cli_str(o, "approved_at", NULL), at, sizeof at);
+        cli_date(cli_str(o, "approved_at", NULL), at, sizeof at);
         snprintf(line, sizeof line, "by %s at %s", cli_str(o, "approved_by", "?"), at);
         cli_field(stdout, 2, 13, "approved", line);
     }
     if (json_is_true(json_object_get(o, "receipt_same_as_effect")))
         cli_field(stdout, 2, 13, "receipt", "its effect's (above)");
     else
-        field_member(o, "receipt", "receipt", 2);
-    field_member(o, "reverse_receipt", "reverse rcpt", 2);
-    field_member(o, "blast_radius", "blast radius", 2);
+        cli_field_member(o, "receipt", "receipt", 2);
+    cli_field_member(o, "reverse_receipt", "reverse rcpt", 2);
+    cli_field_member(o, "blast_radius", "blast radius", 2);
     field_error(o, "error_code", "error_message", 2);
 }
 
@@ -561,17 +513,17 @@ static void print_alert(const json_t *a)
 {
     char line[1024], at[48];
     bool open = alert_open(a);
-    date_of(cli_str(a, "created_at", NULL), at, sizeof at);
+    cli_date(cli_str(a, "created_at", NULL), at, sizeof at);
     snprintf(line, sizeof line, "%s %s %s  %s  opened %s", open ? CLI_SYM_WARN : CLI_SYM_OK,
              cli_str(a, "status", "?"), cli_str(a, "dedup_key", "?"), cli_str(a, "severity", "?"),
              at);
     cli_wrap(stdout, line, 0, 4);
-    field_member(a, "summary", "summary", 2);
-    field_member(a, "reason", "reason", 2);
-    field_member(a, "runbook", "runbook", 2);
-    field_member(a, "pager_state", "pager", 2);
+    cli_field_member(a, "summary", "summary", 2);
+    cli_field_member(a, "reason", "reason", 2);
+    cli_field_member(a, "runbook", "runbook", 2);
+    cli_field_member(a, "pager_state", "pager", 2);
     if (!open) {
-        date_of(cli_str(a, "resolved_at", NULL), at, sizeof at);
+        cli_date(cli_str(a, "resolved_at", NULL), at, sizeof at);
         cli_field(stdout, 2, 13, "resolved", at);
     } else {
         cli_field(stdout, 2, 13, "command", "under PROBLEMS above");
@@ -893,7 +845,7 @@ static void print_header(const json_t *doc)
         tally_fmt(line + at, sizeof line - (size_t)at, " · %s %zu effect%s settled, not completed",
                   total == 1 ? "its" : "all", total, total == 1 ? "" : "s");
     cli_wrap(stdout, line, 0, 2);
-    date_of(cli_str(run, "created_at", NULL), created, sizeof created);
+    cli_date(cli_str(run, "created_at", NULL), created, sizeof created);
     cli_age(cli_num(run, "updated_age_s", -1), age, sizeof age);
     snprintf(line, sizeof line, "created %s, last change %s ago", created, age);
     cli_field(stdout, 2, 13, "when", line);
@@ -924,7 +876,7 @@ static void print_header(const json_t *doc)
     cli_field(stdout, 2, 13, "outbox", line);
     field_completion(run, effects);
     const json_t *summary = json_object_get(run, "summary");
-    if (summary != NULL && !json_is_null(summary) && !is_completion_summary(summary)) {
+    if (summary != NULL && !json_is_null(summary) && !cli_is_completion_summary(summary)) {
         snprintf(line, sizeof line, "written; see tally summary --run %s",
                  cli_str(run, "run_id", "?"));
         cli_field(stdout, 2, 13, "summary", line);

@@ -114,14 +114,6 @@ static bool compensation_asked(const char *status)
     }
 }
 
-/* runs.summary holds a completed run's completion summary ({total, effects, open, ...}) or,
- * once the run is compensated, the compensation summary ({compensated, ...}). */
-static bool is_completion_summary(const json_t *summary)
-{
-    return json_is_object(json_object_get(summary, "effects")) &&
-           json_object_get(summary, "compensated") == NULL;
-}
-
 /* {total, settled}: the run's effects, and those that reached a state they stay in unless an
  * operator or a compensation moves them (not PLANNED, AWAITING_APPROVAL, DISPATCHING, UNKNOWN). */
 static json_t *effect_counts(const json_t *items)
@@ -166,7 +158,7 @@ static json_t *build_summary(const char *run_id, const json_t *stored, const jso
 {
     const json_t *summary = json_object_get(stored, "summary");
     bool use_stored =
-        json_is_true(json_object_get(stored, "current")) && !is_completion_summary(summary);
+        json_is_true(json_object_get(stored, "current")) && !cli_is_completion_summary(summary);
     const char *run_status = json_string_value(json_object_get(stored, "status"));
     tally_runsum_view_t view =
         compensation_asked(run_status) ? TALLY_RUNSUM_LIVE : TALLY_RUNSUM_UNCOMPENSATED;
@@ -219,35 +211,6 @@ static json_t *build_summary(const char *run_id, const json_t *stored, const jso
     return doc;
 }
 
-/* "2026-11-22 00:33:21 UTC" */
-static void date_of(const char *iso, char *out, size_t outsz)
-{
-    if (iso == NULL || strlen(iso) < 19)
-        tally_fmt(out, outsz, "%s", iso != NULL ? iso : "-");
-    else
-        /* lint: slice (the date and time of an ISO timestamp, ASCII) */
-        snprintf(out, outsz, "%.*s %.*s UTC", 10, iso, 8, iso + 11);
-}
-
-/* Print "label  value" when the member is set; an object or array too wide for the line is
- * printed indented below its label. */
-static void field_member(const json_t *obj, const char *key, const char *label, size_t indent)
-{
-    const json_t *v = json_object_get(obj, key);
-    if (v == NULL || json_is_null(v))
-        return;
-    char *text = json_is_string(v) ? strdup(json_string_value(v)) : cli_json_text(v);
-    if (text == NULL)
-        return;
-    if ((json_is_object(v) || json_is_array(v)) && indent + 15 + cli_text_width(text) > CLI_WIDTH) {
-        printf("%*s%s\n", (int)indent, "", label);
-        cli_json_block(stdout, v, indent + 2);
-    } else {
-        cli_field(stdout, indent, 13, label, text);
-    }
-    free(text);
-}
-
 /* An action_required text: the words, then the commands to copy when they end the text; a
  * command in the middle of a sentence stays in the sentence. */
 static void print_action(const char *action)
@@ -285,8 +248,8 @@ static void print_entry(const char *sym, const json_t *e, tally_runsum_list_t li
               status != NULL ? "  " : "", status != NULL ? status : "");
     printf("  ");
     cli_wrap(stdout, line, 2, 6);
-    field_member(e, "effect_id", "effect", 6);
-    field_member(e, "external_ref", "external ref", 6);
+    cli_field_member(e, "effect_id", "effect", 6);
+    cli_field_member(e, "external_ref", "external ref", 6);
     if (list == TALLY_RUNSUM_UNCOMPENSATABLE) {
         const json_t *br = json_object_get(e, "blast_radius");
         const json_t *target = json_object_get(br, "target");
@@ -299,10 +262,10 @@ static void print_entry(const char *sym, const json_t *e, tally_runsum_list_t li
             free(text);
             cli_field(stdout, 6, 13, "reached", line);
         }
-        field_member(br, "time", "happened at", 6);
-        field_member(br, "receipt", "receipt", 6);
-        field_member(br, "args", "args", 6);
-        field_member(e, "reason", "why", 6);
+        cli_field_member(br, "time", "happened at", 6);
+        cli_field_member(br, "receipt", "receipt", 6);
+        cli_field_member(br, "args", "args", 6);
+        cli_field_member(e, "reason", "why", 6);
         return;
     }
     if (list == TALLY_RUNSUM_FAILED) {
@@ -312,14 +275,14 @@ static void print_entry(const char *sym, const json_t *e, tally_runsum_list_t li
                       cli_str(err, "message", ""));
             cli_field(stdout, 6, 13, "error", line);
         }
-        field_member(e, "receipt", "receipt", 6);
+        cli_field_member(e, "receipt", "receipt", 6);
         const char *action = cli_str(e, "action_required", NULL);
         if (action != NULL)
             print_action(action);
         return;
     }
-    field_member(e, "reverse_receipt", "reverse rcpt", 6);
-    field_member(e, "reason", list == TALLY_RUNSUM_COMPENSATED ? "how" : "reason", 6);
+    cli_field_member(e, "reverse_receipt", "reverse rcpt", 6);
+    cli_field_member(e, "reason", list == TALLY_RUNSUM_COMPENSATED ? "how" : "reason", 6);
 }
 
 /* "ACTIVE · all 3 effects settled": the run's state as the ledger has it, and how far its
@@ -352,7 +315,7 @@ static bool print_summary(const json_t *doc)
         cli_field(stdout, 2, 8, "reason", cli_str(doc, "run_reason", NULL));
     if (strcmp(source, "compensator") == 0) {
         char at[48];
-        date_of(cli_str(doc, "summary_at", NULL), at, sizeof at);
+        cli_date(cli_str(doc, "summary_at", NULL), at, sizeof at);
         tally_fmt(line, sizeof line, "written by the compensator%s%s",
                   cli_str(doc, "summary_at", NULL) ? " at " : "",
                   cli_str(doc, "summary_at", NULL) ? at : "");

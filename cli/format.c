@@ -886,3 +886,43 @@ char *cli_open_states(tally_machine_t m)
             names[n++] = tally_machine_state_name(m, s);
     return tally_pg_text_array(names, n);
 }
+
+char *cli_member_text(const json_t *obj, const char *key)
+{
+    const json_t *v = json_object_get(obj, key);
+    if (v == NULL || json_is_null(v))
+        return NULL;
+    if (json_is_string(v))
+        return strdup(json_string_value(v));
+    return cli_json_text(v);
+}
+
+void cli_field_member(const json_t *obj, const char *key, const char *label, size_t indent)
+{
+    char *text = cli_member_text(obj, key);
+    if (text == NULL)
+        return;
+    const json_t *v = json_object_get(obj, key);
+    if ((json_is_object(v) || json_is_array(v)) && indent + 15 + cli_text_width(text) > CLI_WIDTH) {
+        printf("%*s%s\n", (int)indent, "", label);
+        cli_json_block(stdout, v, indent + 2);
+    } else {
+        cli_field(stdout, indent, 13, label, text);
+    }
+    free(text);
+}
+
+void cli_date(const char *iso, char *out, size_t outsz)
+{
+    if (iso == NULL || strlen(iso) < 19)
+        snprintf(out, outsz, "%s", iso != NULL ? iso : "-");
+    else
+        /* lint: slice (the date and time of an ISO timestamp, ASCII) */
+        snprintf(out, outsz, "%.*s %.*s UTC", 10, iso, 8, iso + 11);
+}
+
+bool cli_is_completion_summary(const json_t *summary)
+{
+    return json_is_object(json_object_get(summary, "effects")) &&
+           json_object_get(summary, "compensated") == NULL;
+}

@@ -181,6 +181,21 @@ void cli_wrap(FILE *out, const char *text, size_t first_col, size_t indent);
  */
 void cli_field(FILE *out, size_t indent, size_t label_width, const char *label, const char *text);
 
+/** @brief @p obj's member @p key as text: a string as it is, anything else as compact JSON;
+ * NULL when it is missing or null (or out of memory). Malloc'd. */
+char *cli_member_text(const json_t *obj, const char *key);
+
+/** @brief cli_field of @p obj's member @p key under @p label (nothing when it is missing or
+ * null); an object or array too wide for its line is printed as an indented JSON block. */
+void cli_field_member(const json_t *obj, const char *key, const char *label, size_t indent);
+
+/** @brief "2026-11-27 02:56:40 UTC" of an ISO timestamp (as it is when shorter; "-" for NULL). */
+void cli_date(const char *iso, char *out, size_t outsz);
+
+/** @brief Whether a run's stored summary is the one `tally.complete_run.v1` wrote (its effects'
+ * counts), not a compensation summary (which has a "compensated" list). */
+bool cli_is_completion_summary(const json_t *summary);
+
 /**
  * @brief Print a shell command for the operator to copy: a trailing "  #
  * comment" goes on its own line above it, and a command longer than the width
