@@ -398,7 +398,7 @@ sampler_psql_pid=$!
             echo "SELECT 'B', (SELECT count(*) FROM outbox), (SELECT count(*) FROM message_outbox),
                          (SELECT count(*) FROM effects WHERE status IN ('PLANNED', 'DISPATCHING'));"
         fi
-        echo "SELECT 'W', coalesce(string_agg(application_name || ':' || CASE WHEN state = 'active'
+        echo "SELECT 'W', coalesce(string_agg(split_part(application_name, '/', 1) || ':' || CASE WHEN state = 'active'
                       THEN coalesce(wait_event, 'CPU') ELSE replace(state, ' ', '_') END, ','), '')
                 FROM pg_stat_activity
                WHERE application_name LIKE 'tally-%' AND pid <> pg_backend_pid();"

@@ -12,7 +12,7 @@
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: tally migrate [--status] [--roles] [--wait SECONDS]\n"
+            "usage: tally migrate [--status | --plan] [--roles] [--wait SECONDS]\n"
             "\n"
             "Apply every SQL migration compiled into this binary that the database (TALLY_PG)\n"
             "has not applied yet, in one transaction. Safe to run again and from several hosts\n"
@@ -27,13 +27,23 @@ static void usage(FILE *out)
             "\n"
             "  --status          print the database's version and whether it is current;\n"
             "                    exit 0 when current, 1 when not\n"
+            "  --plan            print what would run, the releases the schema would serve\n"
+            "                    after it, and each tally process connected now with whether\n"
+            "                    it stays served; change nothing. Exit 0 when migrate would\n"
+            "                    go ahead, 1 when it would refuse\n"
             "  --roles           also print each role's grants, table by table\n"
             "  --wait SECONDS    keep retrying the connection this long (default 0: one try)\n"
             "  --help            this text\n"
             "\n"
-            "Exit codes: 0 done, 1 a migration failed (rolled back), a role is missing and\n"
-            "cannot be created, or the database is newer than this binary, 2 usage error,\n"
-            "3 PostgreSQL unreachable.\n");
+            "Expand steps only add, so workers of the previous release keep running on the new\n"
+            "schema; a contract step (a later release) no longer serves older binaries, and\n"
+            "is refused while any of them is connected. A database newer than this tally that\n"
+            "still serves it is left as it is (exit 0): a rollback inside the window.\n"
+            "docs/operations.md, \"Upgrading and rolling back\".\n"
+            "\n"
+            "Exit codes: 0 done, 1 a migration failed (rolled back), a contract step was\n"
+            "refused, a role is missing and cannot be created, or the database is newer than\n"
+            "this binary and no longer serves it, 2 usage error, 3 PostgreSQL unreachable.\n");
 }
 
 /* One line per role: created or already there, its password, its tables; with @p grants,
@@ -59,14 +69,24 @@ static bool is_connection_error(const tally_error_t *err)
     return err->errc == TALLY_ERR_PG_CONNECTION;
 }
 
+static void print_window(const char *what, int version, int serves_from, const char *release)
+{
+    if (serves_from > 0)
+        printf("%s schema %d, serving binaries from schema %d (tally %s) on\n", what, version,
+               serves_from, release != NULL && release[0] != '\0' ? release : "?");
+    else
+        printf("%s schema %d\n", what, version);
+}
+
 static int print_status(tally_pg_t *pg)
 {
     tally_error_t err;
-    int version = 0;
-    if (!tally_migrate_current(pg, &version, &err)) {
+    tally_schema_window_t win;
+    if (!tally_migrate_window(pg, &win, &err)) {
         fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
         return is_connection_error(&err) ? 3 : 1;
     }
+    int version = win.version;
     int latest = tally_migrate_latest();
     if (version == latest) {
         printf("database at version %d; this tally's latest is %d: up to date\n", version, latest);
@@ -83,16 +103,89 @@ static int print_status(tally_pg_t *pg)
     return 1;
 }
 
+/* --plan: what `tally migrate` would do, and whom the schema would serve after it. */
+static int print_plan(tally_pg_t *pg)
+{
+    tally_error_t err;
+    tally_schema_window_t win;
+    if (!tally_migrate_window(pg, &win, &err)) {
+        fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
+        return is_connection_error(&err) ? 3 : 1;
+    }
+    const int latest = tally_migrate_latest();
+    print_window("database now:", win.version, win.serves_from, win.serves_from_release);
+    printf("this tally %s runs on schema %d to %d\n", TALLY_VERSION, TALLY_SCHEMA_OLDEST, latest);
+    char why[600];
+    if (win.version > latest) {
+        tally_schema_fit_t fit =
+            tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, latest, TALLY_VERSION, why, sizeof why);
+        printf("nothing to apply: %s\n", why);
+        return fit == TALLY_SCHEMA_FITS_NEWER ? 0 : 1;
+    }
+    int steps = 0;
+    for (const tally_migration_t *m = tally_migrations; m->name != NULL; m++) {
+        if (m->version <= win.version)
+            continue;
+        if (steps++ == 0)
+            printf("to apply, in one transaction:\n");
+        if (m->serves_from > 0)
+            printf("  %03d_%s  contract: serves binaries from schema %d on\n", m->version, m->name,
+                   m->serves_from);
+        else
+            printf("  %03d_%s  expand\n", m->version, m->name);
+    }
+    if (steps == 0)
+        printf("nothing to apply: the database is at this tally's schema\n");
+    /* before 15 there is no window: the step to 15 makes one serving from 15 */
+    int serves_from = win.version >= 15 ? win.serves_from : 15;
+    int after = tally_migrate_serves_from_after(win.version, serves_from);
+    const char *after_release =
+        after == win.serves_from ? win.serves_from_release : tally_migrate_release_of(after);
+    print_window("after:", latest > win.version ? latest : win.version, after, after_release);
+
+    tally_schema_session_t s[64];
+    size_t n = 0;
+    if (!tally_migrate_sessions(pg, s, sizeof s / sizeof s[0], &n, &err)) {
+        fprintf(stderr, "tally migrate: cannot list the connected processes: %s\n", err.message);
+        return is_connection_error(&err) ? 3 : 1;
+    }
+    size_t shown = n < sizeof s / sizeof s[0] ? n : sizeof s / sizeof s[0];
+    size_t unserved = 0;
+    printf("tally processes connected now: %zu\n", n);
+    for (size_t i = 0; i < shown; i++) {
+        bool served = tally_schema_session_served(&s[i], after);
+        unserved += served ? 0 : 1;
+        printf("  pid %-7d %-20s %s  %s\n", s[i].pid, s[i].user, s[i].app,
+               served             ? "served after"
+               : s[i].newest == 0 ? "NOT SERVED after: a release before 0.1.0"
+                                  : "NOT SERVED after: its newest schema is older");
+    }
+    if (n > shown)
+        printf("  ... and %zu more, not checked here\n", n - shown);
+    bool contract = after > serves_from;
+    if (contract && (unserved > 0 || n > shown)) {
+        printf("`tally migrate` would refuse: the contract step no longer serves %zu connected "
+               "process%s; finish the rollout of tally %s first\n",
+               unserved, unserved == 1 ? "" : "es", after_release != NULL ? after_release : "?");
+        return 1;
+    }
+    if (unserved > 0)
+        printf("note: %zu connected process%s of a release before the window: it keeps running, "
+               "but will not start again on this schema\n",
+               unserved, unserved == 1 ? "" : "es");
+    printf("`tally migrate` would go ahead: %d step%s\n", steps, steps == 1 ? "" : "s");
+    return 0;
+}
+
 int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
 {
     static const struct option opts[] = {
-        {"status", no_argument, NULL, 's'},
-        {"roles", no_argument, NULL, 'r'},
-        {"wait", required_argument, NULL, 'w'},
-        {"help", no_argument, NULL, 'h'},
-        {NULL, 0, NULL, 0},
+        {"status", no_argument, NULL, 's'}, {"plan", no_argument, NULL, 'p'},
+        {"roles", no_argument, NULL, 'r'},  {"wait", required_argument, NULL, 'w'},
+        {"help", no_argument, NULL, 'h'},   {NULL, 0, NULL, 0},
     };
     bool status = false;
+    bool plan = false;
     bool roles = false;
     int wait_s = 0;
     optind = 1;
@@ -101,6 +194,9 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
         switch (c) {
         case 's':
             status = true;
+            break;
+        case 'p':
+            plan = true;
             break;
         case 'r':
             roles = true;
@@ -123,6 +219,10 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
             return 2;
         }
     }
+    if (status && plan) {
+        fprintf(stderr, "tally migrate: --status and --plan: choose one\n");
+        return 2;
+    }
     if (optind < argc) {
         fprintf(stderr, "tally migrate: unexpected argument '%s'\n", argv[optind]);
         usage(stderr);
@@ -140,8 +240,8 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
         tally_pg_free(pg);
         return 3;
     }
-    if (status) {
-        int rc = print_status(pg);
+    if (status || plan) {
+        int rc = status ? print_status(pg) : print_plan(pg);
         tally_pg_free(pg);
         return rc;
     }
@@ -172,6 +272,26 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
         fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
         tally_pg_free(pg);
         return is_connection_error(&err) ? 3 : 1;
+    }
+    if (was > tally_migrate_latest()) {
+        /* a rollback: the newer schema may still serve this release, which then has nothing
+         * to do (and must not grant by an older table of grants) */
+        tally_schema_window_t win;
+        char why[600];
+        if (!tally_migrate_window(pg, &win, &err)) {
+            fprintf(stderr, "tally migrate: cannot read the schema window: %s\n", err.message);
+            tally_pg_free(pg);
+            return is_connection_error(&err) ? 3 : 1;
+        }
+        tally_schema_fit_t fit = tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, tally_migrate_latest(),
+                                                  TALLY_VERSION, why, sizeof why);
+        tally_pg_free(pg);
+        if (fit == TALLY_SCHEMA_FITS_NEWER) {
+            printf("database at version %d, nothing to do: %s\n", was, why);
+            return 0;
+        }
+        fprintf(stderr, "tally migrate: %s\n", why);
+        return 1;
     }
     int before = 0, after = 0;
     tally_roles_report_t report;

@@ -1,4 +1,5 @@
-# Turns schemas/sql/NNN_name.sql files into a C table of {version, name, sql}.
+# Turns schemas/sql/NNN_name.sql files into a C table of {version, name, sql, serves_from}:
+# serves_from is N for a contract step, a file with a line `-- tally:serves-from N`, else 0.
 # Invoked by the build with -DOUT=<file.c> -DSQL_DIR=<schemas/sql>.
 file(GLOB FILES ${SQL_DIR}/*.sql)
 list(SORT FILES)
@@ -14,11 +15,17 @@ foreach(f ${FILES})
   set(ver ${CMAKE_MATCH_1})
   set(name ${CMAKE_MATCH_2})
   math(EXPR vernum "${ver}")
+  file(STRINGS ${f} contract REGEX "^-- tally:serves-from [0-9]+$")
+  set(serves 0)
+  if(contract)
+    string(REGEX REPLACE "^-- tally:serves-from ([0-9]+)$" "\\1" serves "${contract}")
+    math(EXPR serves "${serves}")
+  endif()
   file(READ ${f} sql HEX)
   string(REGEX REPLACE "([0-9a-f][0-9a-f])" "0x\\1," sql "${sql}")
   string(APPEND body "static const char sql_${vernum}[] = {${sql} 0x00};\n")
-  string(APPEND entries "    {${vernum}, \"${name}\", sql_${vernum}},\n")
+  string(APPEND entries "    {${vernum}, \"${name}\", sql_${vernum}, ${serves}},\n")
 endforeach()
-string(APPEND body "\nconst tally_migration_t tally_migrations[] = {\n${entries}    {0, NULL, NULL},\n};\n")
+string(APPEND body "\nconst tally_migration_t tally_migrations[] = {\n${entries}    {0, NULL, NULL, 0},\n};\n")
 file(WRITE ${OUT}.tmp "${body}")
 execute_process(COMMAND ${CMAKE_COMMAND} -E copy_if_different ${OUT}.tmp ${OUT})

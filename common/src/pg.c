@@ -12,7 +12,12 @@
 
 #include "tally/backoff.h"
 #include "tally/log.h"
+#include "tally/migrate.h"
 #include "tally/text.h"
+
+#ifndef TALLY_VERSION
+#define TALLY_VERSION "0"
+#endif
 
 #define PG_BACKOFF_MIN_MS 100
 #define PG_BACKOFF_MAX_MS 5000
@@ -83,8 +88,13 @@ tally_pg_t *tally_pg_new(const char *conninfo, const char *application_name)
     tally_pg_t *pg = calloc(1, sizeof(*pg));
     if (pg == NULL)
         return NULL;
+    /* "tally-dispatcher/0.1.0 (schema 15-15)": its release and the schemas it runs on, so that
+     * `tally migrate --plan` sees which releases are connected (migrate.h) */
+    char app[64];
+    snprintf(app, sizeof app, "%s/%s (schema %d-%d)", application_name ? application_name : "tally",
+             TALLY_VERSION, TALLY_SCHEMA_OLDEST, TALLY_SCHEMA_NEWEST);
     pg->conninfo = strdup(conninfo ? conninfo : "");
-    pg->application_name = strdup(application_name ? application_name : "tally");
+    pg->application_name = strdup(app);
     if (pg->conninfo == NULL || pg->application_name == NULL) {
         tally_pg_free(pg);
         return NULL;

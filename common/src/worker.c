@@ -577,7 +577,7 @@ static int check_role(tally_worker_t *w)
 
 static int setup_pg(tally_worker_t *w, int *schema)
 {
-    char app[80];
+    char app[64];
     snprintf(app, sizeof app, "tally-%s", w->ops->name);
     w->pg = tally_pg_new(w->cfg->pg != NULL ? w->cfg->pg : "", app);
     if (w->pg == NULL) {
@@ -609,23 +609,26 @@ static int setup_pg(tally_worker_t *w, int *schema)
     tally_worker_heartbeat(w);
     tally_error_t err;
     tally_error_clear(&err);
-    int version = 0;
-    if (!tally_migrate_current(w->pg, &version, &err)) {
+    tally_schema_window_t win;
+    if (!tally_migrate_window(w->pg, &win, &err)) {
         TALLY_ERROR("cannot read the database schema version: %s", err.message);
         return 1;
     }
-    int latest = tally_migrate_latest();
-    if (version < latest) {
-        TALLY_ERROR("database schema is at version %d, this binary needs %d: run `tally migrate`",
-                    version, latest);
+    char why[600];
+    switch (tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, tally_migrate_latest(), TALLY_VERSION, why,
+                             sizeof why)) {
+    case TALLY_SCHEMA_FITS:
+        break;
+    case TALLY_SCHEMA_FITS_OLDER:
+    case TALLY_SCHEMA_FITS_NEWER:
+        TALLY_WARN("%s", why);
+        break;
+    case TALLY_SCHEMA_TOO_OLD:
+    case TALLY_SCHEMA_TOO_NEW:
+        TALLY_ERROR("refusing to start: %s", why);
         return 1;
     }
-    if (version > latest) {
-        TALLY_ERROR("database schema is at version %d, this binary needs %d: the database was "
-                    "migrated by a newer tally; deploy that version of this worker",
-                    version, latest);
-        return 1;
-    }
+    int version = win.version;
     *schema = version;
     return check_role(w);
 }

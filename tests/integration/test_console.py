@@ -514,7 +514,7 @@ class ConsoleTest(ConsoleCase):
 
         # It reads as the read-only role...
         users = self.query("SELECT DISTINCT usename FROM pg_stat_activity"
-                           " WHERE datname = %s AND application_name = 'tally-console'",
+                           " WHERE datname = %s AND application_name LIKE 'tally-console/%%'",
                            (self.dbname,))
         self.assertEqual(users, [("tally_reader",)])
         # ... and given a role that may write, its transactions still cannot.
@@ -527,7 +527,7 @@ class ConsoleTest(ConsoleCase):
         self.assertEqual(self.scalar("SELECT count(*) FROM events WHERE kind = 'console_probe'"),
                          0)
         users = self.query("SELECT DISTINCT usename FROM pg_stat_activity"
-                           " WHERE datname = %s AND application_name = 'tally-console'"
+                           " WHERE datname = %s AND application_name LIKE 'tally-console/%%'"
                            " ORDER BY 1", (self.dbname,))
         self.assertEqual(users, [("tally_operator",), ("tally_reader",)])
 

@@ -424,7 +424,8 @@ class DevTest(unittest.TestCase):
         # each worker connects as its own role
         def sessions():
             out = run("psql", values["TALLY_PG_ADMIN"], "-XAtc",
-                      "SELECT DISTINCT application_name || ' ' || usename FROM pg_stat_activity"
+                      "SELECT DISTINCT split_part(application_name, '/', 1) || ' ' || usename"
+                      " FROM pg_stat_activity"
                       " WHERE application_name LIKE 'tally-%'")
             got = set(out.stdout.split("\n")) - {""}
             return got if len(got) >= len(WORKERS) else None
@@ -491,7 +492,7 @@ class DevTest(unittest.TestCase):
         self.assertEqual(_cmdline(console)[2:], ["--listen", url[len("http://"):]])
         out = run("psql", values["TALLY_PG_ADMIN"], "-XAtc",
                   "SELECT DISTINCT usename FROM pg_stat_activity"
-                  " WHERE application_name = 'tally-console'")
+                  " WHERE application_name LIKE 'tally-console/%'")
         self.assertEqual(out.stdout.split(), ["tally_reader"], out.stderr)
 
         # a STUCK effect raised in this stack: its alert links to its run in this console

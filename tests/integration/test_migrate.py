@@ -163,19 +163,66 @@ class MigrateTest(TallyCase):
         self.assertIn("Connection refused", out.stderr)
         self.assertIn(str(port), out.stderr)
 
-    def test_database_newer_than_binary_is_refused(self):
+    def test_database_newer_than_binary_is_left_alone_while_it_serves_this_release(self):
         out = self.cli("migrate")
         self.assertEqual(out.returncode, 0, out.stderr)
         future = latest_version() + 100
+        # a later release's expand step: the window still serves this binary
         self.query("INSERT INTO tally_migrations (version, name) VALUES (%s, 'from_the_future')",
                    (future,))
         again = self.cli("migrate")
-        self.assertEqual(again.returncode, 1, again.stdout + again.stderr)
-        self.assertIn(f"version {future}", again.stderr)
-        self.assertIn("upgrade tally", again.stderr)
+        self.assertEqual(again.returncode, 0, again.stdout + again.stderr)
+        self.assertIn(f"database at version {future}, nothing to do", again.stdout)
+        self.assertIn("still serves this one", again.stdout)
         status = self.cli("migrate", "--status")
         self.assertEqual(status.returncode, 1)
         self.assertIn("newer", status.stdout)
+        plan = self.cli("migrate", "--plan")
+        self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
+        self.assertIn("nothing to apply", plan.stdout)
+
+    def test_database_newer_than_binary_is_refused_once_it_no_longer_serves_it(self):
+        out = self.cli("migrate")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        future = latest_version() + 100
+        # a later release's contract step, which no longer serves this binary
+        self.query("INSERT INTO tally_migrations (version, name) VALUES (%s, 'from_the_future')",
+                   (future,))
+        self.query("UPDATE tally_schema_window SET serves_from = %s,"
+                   " serves_from_release = '9.9.9'", (future,))
+        again = self.cli("migrate")
+        self.assertEqual(again.returncode, 1, again.stdout + again.stderr)
+        self.assertIn(f"version {future}", again.stderr)
+        self.assertIn("deploy tally 9.9.9 or newer", again.stderr)
+        plan = self.cli("migrate", "--plan")
+        self.assertEqual(plan.returncode, 1, plan.stdout + plan.stderr)
+        self.assertIn("deploy tally 9.9.9 or newer", plan.stdout)
+
+    def test_plan_lists_the_steps_and_the_connected_processes(self):
+        plan = self.cli("migrate", "--plan")
+        self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
+        self.assertIn("database now: schema 0", plan.stdout)
+        self.assertIn("001_", plan.stdout)
+        self.assertIn("to apply, in one transaction", plan.stdout)
+        self.assertIsNone(self.scalar("SELECT to_regclass('runs')::text"), "--plan changes nothing")
+        self.assertEqual(self.cli("migrate").returncode, 0)
+        latest = latest_version()
+        # a process of this release and one from before the window are connected
+        this = psycopg2.connect(self.pg, application_name=f"tally-dispatcher/0.1.0 (schema 15-{latest})")
+        old = psycopg2.connect(self.pg, application_name="tally-reconciler")
+        try:
+            plan = self.cli("migrate", "--plan")
+            self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
+            self.assertIn(f"database now: schema {latest}, serving binaries from schema 15"
+                          " (tally 0.1.0) on", plan.stdout)
+            self.assertIn("nothing to apply", plan.stdout)
+            self.assertIn("tally processes connected now: 2", plan.stdout)
+            self.assertRegex(plan.stdout, r"tally-dispatcher/0\.1\.0 \(schema 15-\d+\)\s+served after")
+            self.assertRegex(plan.stdout, r"tally-reconciler\s+NOT SERVED after: a release before")
+            self.assertIn("`tally migrate` would go ahead", plan.stdout)
+        finally:
+            this.close()
+            old.close()
 
     def test_failed_migration_is_rolled_back_and_named(self):
         # A table in the way makes 001 fail half-way through; nothing of it may remain.

@@ -24,31 +24,33 @@ EXPECTED = {
     "dispatcher": {"runs": {S, I, U}, "effects": {S, I, U}, "outbox": {S, I, U, D},
                    "obligations": {S, I}, "alerts": {S, I, U}, "events": {S, I},
                    "message_outbox": {S, I, U, D}, "replies": {S, I},
-                   "tenant_keys": {S, I}, "tally_migrations": {S}},
+                   "tenant_keys": {S, I}, "tally_migrations": {S}, "tally_schema_window": {S}},
     "reconciler": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U},
                    "obligations": {S, I}, "alerts": {S, I, U}, "events": {S, I},
                    "message_outbox": {S, I, U, D}, "replies": {S}, "tenant_keys": {S},
-                   "tally_migrations": {S}, "audit_policies": {S, I, U, D},
+                   "tally_migrations": {S}, "tally_schema_window": {S},
+                   "audit_policies": {S, I, U, D},
                    "audits": {S, I, U, D}, "tool_pacing": {S, I, U},
                    "sweep_cursors": {S, I, U}, "findings": {S, I, U}},
     "compensator": {"runs": {S, U}, "effects": {S}, "obligations": {S, I, U},
                     "alerts": {S, I, U}, "events": {S, I}, "message_outbox": {S, I, U, D},
                     "replies": {S}, "tenant_keys": {S}, "tally_migrations": {S},
-                    "findings": {S}},
+                    "tally_schema_window": {S}, "findings": {S}},
     "operator": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U, D},
                  "obligations": {S, I, U}, "alerts": {S, I, U}, "events": {S, I},
                  "message_outbox": {S, I}, "replies": {S}, "tenant_keys": {S, U},
-                 "tally_migrations": {S}, "schema_machines": {S}, "audit_policies": {S},
+                 "tally_migrations": {S}, "tally_schema_window": {S}, "schema_machines": {S},
+                 "audit_policies": {S},
                  "audits": {S}, "tool_pacing": {S, I, U}, "sweep_cursors": {S},
                  "findings": {S, I, U}},
     "reader": {t: {S} for t in ("runs", "effects", "outbox", "obligations", "alerts", "events",
                                 "message_outbox", "replies", "tally_migrations",
-                                "schema_machines", "audit_policies", "audits", "tool_pacing",
+                                "tally_schema_window", "schema_machines", "audit_policies", "audits", "tool_pacing",
                                 "sweep_cursors", "findings")},
 }
 TABLES = ("runs", "effects", "outbox", "obligations", "alerts", "events", "message_outbox",
-          "replies", "tenant_keys", "tally_migrations", "schema_machines", "audit_policies",
-          "audits", "tool_pacing", "sweep_cursors", "findings")
+          "replies", "tenant_keys", "tally_migrations", "tally_schema_window", "schema_machines",
+          "audit_policies", "audits", "tool_pacing", "sweep_cursors", "findings")
 
 
 def attempts(table, privilege):
@@ -63,7 +65,8 @@ def attempts(table, privilege):
 
 
 def _column(table):
-    return {"tally_migrations": "name", "schema_machines": "sha256", "runs": "status",
+    return {"tally_migrations": "name", "tally_schema_window": "serves_from_release",
+            "schema_machines": "sha256", "runs": "status",
             "effects": "status", "outbox": "tool", "obligations": "status", "alerts": "summary",
             "events": "reason", "message_outbox": "topic", "replies": "run_id",
             "tenant_keys": "tenant", "audit_policies": "tool", "audits": "tool",
@@ -256,7 +259,9 @@ class RolesTest(TallyCase):
         for name in ("tally-dispatcher", "tally-reconciler", "tally-compensator"):
             self.start(name)
         def users():
-            rows = self.query("SELECT DISTINCT application_name, usename FROM pg_stat_activity"
+            # application_name is "tally-dispatcher/<release> (schema N-M)" (migrate.h)
+            rows = self.query("SELECT DISTINCT split_part(application_name, '/', 1), usename"
+                              " FROM pg_stat_activity"
                               " WHERE datname = %s AND application_name LIKE 'tally-%%'",
                               (self.dbname,))
             return rows if len({r[0] for r in rows} & set(PROGRAM_ROLES)) == 3 else None
