@@ -24,6 +24,7 @@
 #include "tally/kafka.h"
 #include "tally/log.h"
 #include "tally/migrate.h"
+#include "tally/notify.h"
 #include "tally/relay.h"
 #include "tally/roles.h"
 #include "tally/seal.h"
@@ -57,6 +58,7 @@ struct tally_worker {
     tally_metric_t *m_build;
     tally_httpd_t *httpd;
     tally_httpd_t *health_httpd; /* TALLY_HEALTH_ADDR, when set */
+    tally_notify_t *notify;      /* systemd's $NOTIFY_SOCKET, when set */
     tally_relay_t *relay;
     rd_kafka_t *consumer;
     tally_consume_t *consume;
@@ -311,7 +313,11 @@ volatile const int *tally_worker_stop_flag(const tally_worker_t *w)
 
 void tally_worker_heartbeat(tally_worker_t *w)
 {
-    atomic_store(&w->heartbeat_ms, now_ms());
+    long long now = now_ms();
+    atomic_store(&w->heartbeat_ms, now);
+    if (w->notify != NULL) {
+        tally_notify_heartbeat(w->notify, now); /* systemd's watchdog, when due */
+    }
 }
 
 void tally_worker_set_ready(tally_worker_t *w, bool ready, const char *why)
@@ -850,6 +856,7 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
     prepare_exit_line(ops->name, w->id);
     tally_crashpoint_init(); /* a test build's TALLY_CRASH_AT, before any thread starts */
     install_signals();
+    w->notify = tally_notify_new(); /* NULL unless systemd runs us as Type=notify */
     if ((rc = setup_registry(w)) != 0 || (rc = setup_metrics(w)) != 0) {
         goto out;
     }
@@ -880,6 +887,9 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
     TALLY_INFO("started: worker %s, topics %s, group %s, metrics %s, schema version %d, %zu tools",
                w->id, topics, w->n_topics > 0 ? w->group : "none", w->metrics_addr, schema,
                tally_registry_count(w->reg));
+    char status[256];
+    snprintf(status, sizeof status, "running: schema version %d, topics %s", schema, topics);
+    tally_notify_ready(w->notify, status);
 
     run_loop(w, state);
 
@@ -887,6 +897,8 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
                "up to %d ms",
                g_signal == SIGINT ? "SIGINT" : "SIGTERM", w->ticks, w->work, w->tick_errors,
                w->cfg->shutdown_grace_ms);
+    snprintf(status, sizeof status, "draining: up to %d ms", w->cfg->shutdown_grace_ms);
+    tally_notify_stopping(w->notify, status);
     long long t_drain = now_ms();
     bool drained = run_drain(w, state);
     long long drain_ms = now_ms() - t_drain;
@@ -905,6 +917,7 @@ out:
         ops->fini(w, state);
     }
     close_all(w);
+    tally_notify_free(w->notify);
     tally_metrics_free(w->metrics);
     tally_registry_free(w->reg);
     tally_keyring_free(w->keys);
