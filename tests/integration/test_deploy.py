@@ -340,7 +340,8 @@ class SystemdUnitsTest(unittest.TestCase):
         grace_ms = int(env["TALLY_SHUTDOWN_GRACE_MS"])
         ports = set()
         must = {
-            "Type": "exec", "Restart": "on-failure", "KillSignal": "SIGTERM",
+            "Type": "notify", "NotifyAccess": "main", "Restart": "on-failure",
+            "KillSignal": "SIGTERM",
             "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
             "PrivateTmp": "yes", "ProtectKernelTunables": "yes", "ProtectKernelModules": "yes",
             "ProtectKernelLogs": "yes", "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
@@ -367,7 +368,15 @@ class SystemdUnitsTest(unittest.TestCase):
                 addr = [v for v in svc["Environment"] if v.startswith("TALLY_METRICS_ADDR=")]
                 self.assertEqual(len(addr), 1)
                 ports.add(addr[0].rsplit(":", 1)[1])
-                self.assertNotIn("notify", svc["Type"])
+                # The watchdog: the worker pings every half period (common/src/notify.c);
+                # a period shorter than /healthz's window would kill a worker the probes
+                # still call alive.
+                wd = svc["WatchdogSec"][0]
+                self.assertRegex(wd, r"^\d+s$")
+                self.assertGreaterEqual(int(wd[:-1]), 10, "WatchdogSec above /healthz's 10 s")
+                start = svc["TimeoutStartSec"][0]
+                self.assertRegex(start, r"^\d+s$")
+                self.assertGreaterEqual(int(start[:-1]), 30, "room before the first heartbeat")
         self.assertEqual(len(ports), 3, "each worker on a host needs its own metrics port")
         # cmake --install puts the programs where ExecStart looks (default prefix /usr/local).
         with open(os.path.join(SOURCE_DIR, "CMakeLists.txt")) as f:
