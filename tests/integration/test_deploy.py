@@ -414,6 +414,94 @@ class SystemdUnitsTest(unittest.TestCase):
             self.assertIn(f"TALLY_ROLE_PASSWORD_{c.upper()}", migrate)
 
 
+# --- the install build: no test hooks ---------------------------------------------------------
+
+
+def markdown_section(text, heading):
+    """The lines of the "## heading" section of a Markdown text."""
+    out, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("## "):
+            inside = line[3:].strip() == heading
+            continue
+        if inside:
+            out.append(line)
+    return out
+
+
+def documented_install_configure():
+    """The `cmake -S . -B build ...` line of deploy/README.md's systemd section, as argv."""
+    lines = [l.strip() for l in markdown_section(read(os.path.join(DEPLOY, "README.md")),
+                                                 "systemd")
+             if l.strip().startswith("cmake -S ")]
+    assert len(lines) == 1, f"one configure line in deploy/README.md, systemd: {lines}"
+    return shlex.split(lines[0])
+
+
+# What a test build has and an install must not: the crash points (crashpoint.h), the variable
+# that arms them, and the console's test-only write route (cli/cmd_console.c).
+TEST_HOOK_SYMBOLS = ("tally_crashpoint_hit", "tally_crashpoint_init")
+TEST_HOOK_STRINGS = (b"TALLY_CRASH_AT", b"/_test/write", b"TALLY_CONSOLE_TEST_WRITE")
+
+
+def test_hooks_in(path):
+    """The test hooks a binary carries: symbols (nm) and strings."""
+    syms = set(run(["nm", path]).stdout.split())
+    with open(path, "rb") as f:
+        data = f.read()
+    return sorted({s for s in TEST_HOOK_SYMBOLS if s in syms} |
+                  {s.decode() for s in TEST_HOOK_STRINGS if s in data})
+
+
+class InstallBuildTest(unittest.TestCase):
+    """The documented build for installs (deploy/README.md, systemd; the units; the
+    Dockerfile) has the test hooks off, and a build made that way carries none of them."""
+
+    def test_the_documented_commands_turn_the_tests_off(self):
+        argv = documented_install_configure()
+        self.assertEqual(argv[:5], ["cmake", "-S", ".", "-B", "build"])
+        self.assertIn("-DTALLY_BUILD_TESTS=OFF", argv)
+        self.assertNotIn("-DTALLY_CRASH_POINTS=ON", argv)
+        for w in WORKERS:
+            unit = read(os.path.join(DEPLOY, "systemd", f"tally-{w}.service"))
+            cmake = [l.lstrip("# ").strip() for l in unit.splitlines()
+                     if l.lstrip("# ").startswith("cmake -S ")]
+            self.assertEqual([shlex.split(c) for c in cmake], [argv], f"tally-{w}.service")
+        # the Dockerfile's build of the four programs (the tool's tree is a build of its own)
+        text = read(DOCKERFILE).replace("\\\n", " ")
+        builds = re.findall(r"cmake -S \. -B (\S+)((?:\s+-D\S+)+)", text)
+        flags = dict((b, f.split()) for b, f in builds)
+        self.assertIn("-DTALLY_BUILD_TESTS=OFF", flags["/build"])
+        self.assertNotIn("-DTALLY_CRASH_POINTS=ON", flags["/build"])
+        self.assertIn("-DTALLY_CRASH_POINTS=OFF", flags["/build-tool"])
+
+    def test_an_install_build_has_no_test_hooks(self):
+        """The documented configure line in a tree of its own (kept in the test build's
+        directory, so a second run only rebuilds what changed), the four programs only."""
+        tree = os.path.join(tallytest.BUILD_DIR, "install-build")
+        argv = documented_install_configure()
+        argv[argv.index("build")] = tree
+        env = dict(os.environ)
+        if shutil.which("ccache"):
+            argv.append("-DCMAKE_C_COMPILER_LAUNCHER=ccache")
+            env.setdefault("CCACHE_BASEDIR", "/")
+        r = run(argv, cwd=SOURCE_DIR, env=env)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        cache = read(os.path.join(tree, "CMakeCache.txt"))
+        self.assertIn("TALLY_BUILD_TESTS:BOOL=OFF", cache)
+        r = subprocess.run(["cmake", "--build", tree, "-j2", "--target", *PROGRAMS],
+                           capture_output=True, text=True, timeout=1800, env=env)
+        self.assertEqual(r.returncode, 0, r.stdout[-4000:] + r.stderr)
+        for prog in PROGRAMS:
+            with self.subTest(program=prog):
+                self.assertEqual(test_hooks_in(os.path.join(tree, prog)), [])
+        # The check can fail: the test build (crash points on) carries them.
+        if "TALLY_CRASH_POINTS:BOOL=ON" in read(os.path.join(tallytest.BUILD_DIR,
+                                                              "CMakeCache.txt")):
+            self.assertIn("tally_crashpoint_hit", test_hooks_in(binary("tally-dispatcher")))
+            self.assertIn("/_test/write", test_hooks_in(binary("tally")))
+
+
 # --- Kubernetes ------------------------------------------------------------------------------
 
 
