@@ -10,6 +10,8 @@ packages=(
     postgresql kcat
     python3 python3-psycopg2 python3-confluent-kafka python3-jsonschema python3-yaml
     python3-kubernetes systemd
+    # gdb reads the debug symbols deploy/split-debug.sh splits off (tests/integration/test_deploy.py)
+    gdb
     prometheus
     # headless Chromium and a font for the web console's browser test (tests/integration/test_console.py)
     chromium fonts-dejavu-core

@@ -31,6 +31,7 @@ import time
 import unittest
 import urllib.parse
 import urllib.request
+import zlib
 
 import yaml
 
@@ -53,6 +54,14 @@ def read(path):
 
 def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, **kw)
+
+
+def cmake_version():
+    """project(tally VERSION x.y.z) of CMakeLists.txt."""
+    m = re.search(r"project\(tally VERSION (\d+\.\d+\.\d+)",
+                  read(os.path.join(SOURCE_DIR, "CMakeLists.txt")))
+    assert m, "no project(tally VERSION ...) in CMakeLists.txt"
+    return m.group(1)
 
 
 def load_yaml_docs(path):
@@ -845,11 +854,11 @@ class YamlComposeDockerfileTest(unittest.TestCase):
 
     def test_dockerfile_stages_and_users(self):
         st = self.dockerfile_stages()
-        self.assertEqual(list(st), ["build", "tool", "runtime"], "runtime last: the default target")
-        self.assertEqual(st["build"][0][1], "debian:12")
+        self.assertEqual(list(st), ["build", "tool", "debug", "runtime"],
+                         "runtime last: the default target")
         for name in ("tool", "runtime"):
             with self.subTest(stage=name):
-                self.assertEqual(st[name][0][1], "debian:12-slim")
+                self.assertEqual(st[name][0][1], st["build"][0][1], "one base image")
                 users = [a for i, a in st[name] if i == "USER"]
                 self.assertTrue(users, "a USER")
                 uid = users[-1].split(":")[0]
@@ -865,6 +874,105 @@ class YamlComposeDockerfileTest(unittest.TestCase):
         self.assertIn("TALLY_METRICS_ADDR=0.0.0.0:9464", env)
         assert_known_tally_vars(self, re.findall(r"(TALLY_[A-Z_]+)=", env), "Dockerfile")
         self.assertIn("9464", [a for i, a in st["runtime"] if i == "EXPOSE"])
+
+    def test_base_images_are_pinned_by_date_and_digest(self):
+        """Every FROM names a dated Debian tag and the digest of its index, so a rebuild of
+        the same sources starts from the same bytes (a floating debian:12 moves weekly)."""
+        st = self.dockerfile_stages()
+        for name, stage in st.items():
+            image = stage[0][1]
+            with self.subTest(stage=name):
+                if image == "scratch":
+                    continue
+                self.assertRegex(image, r"^debian:bookworm-(\d{8})-slim@sha256:[0-9a-f]{64}$")
+
+    def test_oci_labels(self):
+        """The published images say what they are, which version and which commit
+        (org.opencontainers.image.*, from build arguments); the version is CMake's."""
+        text = read(DOCKERFILE).replace("\\\n", " ")
+        top = dict(re.findall(r"^ARG (\w+)=(\S*)$", text.split("\nFROM ", 1)[0], re.M))
+        self.assertEqual(top["TALLY_VERSION"], cmake_version())
+        st = self.dockerfile_stages()
+        keys = ("title", "description", "version", "revision", "source", "licenses", "created")
+        for name, title in (("runtime", "tally"), ("tool", "tally-fake-tool")):
+            with self.subTest(stage=name):
+                label = " ".join(a for i, a in st[name] if i == "LABEL")
+                labels = dict(re.findall(r'org\.opencontainers\.image\.(\w+)="([^"]*)"', label))
+                self.assertEqual(sorted(labels), sorted(keys))
+                self.assertEqual(labels["title"], title)
+                declared = {a for i, a in st[name] if i == "ARG"}
+                for key in ("version", "revision", "source", "licenses", "created"):
+                    arg = re.fullmatch(r"\$\{(\w+)\}", labels[key])
+                    self.assertTrue(arg, f"{key} comes from a build argument")
+                    self.assertIn(arg.group(1), top, f"{key}: a default at the top")
+                    self.assertIn(arg.group(1), declared, f"{key}: ARG in the stage")
+        # the documented release build passes the ones only the builder knows
+        readme = "\n".join(markdown_section(read(os.path.join(DEPLOY, "README.md")),
+                                             "Container image"))
+        for arg in ("TALLY_REVISION", "TALLY_CREATED", "TALLY_SOURCE", "TALLY_LICENSES"):
+            self.assertIn(f"--build-arg {arg}=", readme)
+        self.assertIn(f"tally:{cmake_version()}", readme)
+
+    def test_debug_symbols_are_kept_apart(self):
+        """The build splits the symbols off (deploy/split-debug.sh) to where gdb looks for
+        the runtime image's programs; the runtime image copies only the stripped programs,
+        the debug target only the symbols."""
+        st = self.dockerfile_stages()
+        build = " ".join(a for i, a in st["build"] if i == "RUN")
+        m = re.search(r"sh deploy/split-debug\.sh /out/bin (\S+)", build)
+        self.assertTrue(m, "the build runs deploy/split-debug.sh")
+        self.assertEqual(m.group(1), "/out/debug/usr/lib/debug/usr/local/bin",
+                         "the symbols of /usr/local/bin/<program> under /usr/lib/debug")
+        self.assertLess(build.index("split-debug.sh"), build.index("grep -l TALLY_CRASH_AT"))
+        self.assertEqual(st["debug"][0][1], "scratch")
+        self.assertEqual([(i, a) for i, a in st["debug"][1:]],
+                         [("COPY", "--from=build /out/debug/ /")])
+        for name in ("runtime", "tool"):
+            for a in [a for i, a in st[name] if i == "COPY"]:
+                self.assertNotIn("/out/debug", a, f"{name} carries no debug symbols")
+                self.assertEqual(a.split()[-1], "/usr/local/bin/", a)
+
+    def test_split_debug_script(self):
+        """deploy/split-debug.sh on this tree's programs: each is stripped of DWARF and names
+        its symbols file with the right CRC; the file holds the DWARF; gdb finds it in the
+        /usr/lib/debug layout; the stripped program still runs."""
+        tmp = tempfile.mkdtemp(prefix="tally-split-debug-")
+        self.addCleanup(shutil.rmtree, tmp, True)
+        bindir, debugdir = os.path.join(tmp, "bin"), os.path.join(tmp, "debug")
+        os.makedirs(bindir)
+        for prog in PROGRAMS:
+            shutil.copy(binary(prog), bindir)
+        r = run(["sh", os.path.join(DEPLOY, "split-debug.sh"), bindir, debugdir])
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        for prog in PROGRAMS:
+            with self.subTest(program=prog):
+                exe, dbg = os.path.join(bindir, prog), os.path.join(debugdir, prog + ".debug")
+                sections = run(["readelf", "-S", "-W", exe]).stdout
+                self.assertNotIn(".debug_info", sections)
+                self.assertNotIn(".symtab", sections)
+                dump = os.path.join(tmp, prog + ".debuglink")
+                r = run(["objcopy", "--dump-section", f".gnu_debuglink={dump}", exe,
+                         os.path.join(tmp, "scratch")])
+                self.assertEqual(r.returncode, 0, r.stderr)
+                with open(dump, "rb") as f:
+                    link = f.read()
+                name, _, rest = link.partition(b"\0")
+                self.assertEqual(name.decode(), prog + ".debug")
+                crc = int.from_bytes(link[-4:], "little")
+                with open(dbg, "rb") as f:
+                    self.assertEqual(crc, zlib.crc32(f.read()), "the debuglink CRC")
+                self.assertIn(".debug_info", run(["readelf", "-S", "-W", dbg]).stdout)
+                v = run([exe, "--version"])
+                self.assertIn(cmake_version(), v.stdout + v.stderr)
+        if shutil.which("gdb"):
+            # /usr/lib/debug/<the program's directory>/<program>.debug, as the image lays out
+            root = os.path.join(tmp, "usr-lib-debug")
+            os.makedirs(root + bindir)
+            shutil.copy(os.path.join(debugdir, "tally-dispatcher.debug"), root + bindir)
+            exe = os.path.join(bindir, "tally-dispatcher")
+            g = run(["gdb", "-nx", "-batch", "-iex", f"set debug-file-directory {root}",
+                     "-ex", "info line tally_worker_main", exe])
+            self.assertRegex(g.stdout, r'Line \d+ of ".*common/src/worker\.c"', g.stderr)
 
     def test_runtime_packages_are_exactly_what_the_binaries_link(self):
         st = self.dockerfile_stages()
