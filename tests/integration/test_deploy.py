@@ -540,6 +540,14 @@ class KubernetesManifestsTest(unittest.TestCase):
         ("batch/v1", "Job"): "V1Job",
         ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
         ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
+        ("v1", "ServiceAccount"): "V1ServiceAccount",
+    }
+    # Fields newer than Debian's python3-kubernetes (22.6, the Kubernetes 1.22 API): checked
+    # here against their documented values instead. PodDisruptionBudget's
+    # unhealthyPodEvictionPolicy: beta and on by default since Kubernetes 1.27, GA in 1.31.
+    NEWER_FIELDS = {
+        ("V1PodDisruptionBudgetSpec", "unhealthyPodEvictionPolicy"): {"IfHealthyBudget",
+                                                                      "AlwaysAllow"},
     }
 
     @classmethod
@@ -598,6 +606,9 @@ class KubernetesManifestsTest(unittest.TestCase):
         self.assertIsInstance(value, dict, f"{path}: expected {typ}")
         by_json = {j: a for a, j in cls.attribute_map.items()}
         for k, v in value.items():
+            if (typ, k) in self.NEWER_FIELDS:
+                self.assertIn(v, self.NEWER_FIELDS[(typ, k)], f"{path}.{k}")
+                continue
             self.assertIn(k, by_json, f"{path}: unknown field {k!r} in {typ}")
             self._check_fields(kc, v, cls.openapi_types[by_json[k]], f"{path}.{k}")
 
@@ -661,7 +672,7 @@ class KubernetesManifestsTest(unittest.TestCase):
                 secrets.setdefault(w, set()).add(ref["name"])
             self.assertIn(w, secrets, f"{w}: no TALLY_PG")
         self.assertEqual(len(set().union(*secrets.values())), len(WORKERS))
-        [job] = [d for d in self.by_kind["Job"] if d["metadata"]["name"] == "tally-migrate"]
+        [job] = self.by_kind["Job"]
         env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
         self.assertEqual(env["TALLY_PG"]["valueFrom"]["secretKeyRef"]["name"],
                          "tally-postgres-owner")
@@ -752,6 +763,80 @@ class KubernetesManifestsTest(unittest.TestCase):
                 self.assertEqual(s["maxReplicaCount"], parts[prefix + logical],
                                  "maxReplicaCount = the topic's partition count")
                 self.assertGreaterEqual(s["minReplicaCount"], 1, "workers also sweep PostgreSQL")
+                # KEDA applies cooldownPeriod only when scaling to zero (ScaledObject spec)
+                if "idleReplicaCount" not in s:
+                    self.assertNotIn("cooldownPeriod", s, "ignored without scaling to zero")
+
+    def test_pod_disruption_budgets_let_unhealthy_pods_go(self):
+        """A pod that runs but is not ready does no work; with the default policy one such pod
+        blocks every drain of its node."""
+        for pdb in self.by_kind["PodDisruptionBudget"]:
+            with self.subTest(pdb=pdb["metadata"]["name"]):
+                self.assertEqual(pdb["spec"].get("unhealthyPodEvictionPolicy"), "AlwaysAllow")
+
+    def test_workers_spread_over_zones_and_nodes(self):
+        deps = self.deployments()
+        for w in WORKERS:
+            with self.subTest(worker=w):
+                tmpl = deps[f"tally-{w}"]["spec"]["template"]
+                spread = {c["topologyKey"]: c for c in tmpl["spec"]["topologySpreadConstraints"]}
+                self.assertEqual(set(spread), {"topology.kubernetes.io/zone",
+                                               "kubernetes.io/hostname"})
+                for c in spread.values():
+                    # a preference: a single-zone cluster must still schedule every replica
+                    self.assertEqual(c["whenUnsatisfiable"], "ScheduleAnyway")
+                    self.assertEqual(c["maxSkew"], 1)
+                    sel = c["labelSelector"]["matchLabels"]
+                    self.assertTrue(sel.items() <= tmpl["metadata"]["labels"].items(), sel)
+                    self.assertEqual(sel, deps[f"tally-{w}"]["spec"]["selector"]["matchLabels"])
+
+    def test_each_workload_has_its_own_service_account_without_a_token(self):
+        accounts = {d["metadata"]["name"]: d for d in self.by_kind["ServiceAccount"]}
+        pods = {f"tally-{w}": d["spec"]["template"]["spec"]
+                for w, d in ((w, self.deployments()[f"tally-{w}"]) for w in WORKERS)}
+        [job] = self.by_kind["Job"]
+        pods["tally-migrate"] = job["spec"]["template"]["spec"]
+        used = []
+        for name, pod in pods.items():
+            with self.subTest(workload=name):
+                sa = pod.get("serviceAccountName")
+                self.assertEqual(sa, name)
+                self.assertIn(sa, accounts, f"no ServiceAccount {sa}")
+                self.assertIs(accounts[sa]["automountServiceAccountToken"], False)
+                self.assertIs(pod["automountServiceAccountToken"], False)
+                used.append(sa)
+        self.assertEqual(len(set(used)), len(used), "one account each")
+        self.assertEqual(set(accounts), set(used), "no account nothing uses")
+        self.assertNotIn("RoleBinding", self.by_kind, "tally calls no Kubernetes API")
+        self.assertNotIn("ClusterRoleBinding", self.by_kind)
+
+    def test_migration_job_and_images_are_this_release(self):
+        """The Job is named by release (its pod template cannot change, so each release
+        creates its own and the old one ages out), and it, every image and the kustomization
+        say CMakeLists.txt's version: a version bump that forgets the kit fails here."""
+        version = cmake_version()
+        [job] = self.by_kind["Job"]
+        self.assertEqual(job["metadata"]["name"], "tally-migrate-" + version.replace(".", "-"))
+        self.assertEqual(job["metadata"]["labels"]["app.kubernetes.io/version"], version)
+        self.assertEqual(job["spec"]["template"]["metadata"]["labels"]
+                         ["app.kubernetes.io/version"], version)
+        ttl = job["spec"]["ttlSecondsAfterFinished"]
+        self.assertGreaterEqual(ttl, 3600, "time to read a failed migration's logs")
+        self.assertLessEqual(ttl, 7 * 86400, "old releases' Jobs age out")
+        k = load_yaml_docs(os.path.join(K8S_DIR, "kustomization.yaml"))[0]
+        [img] = k["images"]
+        self.assertEqual(img["newTag"], version)
+        images = set()
+        for f, d in k8s_docs() + [("demo-tool.yaml", d) for d in
+                                  load_yaml_docs(os.path.join(K8S_DIR, "demo-tool.yaml"))]:
+            spec = d.get("spec", {}).get("template", {}).get("spec")
+            for c in (spec or {}).get("initContainers", []) + (spec or {}).get("containers", []):
+                images.add(c["image"])
+        self.assertEqual(images, {f"tally:{version}", f"tally-fake-tool:{version}"})
+        # the README's image commands build the same tag
+        readme = read(os.path.join(DEPLOY, "README.md"))
+        for tag in re.findall(r"-t (tally(?:-fake-tool)?):(\S+)", readme):
+            self.assertEqual(tag[1], version, tag)
 
     def test_tools_configmap_is_the_demo_registry(self):
         cm = next(d for d in self.by_kind["ConfigMap"] if d["metadata"]["name"] == "tally-tools")
