@@ -18,6 +18,7 @@ Only RealPrometheusTest needs PostgreSQL and Kafka (the embedded stack); the res
 and run Debian's tools.
 """
 
+import base64
 import fnmatch
 import glob
 import json
@@ -1122,7 +1123,7 @@ class YamlComposeDockerfileTest(unittest.TestCase):
                 assert_known_tally_vars(self, s.get("environment", {}), f"compose {name}")
         self.assertEqual(svcs["kafka"]["image"].split(":")[0], "apache/kafka")
         self.assertEqual(svcs["kafka"]["environment"]["KAFKA_PROCESS_ROLES"], "broker,controller")
-        self.assertEqual(svcs["postgres"]["image"], "postgres:15")
+        self.assertEqual(svcs["postgres"]["image"].split(":")[0], "postgres")
         self.assertEqual(svcs["tally-migrate"]["command"][:2], ["tally", "migrate"])
         self.assertEqual(svcs["tool"]["build"]["target"], "tool")
         tool_port = 9000
@@ -1148,6 +1149,29 @@ class YamlComposeDockerfileTest(unittest.TestCase):
         mounts = " ".join(prom["volumes"])
         self.assertIn("../prometheus/prometheus.yml:", mounts)
         self.assertIn("../prometheus/alerts.yml:", mounts)
+
+    def test_compose_images_are_pinned_and_kafka_has_a_cluster_id(self):
+        """Every pulled image names an exact release (no latest, no bare major version); the
+        images built here pass the OCI labels' build arguments; the KRaft broker's cluster id
+        is fixed (so its volume survives restarts) and is a real one: a UUID, base64url."""
+        svcs = load_yaml_docs(COMPOSE_FILE)[0]["services"]
+        for name, svc in svcs.items():
+            with self.subTest(service=name):
+                if "build" in svc:
+                    args = svc["build"].get("args", {})
+                    self.assertEqual(set(args), {"TALLY_REVISION", "TALLY_CREATED"})
+                    top = re.findall(r"^ARG (\w+)=", read(DOCKERFILE), re.M)
+                    self.assertTrue(set(args) <= set(top), "build arguments of the Dockerfile")
+                    continue
+                self.assertRegex(svc["image"], r"^[a-z0-9./-]+:v?\d+\.\d+(\.\d+)?$",
+                                 "an exact release")
+        cid = svcs["kafka"]["environment"]["CLUSTER_ID"]
+        self.assertRegex(cid, r"^[A-Za-z0-9_][A-Za-z0-9_-]{21}$")
+        raw = base64.urlsafe_b64decode(cid + "==")
+        self.assertEqual(len(raw), 16)
+        self.assertNotIn(raw, (bytes(16), bytes(15) + b"\x01"), "Kafka's reserved ids")
+        self.assertIn("`CLUSTER_ID`", read(os.path.join(DEPLOY, "compose", "README.md")),
+                      "documented")
 
     def test_compose_grafana_is_provisioned_with_the_dashboard(self):
         """The grafana service: a pinned image, and mounted provisioning that names the compose
