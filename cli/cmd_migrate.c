@@ -12,7 +12,7 @@
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: tally migrate [--status | --plan] [--roles] [--wait SECONDS]\n"
+            "usage: tally migrate [--status | --check | --plan] [--roles] [--wait SECONDS]\n"
             "\n"
             "Apply every SQL migration compiled into this binary that the database (TALLY_PG)\n"
             "has not applied yet, in one transaction. Safe to run again and from several hosts\n"
@@ -27,6 +27,9 @@ static void usage(FILE *out)
             "\n"
             "  --status          print the database's version and whether it is current;\n"
             "                    exit 0 when current, 1 when not\n"
+            "  --check           exit 0 when this tally runs on the database's schema (inside\n"
+            "                    its window: what a worker of this release checks at start),\n"
+            "                    1 when not, saying which release to run; for init containers\n"
             "  --plan            print what would run, the releases the schema would serve\n"
             "                    after it, and each tally process connected now with whether\n"
             "                    it stays served; change nothing. Exit 0 when migrate would\n"
@@ -126,6 +129,31 @@ static void print_last_migration(tally_pg_t *pg, int version)
     PQclear(res);
 }
 
+/* --check: would a worker of this release start on this schema? */
+static int print_check(tally_pg_t *pg)
+{
+    tally_error_t err;
+    tally_schema_window_t win;
+    if (!tally_migrate_window(pg, &win, &err)) {
+        fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
+        return is_connection_error(&err) ? 3 : 1;
+    }
+    char why[600];
+    switch (tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, tally_migrate_latest(), TALLY_VERSION, why,
+                             sizeof why)) {
+    case TALLY_SCHEMA_FITS:
+    case TALLY_SCHEMA_FITS_OLDER:
+    case TALLY_SCHEMA_FITS_NEWER:
+        printf("tally %s runs on this database: %s\n", TALLY_VERSION, why);
+        return 0;
+    case TALLY_SCHEMA_TOO_OLD:
+    case TALLY_SCHEMA_TOO_NEW:
+        break;
+    }
+    printf("tally %s does not run on this database: %s\n", TALLY_VERSION, why);
+    return 1;
+}
+
 /* --plan: what `tally migrate` would do, and whom the schema would serve after it. */
 static int print_plan(tally_pg_t *pg)
 {
@@ -204,12 +232,17 @@ static int print_plan(tally_pg_t *pg)
 int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
 {
     static const struct option opts[] = {
-        {"status", no_argument, NULL, 's'}, {"plan", no_argument, NULL, 'p'},
-        {"roles", no_argument, NULL, 'r'},  {"wait", required_argument, NULL, 'w'},
-        {"help", no_argument, NULL, 'h'},   {NULL, 0, NULL, 0},
+        {"status", no_argument, NULL, 's'},
+        {"check", no_argument, NULL, 'c'},
+        {"plan", no_argument, NULL, 'p'},
+        {"roles", no_argument, NULL, 'r'},
+        {"wait", required_argument, NULL, 'w'},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     bool status = false;
     bool plan = false;
+    bool check = false;
     bool roles = false;
     int wait_s = 0;
     optind = 1;
@@ -221,6 +254,9 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
             break;
         case 'p':
             plan = true;
+            break;
+        case 'c':
+            check = true;
             break;
         case 'r':
             roles = true;
@@ -243,8 +279,8 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
             return 2;
         }
     }
-    if (status && plan) {
-        fprintf(stderr, "tally migrate: --status and --plan: choose one\n");
+    if ((int)status + (int)plan + (int)check > 1) {
+        fprintf(stderr, "tally migrate: --status, --check and --plan: choose one\n");
         return 2;
     }
     if (optind < argc) {
@@ -264,8 +300,8 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
         tally_pg_free(pg);
         return 3;
     }
-    if (status || plan) {
-        int rc = status ? print_status(pg) : print_plan(pg);
+    if (status || plan || check) {
+        int rc = status ? print_status(pg) : check ? print_check(pg) : print_plan(pg);
         tally_pg_free(pg);
         return rc;
     }

@@ -198,6 +198,30 @@ class MigrateTest(TallyCase):
         self.assertEqual(plan.returncode, 1, plan.stdout + plan.stderr)
         self.assertIn("deploy tally 9.9.9 or newer", plan.stdout)
 
+    def test_check_says_whether_this_release_runs_on_the_schema(self):
+        # as the init containers run it: with a worker's role
+        env = self._as_role(self.env(), "dispatcher")
+        empty = self.cli("migrate", "--check", env=env)
+        self.assertEqual(empty.returncode, 1, empty.stdout + empty.stderr)
+        self.assertIn("does not run on this database", empty.stdout)
+        self.assertIn("run `tally migrate`", empty.stdout)
+        self.assertEqual(self.cli("migrate").returncode, 0)
+        ok = self.cli("migrate", "--check", env=env)
+        self.assertEqual(ok.returncode, 0, ok.stdout + ok.stderr)
+        self.assertIn("runs on this database", ok.stdout)
+        # a later release's expand step: still runs; its contract step: no longer
+        future = latest_version() + 100
+        self.query("INSERT INTO tally_migrations (version, name) VALUES (%s, 'from_the_future')",
+                   (future,))
+        self.assertEqual(self.cli("migrate", "--check", env=env).returncode, 0)
+        self.query("UPDATE tally_schema_window SET serves_from = %s,"
+                   " serves_from_release = '9.9.9'", (future,))
+        late = self.cli("migrate", "--check", env=env)
+        self.assertEqual(late.returncode, 1, late.stdout + late.stderr)
+        self.assertIn("deploy tally 9.9.9 or newer", late.stdout)
+        both = self.cli("migrate", "--check", "--plan")
+        self.assertEqual(both.returncode, 2, both.stdout + both.stderr)
+
     def test_plan_lists_the_steps_and_the_connected_processes(self):
         plan = self.cli("migrate", "--plan")
         self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
