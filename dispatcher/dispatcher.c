@@ -27,7 +27,6 @@ static const char SQL_EFFECTS_BY_STATE[] =
     " GROUP BY tool, status";
 
 #define EFFECTS_REFRESH_S 5.0
-#define LAG_REFRESH_S     10.0
 #define BACKLOG_REFRESH_S 1.0
 
 double dispatch_now(void)
@@ -128,34 +127,6 @@ static void refresh_effects(dispatcher_t *d, double now)
     PQclear(res);
 }
 
-/* Consumer lag per assigned partition: the high watermark (cached from fetches, no broker
- * round trip) minus the consumer's position. */
-static void refresh_lag(dispatcher_t *d, double now)
-{
-    if (!d->rk || now - d->lag_at < LAG_REFRESH_S)
-        return;
-    d->lag_at = now;
-    rd_kafka_topic_partition_list_t *parts = NULL;
-    if (rd_kafka_assignment(d->rk, &parts) != RD_KAFKA_RESP_ERR_NO_ERROR || !parts)
-        return;
-    if (parts->cnt > 0 && rd_kafka_position(d->rk, parts) == RD_KAFKA_RESP_ERR_NO_ERROR) {
-        tally_metric_reset(d->m_lag);
-        for (int i = 0; i < parts->cnt; i++) {
-            int64_t lo = 0, hi = 0;
-            rd_kafka_topic_partition_t *tp = &parts->elems[i];
-            if (rd_kafka_get_watermark_offsets(d->rk, tp->topic, tp->partition, &lo, &hi) !=
-                    RD_KAFKA_RESP_ERR_NO_ERROR ||
-                hi < 0)
-                continue;
-            int64_t pos = tp->offset >= 0 ? tp->offset : lo;
-            char label[32];
-            snprintf(label, sizeof label, "%d", (int)tp->partition);
-            tally_metric_set(d->m_lag, (double)(hi > pos ? hi - pos : 0), label);
-        }
-    }
-    rd_kafka_topic_partition_list_destroy(parts);
-}
-
 static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
 {
     d->m_effects =
@@ -181,12 +152,16 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
         NULL);
     d->m_lease_lost = tally_metrics_counter(
         m, "tally_lease_lost_total", "Results dropped because the lease was taken over", NULL);
-    d->m_lag = tally_metrics_gauge(m, "tally_kafka_consumer_lag",
-                                   "Intents not yet read, per assigned partition", "partition");
     d->m_paused = tally_metrics_gauge(m, "tally_intake_paused",
                                       "1 while intake is paused by backpressure", NULL);
     d->m_db_errors = tally_metrics_counter(m, "tally_dispatcher_db_errors_total",
                                            "Failed dispatcher transactions by stage", "stage");
+    d->m_alert_fail = tally_metrics_counter(
+        m, "tally_alert_write_failures_total",
+        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
+        "at once as a minimal page)",
+        "worker");
+    tally_metric_add(d->m_alert_fail, 0, "dispatcher");
     /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
      * the event that creates a series, such as a tool's first failed call since the start. */
     static const char *const results[] = {"created", "replay",     "conflict",
@@ -346,7 +321,6 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
     refresh_backlog(d, now);
     backpressure(d, now);
     refresh_effects(d, now);
-    refresh_lag(d, now);
 
     /* The recorder is the last stage: while a full batch of results waits for it, taking more
      * work would only lengthen its queue and the time every result waits there. Intake and

@@ -139,7 +139,6 @@ typedef struct dispatcher {
     bool paused;
     double paused_at;
     double effects_at; /**< last refresh of tally_effects */
-    double lag_at;
     bool draining;
     double busy_at;    /**< the loop last did work (monotonic s) */
     double trimmed_at; /**< the heap was last trimmed */
@@ -156,9 +155,9 @@ typedef struct dispatcher {
     tally_metric_t *m_tool_inflight; /**< tally_connector_inflight{tool} */
     tally_metric_t *m_backlog;
     tally_metric_t *m_lease_lost;
-    tally_metric_t *m_lag;
     tally_metric_t *m_paused;
     tally_metric_t *m_db_errors;
+    tally_metric_t *m_alert_fail; /**< tally_alert_write_failures_total{worker} */
 } dispatcher_t;
 
 /* dispatcher.c */

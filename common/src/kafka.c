@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "tally/log.h"
+#include "tally/metrics.h"
 
 /* librdkafka logs with syslog levels (0 emergency .. 7 debug) from its own threads. */
 static void log_cb(const rd_kafka_t *rk, int level, const char *fac, const char *buf)
@@ -129,13 +130,90 @@ fail:
     return NULL;
 }
 
+/* "tally.intents [0,2,3]": the partitions of a rebalance, for the log. Lists are sorted by
+ * librdkafka per topic; a topic's name is printed again when it changes. */
+static void describe_partitions(const rd_kafka_topic_partition_list_t *parts, char *out,
+                                size_t outsz)
+{
+    size_t used = 0;
+    out[0] = '\0';
+    const char *topic = NULL;
+    for (int i = 0; parts != NULL && i < parts->cnt && used + 1 < outsz; i++) {
+        const rd_kafka_topic_partition_t *tp = &parts->elems[i];
+        bool same = topic != NULL && strcmp(topic, tp->topic) == 0;
+        int n = same ? snprintf(out + used, outsz - used, ",%d", (int)tp->partition)
+                     : snprintf(out + used, outsz - used, "%s%s [%d", topic != NULL ? "] " : "",
+                                tp->topic, (int)tp->partition);
+        used += n > 0 ? (size_t)n : 0;
+        topic = tp->topic;
+    }
+    if (topic != NULL && used + 1 < outsz)
+        snprintf(out + used, outsz - used, "]");
+    else if (topic == NULL)
+        snprintf(out, outsz, "none");
+}
+
+/* The rebalance callback only logs and counts (@p opaque: tally_kafka_rebalances_total, may be
+ * NULL); the assignment itself is what librdkafka does without a callback (rdkafka.h,
+ * rd_kafka_conf_set_rebalance_cb): incremental for the cooperative protocol, the whole
+ * assignment for the eager one, and an empty assignment on any other error. Offsets stored
+ * for revoked partitions are committed by auto commit on the way out, as before. */
+static void rebalance_cb(rd_kafka_t *rk, rd_kafka_resp_err_t err,
+                         rd_kafka_topic_partition_list_t *parts, void *opaque)
+{
+    tally_metric_t *m_rebalances = opaque;
+    bool cooperative = strcmp(rd_kafka_rebalance_protocol(rk), "COOPERATIVE") == 0;
+    bool assign = err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS;
+    bool revoke = err == RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS;
+    if (assign || revoke) {
+        char list[512];
+        describe_partitions(parts, list, sizeof list);
+        char *member = rd_kafka_memberid(rk);
+        TALLY_INFO("%s: consumer group rebalance (%s): %s %d partition%s: %s; member %s",
+                   rd_kafka_name(rk), cooperative ? "cooperative" : "eager",
+                   assign                         ? "assigned"
+                   : rd_kafka_assignment_lost(rk) ? "lost"
+                                                  : "revoked",
+                   parts != NULL ? parts->cnt : 0, parts != NULL && parts->cnt == 1 ? "" : "s",
+                   list, member != NULL ? member : "-");
+        if (member != NULL)
+            rd_kafka_mem_free(rk, member);
+        if (m_rebalances != NULL)
+            tally_metric_add(m_rebalances, 1, assign ? "assign" : "revoke");
+    } else {
+        TALLY_WARN("%s: consumer group rebalance failed: %s; dropping the assignment",
+                   rd_kafka_name(rk), rd_kafka_err2str(err));
+    }
+
+    rd_kafka_error_t *error = NULL;
+    rd_kafka_resp_err_t e = RD_KAFKA_RESP_ERR_NO_ERROR;
+    if (assign && cooperative)
+        error = rd_kafka_incremental_assign(rk, parts);
+    else if (assign)
+        e = rd_kafka_assign(rk, parts);
+    else if (revoke && cooperative)
+        error = rd_kafka_incremental_unassign(rk, parts);
+    else
+        e = rd_kafka_assign(rk, NULL);
+    if (error != NULL) {
+        TALLY_WARN("%s: %s partitions: %s", rd_kafka_name(rk), assign ? "assigning" : "revoking",
+                   rd_kafka_error_string(error));
+        rd_kafka_error_destroy(error);
+    } else if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
+        TALLY_WARN("%s: %s partitions: %s", rd_kafka_name(rk), assign ? "assigning" : "revoking",
+                   rd_kafka_err2str(e));
+    }
+}
+
 rd_kafka_t *tally_kafka_consumer_new(const tally_config_t *cfg, const char *group_id,
-                                     const char *const *topics, size_t n_topics, char *errstr,
-                                     size_t errsz)
+                                     const char *const *topics, size_t n_topics,
+                                     tally_metric_t *rebalances, char *errstr, size_t errsz)
 {
     rd_kafka_conf_t *conf = tally_kafka_conf_new(cfg, errstr, errsz);
     if (conf == NULL)
         return NULL;
+    rd_kafka_conf_set_rebalance_cb(conf, rebalance_cb);
+    rd_kafka_conf_set_opaque(conf, rebalances);
     char session[16];
     snprintf(session, sizeof(session), "%d", cfg->session_timeout_ms);
     /* Cooperative-sticky moves only the partitions that must move on a rebalance, but before
@@ -199,6 +277,30 @@ void tally_kafka_consumer_close(rd_kafka_t *rk)
     if (e != RD_KAFKA_RESP_ERR_NO_ERROR)
         TALLY_WARN("leaving the consumer group failed: %s", rd_kafka_err2str(e));
     rd_kafka_destroy(rk);
+}
+
+void tally_kafka_consumer_lag(rd_kafka_t *rk, tally_metric_t *lag)
+{
+    rd_kafka_topic_partition_list_t *parts = NULL;
+    if (rk == NULL || rd_kafka_assignment(rk, &parts) != RD_KAFKA_RESP_ERR_NO_ERROR || !parts)
+        return;
+    /* a partition revoked since the last refresh reads 0 here; its new owner reports it */
+    if (parts->cnt == 0 || rd_kafka_position(rk, parts) == RD_KAFKA_RESP_ERR_NO_ERROR) {
+        tally_metric_reset(lag);
+        for (int i = 0; i < parts->cnt; i++) {
+            int64_t lo = 0, hi = 0;
+            rd_kafka_topic_partition_t *tp = &parts->elems[i];
+            if (rd_kafka_get_watermark_offsets(rk, tp->topic, tp->partition, &lo, &hi) !=
+                    RD_KAFKA_RESP_ERR_NO_ERROR ||
+                hi < 0)
+                continue;
+            int64_t pos = tp->offset >= 0 ? tp->offset : lo;
+            char label[32];
+            snprintf(label, sizeof label, "%d", (int)tp->partition);
+            tally_metric_set(lag, (double)(hi > pos ? hi - pos : 0), label, tp->topic);
+        }
+    }
+    rd_kafka_topic_partition_list_destroy(parts);
 }
 
 static long long mono_ms(void)

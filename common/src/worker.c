@@ -35,6 +35,8 @@ _Static_assert(_Generic((sig_atomic_t)0, int : 1, default : 0), "sig_atomic_t mu
 
 #define MAX_TOPICS     16
 #define TOPIC_NAME_LEN 256
+/* The lag gauge needs no broker round trip (cached watermarks); 10 s is below any scrape. */
+#define LAG_REFRESH_MS 10000
 
 /* Set by the signal handler: the first SIGTERM/SIGINT stops the loop. */
 static volatile sig_atomic_t g_stop;
@@ -61,6 +63,9 @@ struct tally_worker {
     tally_notify_t *notify;      /* systemd's $NOTIFY_SOCKET, when set */
     tally_relay_t *relay;
     rd_kafka_t *consumer;
+    tally_metric_t *m_lag;        /* tally_kafka_consumer_lag{partition,topic} */
+    long long lag_at_ms;          /* when m_lag was last refilled */
+    tally_metric_t *m_rebalances; /* tally_kafka_rebalances_total{kind} */
     tally_consume_t *consume;
     rd_kafka_t *producer;
     char id[256];
@@ -702,8 +707,20 @@ static int setup_consumer(tally_worker_t *w)
                    errstr);
     }
     tally_worker_heartbeat(w);
-    w->consumer =
-        tally_kafka_consumer_new(w->cfg, w->group, names, w->n_topics, errstr, sizeof errstr);
+    /* Every consuming worker reports its lag and rebalances under the same names (the dashboard
+     * and the alert rules read them); the counter exists at 0 from the start. */
+    w->m_lag =
+        tally_metrics_gauge(w->metrics, "tally_kafka_consumer_lag",
+                            "Messages not yet read, per assigned partition", "partition,topic");
+    w->m_rebalances =
+        tally_metrics_counter(w->metrics, "tally_kafka_rebalances_total",
+                              "Consumer-group rebalances this worker took part in: partitions "
+                              "assigned, or revoked (or lost)",
+                              "kind");
+    tally_metric_add(w->m_rebalances, 0, "assign");
+    tally_metric_add(w->m_rebalances, 0, "revoke");
+    w->consumer = tally_kafka_consumer_new(w->cfg, w->group, names, w->n_topics, w->m_rebalances,
+                                           errstr, sizeof errstr);
     if (w->consumer == NULL) {
         TALLY_ERROR("cannot create the Kafka consumer: %s", errstr);
         return 1;
@@ -729,6 +746,10 @@ static void run_loop(tally_worker_t *w, void *state)
             sleep_unless_stopped(w->cfg->poll_ms < 1000 ? w->cfg->poll_ms : 1000);
         }
         tally_worker_heartbeat(w);
+        if (w->consumer != NULL && now_ms() - w->lag_at_ms >= LAG_REFRESH_MS) {
+            w->lag_at_ms = now_ms();
+            tally_kafka_consumer_lag(w->consumer, w->m_lag);
+        }
         bool pg_up = tally_pg_ok(w->pg);
         if (!pg_up && now_ms() - last_reconnect >= 1000) {
             last_reconnect = now_ms();

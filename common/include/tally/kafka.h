@@ -7,6 +7,7 @@
 #include <librdkafka/rdkafka.h>
 
 #include "tally/config.h"
+#include "tally/metrics.h"
 
 /**
  * @brief A conf with bootstrap.servers, client.id (worker id) and every TALLY_KAFKA_*
@@ -30,11 +31,23 @@ rd_kafka_t *tally_kafka_producer_new(const tally_config_t *cfg, bool idempotent,
  * @brief A consumer in @p group_id subscribed to @p topics (full names): cooperative-sticky
  * assignment, enable.auto.offset.store=false (the caller stores offsets after its
  * PostgreSQL COMMIT), auto commit of stored offsets, auto.offset.reset=earliest,
- * session.timeout.ms from the config.
+ * session.timeout.ms from the config. Each assignment and revocation is logged (INFO: the
+ * protocol, the partitions, whether they were lost, the member id) and counted in
+ * @p rebalances (a counter with the label kind, "assign" or "revoke"; may be NULL); the
+ * assignment itself is librdkafka's own (incremental for cooperative, whole for eager).
  */
 rd_kafka_t *tally_kafka_consumer_new(const tally_config_t *cfg, const char *group_id,
-                                     const char *const *topics, size_t n_topics, char *errstr,
+                                     const char *const *topics, size_t n_topics,
+                                     tally_metric_t *rebalances, char *errstr,
                                      size_t errsz) TALLY_WUR;
+
+/**
+ * @brief Refill @p lag (a gauge with the labels partition, topic) from the consumer's
+ * assignment: the high watermark (cached from fetches, no broker round trip) minus the
+ * position, per assigned partition. Partitions no longer assigned read 0. NULL @p rk is
+ * allowed (nothing happens).
+ */
+void tally_kafka_consumer_lag(rd_kafka_t *rk, tally_metric_t *lag);
 
 /**
  * @brief The documented termination order for a consumer: commit stored offsets
