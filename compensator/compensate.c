@@ -55,7 +55,8 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
         "channel");
     c->m_alert_fail = tally_metrics_counter(
         m, "tally_alert_write_failures_total",
-        "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",
+        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
+        "at once as a minimal page)",
         "worker");
     c->m_outcomes =
         tally_metrics_counter(m, "tally_compensations_total",

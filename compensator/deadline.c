@@ -228,8 +228,13 @@ static int raise_pages(compensator_t *c, const char *pages_text, tally_outbox_ba
         }
     }
     size_t opened = 0;
-    if (!tally_alert_batch_flush(alerts, c->pg, c->worker_id, c->source, obx, ab, &opened, err))
+    if (!tally_alert_batch_flush(alerts, c->pg, c->worker_id, c->source, obx, ab, &opened, err)) {
+        /* PostgreSQL refused the pages themselves (a lost connection is a db error only);
+         * the next sweep raises them again */
+        if (!err->retriable)
+            tally_metric_add(c->m_alert_fail, (double)json_array_size(pages), "compensator");
         goto out;
+    }
     json_array_foreach(pages, i, p)
     {
         bool passed = strcmp(json_string_value(json_object_get(p, "level")), "critical") == 0;

@@ -401,12 +401,17 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         goto out;
     }
     PGresult *handed = NULL;
-    ok =
-        record_events(d, done, n_done, won, ab, ob, alerts, &err) &&
-        tally_alert_batch_flush(alerts, d->rec_pg, d->worker_id, d->source, ob, ab, &pages, &err) &&
-        tally_audit_batch_flush(ab, d->rec_pg, &err) &&
-        dispatch_flush_messages(d, d->rec_pg, ob, &handed, &err) &&
-        tally_pg_commit(d->rec_pg, &err);
+    ok = record_events(d, done, n_done, won, ab, ob, alerts, &err);
+    if (ok && !tally_alert_batch_flush(alerts, d->rec_pg, d->worker_id, d->source, ob, ab, &pages,
+                                       &err)) {
+        ok = false;
+        /* PostgreSQL refused the pages themselves (a lost connection is a db error only) */
+        if (!err.retriable)
+            tally_metric_add(d->m_alert_fail, 1, "dispatcher");
+    }
+    ok = ok && tally_audit_batch_flush(ab, d->rec_pg, &err) &&
+         dispatch_flush_messages(d, d->rec_pg, ob, &handed, &err) &&
+         tally_pg_commit(d->rec_pg, &err);
     if (ok)
         dispatch_hand_messages(d, handed);
     else
