@@ -94,7 +94,19 @@ typedef struct reconciler {
     tally_metric_t *m_inflight;
     tally_metric_t *m_tool_inflight; /* tally_status_checks_inflight{tool} */
     tally_metric_t *m_alert_fail;
+    tally_metric_t *m_db_errors; /* tally_reconciler_db_errors_total{step} */
 } reconciler_t;
+
+/* The steps of tally_reconciler_db_errors_total, each a transaction or statement of store.c
+ * or sweep.c that can fail; every series exists at 0 from the start. */
+static const char *const db_steps[] = {"record", "claim",  "release",       "audit",
+                                       "sweep",  "expire", "complete_runs", "gauges"};
+
+/* A statement (or the transaction around it) failed; the caller logs why. */
+static void db_error(reconciler_t *rc, const char *step)
+{
+    tally_metric_add(rc->m_db_errors, 1, step);
+}
 
 static long long now_ms(void)
 {
@@ -219,6 +231,9 @@ static int record_round(reconciler_t *rc)
     tally_error_t err;
     tally_error_clear(&err);
     bool ok = tally_recon_record(&rc->db, rc->done, rc->n_done, &err);
+    if (!ok) {
+        db_error(rc, "record");
+    }
     if (!ok && !err.retriable && rc->n_done > 1) {
         TALLY_WARN("recording %zu verdicts failed (%s: %s); recording them one by one", rc->n_done,
                    err.code, err.message);
@@ -226,6 +241,9 @@ static int record_round(reconciler_t *rc)
             tally_error_t one;
             tally_error_clear(&one);
             bool recorded = tally_recon_record(&rc->db, &rc->done[i], 1, &one);
+            if (!recorded) {
+                db_error(rc, "record");
+            }
             if (!recorded && !one.retriable && rc->done[i]->decision.action == TALLY_RECON_STUCK) {
                 /* A STUCK effect must page: its page was refused, so raise it minimal. */
                 tally_metric_add(rc->m_alert_fail, 1, "reconciler");
@@ -237,6 +255,9 @@ static int record_round(reconciler_t *rc)
                 tally_error_clear(&one);
                 recorded = tally_recon_record(&rc->db, &rc->done[i], 1, &one);
                 rc->db.minimal_pages = false;
+                if (!recorded) {
+                    db_error(rc, "record");
+                }
             }
             if (!recorded) {
                 tally_log_ctx_t ctx = {.effect_id = rc->done[i]->effect_id,
@@ -459,6 +480,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
     int n = tally_recon_claim(&rc->db, tools_json, (int)room, items, err);
     free(tools_json);
     if (n < 0) {
+        db_error(rc, "claim");
         free(items);
         return -1;
     }
@@ -518,6 +540,7 @@ static int claim_round(reconciler_t *rc, tally_error_t *err)
         tally_error_t rerr;
         tally_error_clear(&rerr);
         if (tally_recon_release(&rc->db, release, n_release, &rerr) < 0) {
+            db_error(rc, "release");
             TALLY_WARN("cannot release %zu leases taken beyond a tool's concurrency (%s); they "
                        "expire on their own",
                        n_release, rerr.message);
@@ -612,6 +635,7 @@ static int audit_record_round(reconciler_t *rc)
     size_t kept = 0;
     int recorded = 0;
     if (!ok) {
+        db_error(rc, "audit");
         int tries = rc->adone[0]->record_tries + 1;
         long long wait = tally_backoff_step_ms(tries, RECORD_BACKOFF_MS, RECORD_BACKOFF_MAX_MS);
         rc->audit_retry_ms = now_ms() + wait;
@@ -704,6 +728,7 @@ static int audit_round(reconciler_t *rc, tally_error_t *err)
     int n = tally_audit_claim(&rc->db, tools_json, (int)room, items, err);
     free(tools_json);
     if (n < 0) {
+        db_error(rc, "audit");
         free(items);
         return -1;
     }
@@ -755,6 +780,7 @@ static void publish_audit_policies(reconciler_t *rc)
     if (tally_audit_publish(&rc->db, &err)) {
         rc->audit_published = true;
     } else {
+        db_error(rc, "audit");
         TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
                             "publishing the tools' audit policies failed (%s: %s); retrying at "
                             "the next sweep",
@@ -796,6 +822,7 @@ static void sweep_end(reconciler_t *rc, const char *error)
     tally_error_t err;
     tally_error_clear(&err);
     if (!tally_sweep_finish(&rc->db, tool, new_since, error, &err)) {
+        db_error(rc, "sweep");
         TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
                             "could not move the orphan sweep cursor of '%s' (%s); the next sweep "
                             "lists those records again",
@@ -849,6 +876,7 @@ static int sweep_record(reconciler_t *rc)
     tally_error_t err;
     tally_error_clear(&err);
     if (!tally_sweep_record_page(&rc->db, rc->sw_tool, page->records, &rc->sw_counts, &err)) {
+        db_error(rc, "sweep");
         rc->sw_counts = before;
         if (!err.retriable && ++rc->sw_failures >= MAX_RECORD_TRIES) {
             rc->sw_page = NULL;
@@ -904,6 +932,7 @@ static void sweep_claim(reconciler_t *rc)
             return;
         }
         if (err.errc != TALLY_ERR_NONE) {
+            db_error(rc, "sweep");
             TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
                                 "taking the orphan sweep of '%s' failed (%s: %s)", t->name,
                                 err.code, err.message);
@@ -984,6 +1013,7 @@ static void sweep(reconciler_t *rc)
     tally_error_clear(&err);
     int expired = tally_recon_expire_leases(&rc->db, rc->cfg->batch_size, &err);
     if (expired < 0) {
+        db_error(rc, "expire");
         TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "expiring dispatch leases failed (%s: %s)",
                             err.code, err.message);
     } else if (expired > 0) {
@@ -996,6 +1026,7 @@ static void sweep(reconciler_t *rc)
     int completed =
         tally_recon_complete_runs(&rc->db, rc->cfg->batch_size, rc->cfg->run_idle_timeout_ms, &err);
     if (completed < 0) {
+        db_error(rc, "complete_runs");
         TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL, "completing runs failed (%s: %s)", err.code,
                             err.message);
     } else if (completed > 0) {
@@ -1015,6 +1046,7 @@ static void sweep(reconciler_t *rc)
         tally_metric_set(rc->m_stuck, (double)stuck);
         tally_metric_set(rc->m_stuck_oldest, stuck_oldest);
     } else {
+        db_error(rc, "gauges");
         TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL,
                             "reading the UNKNOWN and STUCK gauges failed (%s: %s)", err.code,
                             err.message);
@@ -1168,9 +1200,16 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         tally_metric_set(rc->m_tool_inflight, 0, tally_registry_at(rc->reg, i)->name);
     rc->m_alert_fail = tally_metrics_counter(
         m, "tally_alert_write_failures_total",
-        "Pages that PostgreSQL refused to write (each is retried at once as a minimal page)",
+        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
+        "at once as a minimal page)",
         "worker");
     tally_metric_add(rc->m_alert_fail, 0, "reconciler");
+    rc->m_db_errors =
+        tally_metrics_counter(m, "tally_reconciler_db_errors_total",
+                              "Failed reconciler transactions and statements, by step", "step");
+    for (size_t i = 0; i < sizeof db_steps / sizeof db_steps[0]; i++) {
+        tally_metric_add(rc->m_db_errors, 0, db_steps[i]);
+    }
     rc->m_audits = tally_metrics_counter(
         m, "tally_audits_total",
         "Audit checks of CONFIRMED effects recorded, by tool and what they found (clean, "
@@ -1323,6 +1362,7 @@ static void reconciler_fini(tally_worker_t *w, void *state)
         tally_error_clear(&err);
         int released = tally_recon_release(&rc->db, rc->done, rc->n_done, &err);
         if (released < 0) {
+            db_error(rc, "release");
             TALLY_WARN("cannot release %zu leases at shutdown (%s); they expire on their own",
                        rc->n_done, err.message);
         } else {
