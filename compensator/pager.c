@@ -77,6 +77,7 @@ struct comp_pager {
     CURL *easy;
     tally_metric_t *m_alerts;
     tally_metric_t *m_pager_seconds;
+    tally_metric_t *m_failures; /* tally_pager_failures_total{outcome}: "retry" or "failed" */
     unsigned rand_state;
 };
 
@@ -279,6 +280,9 @@ static void deliver(comp_pager_t *p, PGresult *res, int row, json_t *results)
     }
     tally_log_ctx_t ctx = {
         .run_id = run_id, .effect_id = col(res, row, 5), .obligation_id = col(res, row, 6)};
+    if (outcome != PAGER_SENT) {
+        tally_metric_add(p->m_failures, 1, pager_outcome_name(outcome));
+    }
     if (outcome == PAGER_SENT) {
         tally_metric_add(p->m_alerts, 1, "pagerduty");
         TALLY_LOG(TALLY_LOG_INFO, &ctx, "PagerDuty %s sent for %s", action, key);
@@ -401,6 +405,14 @@ comp_pager_t *comp_pager_start(const tally_config_t *cfg, const char *worker_id,
     p->m_pager_seconds = tally_metrics_histogram(metrics, "tally_pager_post_seconds",
                                                  "Time to POST one event to the pager", NULL,
                                                  tally_latency_buckets, tally_n_latency_buckets);
+    /* Every failed post, by what follows it: "retry" (tried again after a backoff) or
+     * "failed" (given up: PagerDuty never got this action; tally.alerts still has it). */
+    p->m_failures = tally_metrics_counter(metrics, "tally_pager_failures_total",
+                                          "Failed posts to the pager, by what followed: retry, "
+                                          "or failed (given up; the page did not reach it)",
+                                          "outcome");
+    tally_metric_add(p->m_failures, 0, pager_outcome_name(PAGER_RETRY));
+    tally_metric_add(p->m_failures, 0, pager_outcome_name(PAGER_FAILED));
     p->rand_state = (unsigned)time(NULL) ^ (unsigned)(uintptr_t)p;
     snprintf(p->worker_id, sizeof p->worker_id, "%s", worker_id);
     if (cfg->pager_url != NULL && cfg->pager_url[0] != '\0') {
