@@ -45,7 +45,7 @@ CORE = (
     "Answer latency (connector call), by tool", "Dispatch latency (claim to recorded outcome)",
     "Calls in flight, by tool", "Calls in flight, by worker",
     "Obligations by state", "Obligations past and near their deadline",
-    "Relay lag (age of the oldest outbox row)", "Consumer lag (intents not yet read)",
+    "Relay lag (age of the oldest outbox row)", "Consumer lag (messages not yet read), by worker",
 )
 # Panels whose values are quantiles: data means at least one number, not only NaN.
 QUANTILES = ("Answer latency (connector call), by tool",
