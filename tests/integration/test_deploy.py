@@ -1425,6 +1425,21 @@ class RealPrometheusTest(tallytest.TallyCase):
         self.assertEqual({r["name"] for r in rules}, expected)
         for r in rules:
             self.assertEqual(r["health"], "ok", f"{r['name']}: {r.get('lastError')}")
+        # The rules of issue 26 read real series here (the three workers' db error counters,
+        # rebalances, pager failures, the outbox, every kind discovered): once an evaluation
+        # has seen every target's first scrape, none is even pending.
+        quiet = ("TallyWorkerKindAbsent", "TallyDatabaseUnreachable", "TallyDatabaseErrors",
+                 "TallyPagerFailing", "TallyOutboxGrowing", "TallyRebalancesFrequent",
+                 "TallyConsumerLag")
+
+        def active():
+            groups = self.http_json(base + "/api/v1/rules")["data"]["groups"]
+            return [r for g in groups for r in g["rules"]
+                    if r["name"] in quiet and r["state"] != "inactive"]
+        try:
+            wait_for(lambda: not active(), timeout=30, interval=0.5, what="the new rules quiet")
+        except AssertionError:
+            self.fail(f"active on healthy workers: {active()}")
         # Healthy, freshly started workers: nothing fires.
         alerts = self.http_json(base + "/api/v1/alerts")["data"]["alerts"]
         self.assertEqual([a for a in alerts if a["state"] == "firing"], [])

@@ -6,6 +6,7 @@ The outage is made inside the test's own database: new connections are refused
 that went down would leave them. The test's own connection, which watches, is kept."""
 
 import contextlib
+import re
 import time
 
 from dispatchcase import main, run_id
@@ -37,6 +38,11 @@ class PostgresOutageTest(CompensateCase):
         time.sleep(seconds)
         self.assertTrue(worker.alive(), f"{worker.name} exited during the outage:\n{worker.log()}")
         self.assertEqual(worker.http_get("/healthz"), (200, "ok"))
+
+    def db_errors(self, worker, name):
+        """{label value: count} of a worker's tally_<worker>_db_errors_total."""
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^' + name + r'\{\w+="([^"]+)"\} (\S+)$', self.metrics(worker), re.M)}
 
     def test_calls_in_flight_and_intents_sent_meanwhile_are_recorded_once_after_it(self):
         d = self.dispatcher()
@@ -99,8 +105,16 @@ class PostgresOutageTest(CompensateCase):
                          TALLY_POLL_MS=200, TALLY_SWEEP_MS=200)
         wait_for(lambda: self.requests(eff["key"], op="status"), timeout=30,
                  what="the status check to reach the tool")
+        # Every step's failure counter is there at 0 before anything failed.
+        before = self.db_errors(rec, "tally_reconciler_db_errors_total")
+        self.assertEqual(set(before), {"record", "claim", "release", "audit", "sweep", "expire",
+                                       "complete_runs", "gauges"})
+        self.assertEqual(sum(before.values()), 0, before)
         with self.outage():
             self.ride_out(rec)
+            # the statements it tried meanwhile failed, and were counted (TallyDatabaseErrors)
+            during = self.db_errors(rec, "tally_reconciler_db_errors_total")
+            self.assertGreater(sum(during.values()), 0, during)
         row = self.wait_status("create_hold", eff["key"], "CONFIRMED", timeout=30)
         self.assertEqual(row["receipt"], eff["receipt"])
         # The verdict was kept through the outage, not dropped and asked for again.
