@@ -274,8 +274,9 @@ class DashboardQueriesTest(CliCase):
         for p, name, labels in zeros:
             self.assertEqual(self.metric(p, name, labels), 0, f"{p.name} {name}{labels}")
         self.prom_log = os.path.join(self.tmp, "prometheus.log")
-        self.prom, base = self.start_prometheus({name: f"127.0.0.1:{p.metrics_port}"
-                                      for name, p in workers.items()})
+        self.prom, base = self.start_prometheus(
+            {name: f"127.0.0.1:{p.metrics_port}" for name, p in workers.items()},
+            rule_files=[os.path.join(SOURCE_DIR, "deploy", "prometheus", "alerts.yml")])
         wait_for(lambda: self.prom.poll() is None and self.scraped_after(base, 0), timeout=60,
                  interval=0.5, what="prometheus scraping the three workers")
         self.warm_up(base)
@@ -381,6 +382,25 @@ class DashboardQueriesTest(CliCase):
             got = results[f"Calls in flight, by tool [{ref}]"]["response"]["data"]["result"]
             self.assertLessEqual({"charge_card", "create_hold", "post_note"},
                                  {s["metric"]["tool"] for s in got}, ref)
+
+        # The alert rules evaluate against the same live data without an error: every rule
+        # evaluated since the traffic, healthy. (What each fires on is alerts.test.yml's.)
+        t = time.time()
+
+        def rules():
+            groups = self.http_json(base + "/api/v1/rules")["data"]["groups"]
+            got = [r for g in groups for r in g["rules"]]
+            return got if got and all(r.get("lastEvaluation", "").startswith("20") and
+                                      rfc3339(r["lastEvaluation"]) > t for r in got) else None
+        got = wait_for(rules, timeout=30, interval=0.5, what="the alert rules evaluated")
+        self.assertFalse([f"{r['name']}: {r.get('lastError')}" for r in got
+                          if r["health"] != "ok"])
+        # the traffic paged what it should: the STUCK effect and obligation are pending or
+        # firing, and the workers' kinds are all discovered
+        states = {r["name"]: r["state"] for r in got}
+        self.assertNotEqual(states["TallyEffectStuck"], "inactive")
+        self.assertNotEqual(states["TallyObligationStuck"], "inactive")
+        self.assertEqual(states["TallyWorkerKindAbsent"], "inactive")
 
         self.screenshot(base, panels, values)
 
