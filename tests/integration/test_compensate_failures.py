@@ -161,10 +161,43 @@ class CompensateFailureTest(CompensateCase):
         n = len(bodies)
         time.sleep(2.0)
         self.assertEqual(len(pager.bodies()), n)  # nothing after the success
-        self.assertEqual(self.metric_value(self.metrics(comp), "tally_alerts_sent_total",
+        metrics = self.metrics(comp)
+        self.assertEqual(self.metric_value(metrics, "tally_alerts_sent_total",
                                            channel="pagerduty"), 1)
+        # every failed post is counted as retried (TallyPagerFailing); none was given up
+        self.assertEqual(self.metric_value(metrics, "tally_pager_failures_total",
+                                           outcome="retry"), n - 1)
+        self.assertEqual(self.metric_value(metrics, "tally_pager_failures_total",
+                                           outcome="failed"), 0)
         self.assertEqual(comp.terminate(), 0)
         self.invariants(obligations_settled=True)
+
+    def test_a_page_the_pager_refuses_is_given_up_and_counted(self):
+        pager = PagerReceiver(status=400)  # a bad event or key: retrying cannot fix it
+        self.addCleanup(pager.close)
+        self.fault("reverse_412", collection="charges", op="reverse", times=1)
+        stuck_run, _ = self.charge_run(with_read=False)
+        comp = self.compensator(TALLY_PAGER_URL=pager.url, TALLY_PAGER_ROUTING_KEY=ROUTING_KEY)
+        # both series exist at 0 before anything failed
+        before = self.metrics(comp)
+        self.assertEqual(self.metric_value(before, "tally_pager_failures_total",
+                                           outcome="failed"), 0)
+        self.assertEqual(self.metric_value(before, "tally_pager_failures_total",
+                                           outcome="retry"), 0)
+        self.compensate(stuck_run)
+        self.wait_obligation(stuck_run, "charge_card", "STUCK")
+        wait_for(lambda: self.metric_value(self.metrics(comp), "tally_pager_failures_total",
+                                           outcome="failed") == 1,
+                 timeout=30, what="the refused page given up and counted")
+        time.sleep(1.0)  # nothing more is posted for it
+        self.assertEqual(len(pager.bodies()), 1)
+        metrics = self.metrics(comp)
+        self.assertEqual(self.metric_value(metrics, "tally_pager_failures_total",
+                                           outcome="retry"), 0)
+        self.assertEqual(self.metric_value(metrics, "tally_alerts_sent_total",
+                                           channel="pagerduty"), 0)
+        self.assertIn("failed for good", comp.log())
+        self.assertEqual(comp.terminate(), 0)
 
     def test_reverse_412_is_stuck_stale_state_without_retry(self):
         self.fault("reverse_412", collection="charges", op="reverse", times=1)
