@@ -547,6 +547,8 @@ int tally_cmd_console(int argc, char **argv, tally_config_t *cfg)
         if (pool.pg[i] == NULL) {
             fprintf(stderr, "tally console: out of memory\n");
             rc = CLI_EXIT_REFUSED;
+        } else {
+            tally_pg_set_deadline(pool.pg[i], cfg->pg_deadline_ms);
         }
     }
     /* The first session connects now, so that a wrong TALLY_PG fails at start, not on the

@@ -9,6 +9,9 @@
 #include "tally/pg.h"
 #include "tally/roles.h"
 
+/* The least client deadline of a migration statement (TALLY_PG_DEADLINE_MS may raise it). */
+#define MIGRATE_DEADLINE_MS 3600000
+
 static void usage(FILE *out)
 {
     fprintf(out,
@@ -270,6 +273,10 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
         fprintf(stderr, "tally migrate: out of memory\n");
         return 1;
     }
+    /* A migration may rewrite or index a large table: each statement gets at least an hour
+     * (and the server's statement_timeout with it), still bounded. */
+    tally_pg_set_deadline(pg, cfg->pg_deadline_ms > MIGRATE_DEADLINE_MS ? cfg->pg_deadline_ms
+                                                                        : MIGRATE_DEADLINE_MS);
     tally_error_t err;
     if (!tally_pg_connect(pg, wait_s * 1000, NULL, &err)) {
         fprintf(stderr, "tally migrate: %s\n", err.message);

@@ -30,6 +30,7 @@ tally_pg_t *cli_connect(const char *verb, const tally_config_t *cfg)
         fprintf(stderr, "tally %s: out of memory\n", verb);
         return NULL;
     }
+    tally_pg_set_deadline(pg, cfg->pg_deadline_ms);
     tally_error_t err;
     if (!tally_pg_connect(pg, 0, NULL, &err)) {
         fprintf(stderr, "tally %s: %s\n", verb, err.message);

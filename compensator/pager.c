@@ -436,6 +436,7 @@ comp_pager_t *comp_pager_start(const tally_config_t *cfg, const char *worker_id,
         comp_pager_stop(p);
         return NULL;
     }
+    tally_pg_set_deadline(p->pg, cfg->pg_deadline_ms);
     if (pthread_create(&p->thread, NULL, pager_main, p) != 0) {
         snprintf(errstr, errsz, "cannot start the pager thread");
         comp_pager_stop(p);

@@ -696,6 +696,7 @@ bool recorder_start(dispatcher_t *d)
         TALLY_ERROR("recorder: out of memory");
         return false;
     }
+    tally_pg_set_deadline(d->rec_pg, d->cfg->pg_deadline_ms);
     if (pthread_create(&d->rec_thread, NULL, recorder_main, d) != 0) {
         TALLY_ERROR("recorder: cannot start its thread");
         return false;

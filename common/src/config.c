@@ -109,6 +109,12 @@ static const param_t params[] = {
         "the same for the reader's role"),
     STR(allow_owner_role, "TALLY_ALLOW_OWNER_ROLE", "0", "0|1", NULL,
         "1: a worker may run as a superuser or the ledger's owner, warned at every start"),
+    INT(pg_deadline_ms, "TALLY_PG_DEADLINE_MS", "30000", 1,
+        "a PostgreSQL statement not answered within this is given up and its connection closed; "
+        "the server's statement_timeout is set to 5/6 of it unless TALLY_PG sets one"),
+    INT(pg_stall_ms, "TALLY_PG_STALL_MS", "5000", 1,
+        "a statement PostgreSQL has not answered for this long makes a worker not ready "
+        "(/readyz 503, tally_db_up 0) while it waits"),
     INT(batch_size, "TALLY_BATCH_SIZE", "500", 1, "messages / rows per poll batch"),
     INT(lease_ms, "TALLY_LEASE_MS", "30000", 1, "how long a claim is held (database clock)"),
     INT(poll_ms, "TALLY_POLL_MS", "1000", 1, "longest idle wait before looking for work again"),

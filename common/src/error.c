@@ -75,8 +75,9 @@ bool tally_sqlstate_retriable(const char *sqlstate)
     if (sqlstate == NULL)
         return false;
     return strncmp(sqlstate, "08", 2) == 0 || strcmp(sqlstate, "40001") == 0 ||
-           strcmp(sqlstate, "40P01") == 0 || strcmp(sqlstate, "57P01") == 0 ||
-           strcmp(sqlstate, "57P02") == 0 || strcmp(sqlstate, "57P03") == 0;
+           strcmp(sqlstate, "40P01") == 0 || strcmp(sqlstate, "57014") == 0 ||
+           strcmp(sqlstate, "57P01") == 0 || strcmp(sqlstate, "57P02") == 0 ||
+           strcmp(sqlstate, "57P03") == 0;
 }
 
 /* Everything but the message; @p code is the text shown (the SQLSTATE, or errc's name). */

@@ -239,7 +239,10 @@ static bool run_migration(tally_pg_t *pg, const tally_migration_t *m, tally_erro
                            m->version, m->name);
         return false;
     }
-    PGresult *res = PQexec(conn, m->sql);
+    /* within the deadline (tally migrate sets a long one); NULL: lost or no answer in time */
+    PGresult *res = tally_pg_exec_script(pg, m->sql, err);
+    if (res == NULL)
+        return false;
     ExecStatusType st = PQresultStatus(res);
     if (res != NULL && (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK)) {
         PQclear(res);

@@ -344,6 +344,7 @@ tally_relay_t *tally_relay_new(const tally_config_t *cfg, tally_metrics_t *metri
         tally_relay_free(r);
         return NULL;
     }
+    tally_pg_set_deadline(r->pg, cfg->pg_deadline_ms);
     if (strlen(r->prefix) > 200) {
         snprintf(errstr, errsz, "TALLY_TOPIC_PREFIX is longer than 200 bytes");
         tally_relay_free(r);

@@ -348,7 +348,7 @@ static void test_describe_masks_secrets_and_aligns(void **state)
         assert_true(l[dcol - 1] == ' ' && l[dcol] != ' ');
         assert_true(l[hcol - 1] == ' ' && l[hcol] != ' ');
     }
-    assert_int_equal(rows, 40);
+    assert_int_equal(rows, 42);
 
     assert_non_null(strstr(out, "TALLY_KAFKA_SASL_PASSWORD"));
     assert_non_null(strstr(out, "sasl.password = ***\n"));

@@ -142,6 +142,7 @@ static void test_set_pg_keeps_the_sqlstate(void **state)
     assert_true(tally_sqlstate_retriable("08001"));
     assert_true(tally_sqlstate_retriable("57P03"));
     assert_false(tally_sqlstate_retriable("57P04"));
+    assert_true(tally_sqlstate_retriable("57014")); /* statement_timeout (pg.h) */
     assert_false(tally_sqlstate_retriable("23505"));
     assert_false(tally_sqlstate_retriable(NULL));
 }

@@ -54,6 +54,10 @@ typedef struct tally_config {
                                   `tally migrate` as the role's password when not "" */
     char *allow_owner_role;  /**< TALLY_ALLOW_OWNER_ROLE: "1" lets a worker run as a superuser
                                   or the ledger's owner, warned at every start; "0" refuses */
+    int pg_deadline_ms;      /**< TALLY_PG_DEADLINE_MS: the client-side deadline of every
+                                  PostgreSQL statement and connection attempt (pg.h) */
+    int pg_stall_ms;         /**< TALLY_PG_STALL_MS: a statement unanswered this long makes a
+                                  worker not ready and tally_db_up 0 */
     int batch_size;          /**< TALLY_BATCH_SIZE: messages / rows per poll batch */
     int lease_ms;            /**< TALLY_LEASE_MS: how long a claim is held (database clock) */
     int poll_ms;             /**< TALLY_POLL_MS: longest idle wait before sweeping again */

@@ -83,7 +83,9 @@ bool tally_errc_parse(const char *name, tally_errc_t *out);
 
 /**
  * @brief true for a SQLSTATE where the same statement may succeed later: class 08 (connection),
- * 40001 (serialization failure), 40P01 (deadlock), 57P01..57P03 (shutdown, cannot connect now).
+ * 40001 (serialization failure), 40P01 (deadlock), 57P01..57P03 (shutdown, cannot connect now),
+ * 57014 (cancelled: statement_timeout, which pg.h sets under its deadline, or an operator's
+ * pg_cancel_backend; it says nothing about the statement's data).
  */
 bool tally_sqlstate_retriable(const char *sqlstate);
 
