@@ -47,6 +47,9 @@ struct tally_metrics {
     pthread_mutex_t mu;
     tally_metric_t *head;
     tally_metric_t *tail;
+    /* tally_metrics_on_render: set before the HTTP thread starts, read by it */
+    void (*collect)(void *opaque);
+    void *collect_opaque;
 };
 
 const double tally_latency_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -581,10 +584,19 @@ static void render_family(buf_t *b, const tally_metric_t *mt)
     }
 }
 
+void tally_metrics_on_render(tally_metrics_t *m, void (*collect)(void *opaque), void *opaque)
+{
+    m->collect = collect;
+    m->collect_opaque = opaque;
+}
+
 char *tally_metrics_render(tally_metrics_t *m)
 {
     if (m == NULL) {
         return NULL;
+    }
+    if (m->collect != NULL) {
+        m->collect(m->collect_opaque); /* before the lock: it sets gauges, which take it */
     }
     buf_t b = {0};
     buf_reserve(&b, 0);

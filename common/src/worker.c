@@ -58,6 +58,7 @@ struct tally_worker {
     tally_metric_t *m_up;
     tally_metric_t *m_ticks;
     tally_metric_t *m_build;
+    tally_metric_t *m_db_up;
     tally_httpd_t *httpd;
     tally_httpd_t *health_httpd; /* TALLY_HEALTH_ADDR, when set */
     tally_notify_t *notify;      /* systemd's $NOTIFY_SOCKET, when set */
@@ -77,6 +78,10 @@ struct tally_worker {
     /* Read by the HTTP thread. */
     _Atomic long long heartbeat_ms;
     atomic_bool pg_up;
+    /* w->pg once made, for the probes: is the main loop waiting on PostgreSQL, and how long */
+    _Atomic(tally_pg_t *) pg_watch;
+    /* the last probe or scrape saw a statement unanswered past TALLY_PG_STALL_MS */
+    atomic_bool pg_stalled;
     pthread_mutex_t ready_mu;
     bool started;
     bool ready;
@@ -201,16 +206,78 @@ static bool replace_string(char **field, const char *value)
 
 /* --- /healthz and /readyz (called on the HTTP thread) ------------------------------------ */
 
+/* Liveness is about this process, not its database: a loop waiting on PostgreSQL within the
+ * deadline pg.c enforces is alive however long the server takes, and each wait that ends
+ * (answered or given up) is progress. So a database stall never fails /healthz, and a liveness
+ * probe restarts only a loop that is stuck somewhere no deadline covers. */
 static bool health_check(void *opaque, char *why, size_t whysz)
 {
     tally_worker_t *w = opaque;
-    long long idle = now_ms() - atomic_load(&w->heartbeat_ms);
+    long long now = now_ms();
+    tally_pg_t *pg = atomic_load(&w->pg_watch);
+    long long since = 0;
+    long long until = 0;
+    bool waiting = tally_pg_waiting(pg, &since, &until);
+    if (waiting && now <= until) {
+        return true;
+    }
+    /* the last sign of progress: a turn, a wait that ended, or the deadline of this one */
+    long long last = atomic_load(&w->heartbeat_ms);
+    long long ended = tally_pg_last_wait_end_ms(pg);
+    last = ended > last ? ended : last;
+    last = waiting && until > last ? until : last;
+    long long idle = now - last;
+    if (waiting && idle > w->health_window_ms) {
+        snprintf(why, whysz,
+                 "the main loop has waited on PostgreSQL for %lld ms, %lld ms past its deadline "
+                 "(limit %lld ms)",
+                 now - since, idle, w->health_window_ms);
+        return false;
+    }
     if (idle > w->health_window_ms) {
         snprintf(why, whysz, "the main loop has not completed a turn for %lld ms (limit %lld ms)",
                  idle, w->health_window_ms);
         return false;
     }
     return true;
+}
+
+/* The dependency, for readiness and tally_db_up: the main connection is up, and no statement
+ * on it has waited longer than TALLY_PG_STALL_MS. The relay's and the recorder's connections
+ * are not counted: they reach the same server, and their statements are bounded alike. */
+static bool db_answering(tally_worker_t *w, char *why, size_t whysz)
+{
+    long long since = 0;
+    bool stalled = tally_pg_waiting(atomic_load(&w->pg_watch), &since, NULL) &&
+                   now_ms() - since >= w->cfg->pg_stall_ms;
+    if (stalled) {
+        snprintf(why, whysz, "PostgreSQL has not answered for %.1f s",
+                 (double)(now_ms() - since) / 1000.0);
+    }
+    if (atomic_exchange(&w->pg_stalled, stalled) != stalled) {
+        if (stalled) {
+            TALLY_WARN("not ready: %s (a statement waits; TALLY_PG_STALL_MS %d)", why,
+                       w->cfg->pg_stall_ms);
+        } else {
+            TALLY_INFO("PostgreSQL answers again");
+        }
+    }
+    if (stalled) {
+        return false;
+    }
+    if (!atomic_load(&w->pg_up)) {
+        snprintf(why, whysz, "PostgreSQL is not connected");
+        return false;
+    }
+    return true;
+}
+
+/* tally_db_up at every scrape: the main loop cannot set it while it waits on the database. */
+static void collect_db_up(void *opaque)
+{
+    tally_worker_t *w = opaque;
+    char why[128];
+    tally_metric_set(w->m_db_up, db_answering(w, why, sizeof why) ? 1 : 0);
 }
 
 static bool ready_check(void *opaque, char *why, size_t whysz)
@@ -231,8 +298,7 @@ static bool ready_check(void *opaque, char *why, size_t whysz)
         snprintf(why, whysz, "starting");
         return false;
     }
-    if (!atomic_load(&w->pg_up)) {
-        snprintf(why, whysz, "PostgreSQL is not connected");
+    if (!db_answering(w, why, whysz)) {
         return false;
     }
     return ready;
@@ -517,8 +583,15 @@ static int setup_metrics(tally_worker_t *w)
     w->m_build =
         tally_metrics_gauge(w->metrics, "tally_build_info",
                             "Always 1; the labels say which build is running", "version,worker");
+    w->m_db_up = tally_metrics_gauge(w->metrics, "tally_db_up",
+                                     "1 while the worker's main PostgreSQL connection is up and "
+                                     "answering; 0 when it is closed or a statement has waited "
+                                     "past TALLY_PG_STALL_MS",
+                                     NULL);
     tally_metric_set(w->m_up, 0);
+    tally_metric_set(w->m_db_up, 0);
     tally_metric_add(w->m_ticks, 0); /* exposed as 0 before the first turn */
+    tally_metrics_on_render(w->metrics, collect_db_up, w);
     tally_metric_set(w->m_build, 1, TALLY_VERSION, w->ops->name);
     char errstr[512];
     const char *health = w->cfg->health_addr;
@@ -595,6 +668,8 @@ static int setup_pg(tally_worker_t *w, int *schema)
         TALLY_ERROR("out of memory creating the PostgreSQL handle");
         return 1;
     }
+    tally_pg_set_deadline(w->pg, w->cfg->pg_deadline_ms);
+    atomic_store(&w->pg_watch, w->pg);
     long long last_warn = 0;
     for (;;) {
         tally_error_t err;
@@ -829,6 +904,7 @@ static void close_all(tally_worker_t *w)
         w->httpd = NULL;
         TALLY_DEBUG("http server stopped");
     }
+    atomic_store(&w->pg_watch, NULL);
     tally_pg_free(w->pg);
     w->pg = NULL;
 }
@@ -856,6 +932,8 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
     w->ready = true;
     atomic_store(&w->heartbeat_ms, now_ms());
     atomic_store(&w->pg_up, false);
+    atomic_store(&w->pg_watch, NULL);
+    atomic_store(&w->pg_stalled, false);
     long long t_start = now_ms();
 
     char host[200] = "localhost";

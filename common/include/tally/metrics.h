@@ -42,6 +42,13 @@ void tally_metric_observe(tally_metric_t *mt, double v, ...); /* histograms */
 /** @brief Set every series of a gauge family to 0 (before refilling it from a query). */
 void tally_metric_reset(tally_metric_t *mt);
 
+/**
+ * @brief Call @p collect at the start of every render, on the rendering thread, to set gauges
+ * from state another thread owns and cannot update while it waits (tally_db_up during a
+ * database stall). Set it before anything renders; one per registry.
+ */
+void tally_metrics_on_render(tally_metrics_t *m, void (*collect)(void *opaque), void *opaque);
+
 /** @brief The text exposition (version 0.0.4). @returns malloc'd text the caller frees. */
 char *tally_metrics_render(tally_metrics_t *m) TALLY_WUR;
 
