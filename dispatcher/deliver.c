@@ -335,9 +335,14 @@ int deliver_claim(dispatcher_t *d)
                             err.message);
         tally_metric_add(d->m_db_errors, 1, "claim");
         tally_worker_set_ready(d->w, false, err.message);
+        d->claim_failed = true;
         free(lims);
         free(got);
         return -1;
+    }
+    if (d->claim_failed) {
+        d->claim_failed = false;
+        tally_worker_set_ready(d->w, true, NULL);
     }
     int n = PQntuples(res);
     for (int row = 0; row < n; row++) {

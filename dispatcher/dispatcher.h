@@ -113,6 +113,7 @@ typedef struct dispatcher {
 
     /* delivery */
     bool claim_wanted; /**< a NOTIFY, new intents, freed capacity or the timer */
+    bool claim_failed; /**< the last claim failed: the next one that works says ready again */
     bool claim_capped; /**< the last claim was limited by capacity, not by due rows */
     double next_sweep; /**< look for due rows (backoffs that came due) at this time */
 
