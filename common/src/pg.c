@@ -613,8 +613,13 @@ static bool ensure_connected(tally_pg_t *pg, tally_error_t *err)
                            "PostgreSQL connection lost inside a transaction; roll back and retry");
         return false;
     }
-    /* nothing of a pending transaction has run yet: a new connection is as good */
-    return tally_pg_connect(pg, 0, NULL, err);
+    /* nothing of a pending transaction has run yet: a new connection is as good, and the
+     * BEGIN still goes out with the first statement */
+    bool pending = pg->begin_pending;
+    if (!tally_pg_connect(pg, 0, NULL, err))
+        return false;
+    pg->in_tx = pg->begin_pending = pending;
+    return true;
 }
 
 /* The deferred BEGIN on its own (a caller about to use the raw connection). */
