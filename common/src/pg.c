@@ -385,11 +385,15 @@ bool tally_pg_keywords(tally_pg_keywords_t *kw, const char *conninfo, const char
     /* What the conninfo itself says (key=value or URI). A bare database name does not parse:
      * it sets nothing of ours, and libpq takes it as the dbname. */
     const char *user_options = NULL;
+    bool no_options = false; /* options='' said: send none (a pooler that refuses them) */
     PQconninfoOption *parsed = PQconninfoParse(conninfo != NULL ? conninfo : "", NULL);
-    for (PQconninfoOption *o = parsed; o != NULL && o->keyword != NULL; o++)
-        if (strcmp(o->keyword, "options") == 0 && o->val != NULL && o->val[0] != '\0')
-            user_options = o->val;
-    if (user_options == NULL && env_options != NULL && env_options[0] != '\0')
+    for (PQconninfoOption *o = parsed; o != NULL && o->keyword != NULL; o++) {
+        if (strcmp(o->keyword, "options") == 0 && o->val != NULL) {
+            user_options = o->val[0] != '\0' ? o->val : NULL;
+            no_options = o->val[0] == '\0';
+        }
+    }
+    if (user_options == NULL && !no_options && env_options != NULL && env_options[0] != '\0')
         user_options = env_options; /* PGOPTIONS: passing options would override it */
 
     size_t n = 0;
@@ -416,9 +420,9 @@ bool tally_pg_keywords(tally_pg_keywords_t *kw, const char *conninfo, const char
     kw->vals[n++] = conninfo != NULL ? conninfo : "";
     /* After it: the user's own options, with the server's statement_timeout just under the
      * client's deadline (the server cancels cleanly first; the deadline is for a server that
-     * cannot) unless they set one. */
+     * cannot) unless they set one, or asked for no options at all. */
     bool ok = true;
-    if (!options_mention(user_options, "statement_timeout")) {
+    if (!no_options && !options_mention(user_options, "statement_timeout")) {
         int st =
             tally_pg_statement_timeout_ms(deadline_ms > 0 ? deadline_ms : PG_DEADLINE_DEFAULT_MS);
         ok = asprintf(&kw->options, "%s%s-c statement_timeout=%d",

@@ -160,6 +160,29 @@ static void test_pgoptions_is_kept_when_the_conninfo_has_none(void **state)
     tally_pg_keywords_clear(&kw);
 }
 
+/* options='' asks for no startup options at all (PgBouncer refuses "options" unless told to
+ * ignore it): tally adds none, and PGOPTIONS is not sent either. */
+static void test_empty_options_send_none(void **state)
+{
+    (void)state;
+    tally_pg_keywords_t kw;
+    assert_true(tally_pg_keywords(&kw, "host=" NOWHERE " options=''", "tally", 30000,
+                                  "-c search_path=ledger"));
+    assert_null(kw.options);
+    for (size_t i = 0; kw.keys[i] != NULL; i++)
+        assert_string_not_equal(kw.keys[i], "options");
+    char *got = effective(&kw, "options");
+    assert_true(got == NULL || got[0] == '\0');
+    free(got);
+    assert_effective(&kw, "tcp_user_timeout", "10000"); /* the rest still applies */
+    tally_pg_keywords_clear(&kw);
+
+    assert_true(tally_pg_keywords(&kw, "postgresql:///ledger?host=" NOWHERE "&options=", "tally",
+                                  30000, NULL));
+    assert_null(kw.options);
+    tally_pg_keywords_clear(&kw);
+}
+
 static void test_a_bare_database_name_still_connects_with_the_defaults(void **state)
 {
     (void)state;
@@ -353,6 +376,7 @@ int main(void)
         cmocka_unit_test_setup(test_uri_form, setup),
         cmocka_unit_test_setup(test_a_statement_timeout_of_the_users_own_is_left_alone, setup),
         cmocka_unit_test_setup(test_pgoptions_is_kept_when_the_conninfo_has_none, setup),
+        cmocka_unit_test_setup(test_empty_options_send_none, setup),
         cmocka_unit_test_setup(test_a_bare_database_name_still_connects_with_the_defaults, setup),
         cmocka_unit_test_setup(test_pgconnect_timeout_is_left_to_libpq, setup),
         cmocka_unit_test_setup(

@@ -61,7 +61,9 @@ typedef struct tally_pg_keywords {
  * keepalives_idle=10, keepalives_interval=5, keepalives_count=3, and in "options"
  * `-c statement_timeout=` tally_pg_statement_timeout_ms(@p deadline_ms), appended to the
  * conninfo's own options (or @p env_options, PGOPTIONS, when it has none) unless those mention
- * statement_timeout. Pure apart from reading PGCONNECT_TIMEOUT. The strings borrow
+ * statement_timeout, or the conninfo sets options to '' (no options at all: a connection pooler
+ * that refuses the startup parameter). Pure apart from reading PGCONNECT_TIMEOUT. The strings
+ * borrow
  * @p conninfo and @p application_name; free with tally_pg_keywords_clear.
  * @returns false when out of memory.
  */
