@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include <arpa/inet.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -207,40 +208,73 @@ static void test_pgconnect_timeout_is_left_to_libpq(void **state)
 
 /* ---- a server that accepts and never answers -------------------------------------------- */
 
+#define MUTE_CONNS 4
+
+/* Accepts connections and answers each one's start-up when @c greet (AuthenticationOk,
+ * ReadyForQuery), then nothing more: what the client sends is only recorded, as a stalled
+ * server's kernel would take it in. */
 typedef struct mute_server {
     int listen_fd;
     int port;
-    bool greet; /* answer the start-up (AuthenticationOk, ReadyForQuery), then nothing */
-    int conn_fd;
+    bool greet;
+    atomic_bool stop;
+    int fds[MUTE_CONNS];
+    char got[MUTE_CONNS][4096]; /* bytes received after the start-up ('\0' kept as '.') */
+    size_t n_got[MUTE_CONNS];
+    atomic_int n_conns;
     pthread_t thread;
 } mute_server_t;
+
+static bool mute_hello(int fd)
+{
+    unsigned char len4[4]; /* the start-up packet: its length, then the rest */
+    if (recv(fd, len4, 4, MSG_WAITALL) != 4)
+        return false;
+    uint32_t len = ((uint32_t)len4[0] << 24) | ((uint32_t)len4[1] << 16) |
+                   ((uint32_t)len4[2] << 8) | (uint32_t)len4[3];
+    char rest[1024];
+    if (len < 8 || len - 4 > sizeof rest || recv(fd, rest, len - 4, MSG_WAITALL) < 0)
+        return false;
+    static const unsigned char hello[] = {'R', 0, 0, 0, 8, 0, 0, 0, 0, 'Z', 0, 0, 0, 5, 'I'};
+    return send(fd, hello, sizeof hello, 0) == (ssize_t)sizeof hello;
+}
 
 static void *mute_main(void *arg)
 {
     mute_server_t *s = arg;
-    s->conn_fd = accept(s->listen_fd, NULL, NULL);
-    if (s->conn_fd < 0 || !s->greet)
-        return NULL;
-    /* the start-up packet: its length, then the rest */
-    unsigned char len4[4];
-    if (recv(s->conn_fd, len4, 4, MSG_WAITALL) != 4)
-        return NULL;
-    uint32_t len = ((uint32_t)len4[0] << 24) | ((uint32_t)len4[1] << 16) |
-                   ((uint32_t)len4[2] << 8) | (uint32_t)len4[3];
-    char rest[1024];
-    if (len < 8 || len - 4 > sizeof rest || recv(s->conn_fd, rest, len - 4, MSG_WAITALL) < 0)
-        return NULL;
-    static const unsigned char hello[] = {'R', 0, 0, 0, 8, 0, 0, 0, 0, 'Z', 0, 0, 0, 5, 'I'};
-    if (send(s->conn_fd, hello, sizeof hello, 0) != (ssize_t)sizeof hello)
-        return NULL;
-    return NULL; /* the socket stays open and unread: a stalled server */
+    while (!atomic_load(&s->stop)) {
+        int n = atomic_load(&s->n_conns);
+        struct pollfd pfds[MUTE_CONNS + 1];
+        pfds[0] = (struct pollfd){.fd = s->listen_fd, .events = POLLIN};
+        for (int i = 0; i < n; i++)
+            pfds[i + 1] = (struct pollfd){.fd = s->fds[i], .events = POLLIN};
+        if (poll(pfds, (nfds_t)n + 1, 50) <= 0)
+            continue;
+        if ((pfds[0].revents & POLLIN) && n < MUTE_CONNS) {
+            int fd = accept(s->listen_fd, NULL, NULL);
+            if (fd >= 0) {
+                s->fds[n] = fd;
+                atomic_store(&s->n_conns, n + 1);
+                if (s->greet)
+                    (void)mute_hello(fd);
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            if (!(pfds[i + 1].revents & POLLIN))
+                continue;
+            char buf[1024];
+            ssize_t r = recv(s->fds[i], buf, sizeof buf, MSG_DONTWAIT);
+            for (ssize_t k = 0; k < r && s->n_got[i] + 1 < sizeof s->got[i]; k++)
+                s->got[i][s->n_got[i]++] = buf[k] != '\0' ? buf[k] : '.';
+        }
+    }
+    return NULL;
 }
 
 static void mute_start(mute_server_t *s, bool greet)
 {
     memset(s, 0, sizeof *s);
     s->greet = greet;
-    s->conn_fd = -1;
     s->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
     assert_true(s->listen_fd >= 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -254,10 +288,10 @@ static void mute_start(mute_server_t *s, bool greet)
 
 static void mute_stop(mute_server_t *s)
 {
-    shutdown(s->listen_fd, SHUT_RDWR);
+    atomic_store(&s->stop, true);
     pthread_join(s->thread, NULL);
-    if (s->conn_fd >= 0)
-        close(s->conn_fd);
+    for (int i = 0; i < atomic_load(&s->n_conns); i++)
+        close(s->fds[i]);
     close(s->listen_fd);
 }
 
@@ -368,6 +402,39 @@ static void test_a_statement_that_gets_no_answer_ends_at_the_deadline(void **sta
     tally_pg_free(pg);
 }
 
+/* A deadline that closed the connection before anything of a transaction ran (here: preparing
+ * its first statement) leaves the transaction pending: the next statement reconnects and
+ * still sends BEGIN with it, never running outside the transaction the caller opened. */
+static void test_a_pending_transaction_survives_a_reconnect(void **state)
+{
+    (void)state;
+    mute_server_t s;
+    mute_start(&s, true);
+    char conninfo[200];
+    snprintf(conninfo, sizeof conninfo,
+             "host=127.0.0.1 port=%d user=t dbname=t sslmode=disable gssencmode=disable", s.port);
+    tally_pg_t *pg = tally_pg_new(conninfo, "tally-test");
+    assert_non_null(pg);
+    tally_pg_set_deadline(pg, 300);
+    tally_error_t err;
+    tally_error_clear(&err);
+    assert_true(tally_pg_begin(pg, &err));
+    const char *params[1] = {"1"};
+    assert_null(tally_pg_exec(pg, "SELECT $1::int", 1, params, &err)); /* Parse: no answer */
+    assert_string_equal(err.message, "PostgreSQL did not answer within 300 ms");
+    assert_null(tally_pg_exec(pg, "SELECT 2", 0, NULL, &err)); /* a new connection */
+    assert_string_equal(err.message, "PostgreSQL did not answer within 300 ms");
+    mute_stop(&s);
+    assert_int_equal(atomic_load(&s.n_conns), 2);
+    const char *sent = s.got[1];
+    const char *begin = strstr(sent, "BEGIN");
+    const char *stmt = strstr(sent, "SELECT 2");
+    if (begin == NULL || stmt == NULL || begin > stmt)
+        fail_msg("the second connection got '%s', not BEGIN then the statement", sent);
+    assert_null(strstr(s.got[0], "SELECT 2"));
+    tally_pg_free(pg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -382,6 +449,7 @@ int main(void)
         cmocka_unit_test_setup(
             test_a_connection_attempt_that_gets_no_answer_ends_at_connect_timeout, setup),
         cmocka_unit_test_setup(test_a_statement_that_gets_no_answer_ends_at_the_deadline, setup),
+        cmocka_unit_test_setup(test_a_pending_transaction_survives_a_reconnect, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
