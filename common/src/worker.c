@@ -248,18 +248,19 @@ static bool health_check(void *opaque, char *why, size_t whysz)
 static bool db_answering(tally_worker_t *w, char *why, size_t whysz)
 {
     long long since = 0;
-    bool stalled = tally_pg_waiting(atomic_load(&w->pg_watch), &since, NULL) &&
-                   now_ms() - since >= w->cfg->pg_stall_ms;
+    bool waiting = tally_pg_waiting(atomic_load(&w->pg_watch), &since, NULL);
+    long long waited = waiting ? now_ms() - since : 0;
+    bool stalled = waiting && waited >= w->cfg->pg_stall_ms;
     if (stalled) {
-        snprintf(why, whysz, "PostgreSQL has not answered for %.1f s",
-                 (double)(now_ms() - since) / 1000.0);
+        snprintf(why, whysz, "PostgreSQL has not answered for %.1f s", (double)waited / 1000.0);
     }
+    /* said once per stall, by whichever probe or scrape sees it first */
     if (atomic_exchange(&w->pg_stalled, stalled) != stalled) {
         if (stalled) {
             TALLY_WARN("not ready: %s (a statement waits; TALLY_PG_STALL_MS %d)", why,
                        w->cfg->pg_stall_ms);
         } else {
-            TALLY_INFO("PostgreSQL answers again");
+            TALLY_INFO("the wait on PostgreSQL ended (answered, or given up at the deadline)");
         }
     }
     if (stalled) {
