@@ -173,12 +173,6 @@ def _metrics_table(text):
 
 # --- Prometheus ------------------------------------------------------------------------------
 
-# Metrics a rule reads that a change made alongside this one registers (issue 26: the
-# database gauge comes with the bounded database calls). Until it is merged the rule is
-# silent; once registered, the metric must be documented like any other. Remove the entry
-# then.
-PENDING_METRICS = {"tally_db_up"}
-
 # The runbook base the rules use when Prometheus has no external label runbook_base.
 DEFAULT_RUNBOOK_BASE = "https://git.example.com/tally/blob/main/"
 
@@ -332,8 +326,6 @@ class PrometheusFilesTest(unittest.TestCase):
             used |= set(re.findall(r"\btally_[a-z0-9_]+", r["expr"]))
         self.assertTrue(used)
         for name in sorted(used):
-            if name in PENDING_METRICS and name not in code:
-                continue  # its rule is silent without it (alerts.test.yml shows that)
             self.assertIn(name, doc, f"alert rules use {name}, which {where} does not document")
             self.assertIn(name, code, f"alert rules use {name}, which no worker registers")
 
