@@ -62,6 +62,9 @@ struct tally_worker {
     tally_httpd_t *httpd;
     tally_httpd_t *health_httpd; /* TALLY_HEALTH_ADDR, when set */
     tally_notify_t *notify;      /* systemd's $NOTIFY_SOCKET, when set */
+    pthread_t watchdog;          /* pings systemd's watchdog while /healthz would say alive */
+    bool watchdog_running;
+    atomic_bool watchdog_stop;
     tally_relay_t *relay;
     rd_kafka_t *consumer;
     tally_metric_t *m_lag;        /* tally_kafka_consumer_lag{partition,topic} */
@@ -305,6 +308,56 @@ static bool ready_check(void *opaque, char *why, size_t whysz)
     return ready;
 }
 
+/* --- systemd's watchdog -------------------------------------------------------------------- */
+
+/* systemd's watchdog follows the liveness rule of /healthz, not the main loop's turns alone: a
+ * loop waiting on PostgreSQL within its deadline is alive, so a database stall never gets a
+ * worker killed that /healthz would keep (and a wait past its deadline still does). A thread
+ * checks four times a period; tally_notify_heartbeat sends at most every half period
+ * (EXTEND_TIMEOUT_USEC before READY=1). */
+static void *watchdog_main(void *arg)
+{
+    tally_worker_t *w = arg;
+    long long step = (long long)(tally_notify_watchdog_usec(w->notify) / 4000);
+    step = step < 10 ? 10 : step > 1000 ? 1000 : step;
+    while (!atomic_load(&w->watchdog_stop)) {
+        char why[256];
+        if (health_check(w, why, sizeof why)) {
+            tally_notify_heartbeat(w->notify, now_ms());
+        }
+        struct timespec ts = {.tv_sec = step / 1000, .tv_nsec = (step % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static void start_watchdog(tally_worker_t *w)
+{
+    if (tally_notify_watchdog_usec(w->notify) == 0) {
+        return;
+    }
+    atomic_store(&w->watchdog_stop, false);
+    int err = pthread_create(&w->watchdog, NULL, watchdog_main, w);
+    if (err != 0) {
+        TALLY_WARN("cannot start the systemd watchdog thread (%s): systemd will stop this worker "
+                   "after WatchdogSec",
+                   strerror(err));
+        return;
+    }
+    w->watchdog_running = true;
+}
+
+/* Before the database connection it reads is freed. */
+static void stop_watchdog(tally_worker_t *w)
+{
+    if (!w->watchdog_running) {
+        return;
+    }
+    atomic_store(&w->watchdog_stop, true);
+    pthread_join(w->watchdog, NULL);
+    w->watchdog_running = false;
+}
+
 /* --- accessors ----------------------------------------------------------------------------- */
 
 const tally_config_t *tally_worker_config(tally_worker_t *w)
@@ -385,11 +438,7 @@ volatile const int *tally_worker_stop_flag(const tally_worker_t *w)
 
 void tally_worker_heartbeat(tally_worker_t *w)
 {
-    long long now = now_ms();
-    atomic_store(&w->heartbeat_ms, now);
-    if (w->notify != NULL) {
-        tally_notify_heartbeat(w->notify, now); /* systemd's watchdog, when due */
-    }
+    atomic_store(&w->heartbeat_ms, now_ms());
 }
 
 void tally_worker_set_ready(tally_worker_t *w, bool ready, const char *why)
@@ -957,6 +1006,7 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
     tally_crashpoint_init(); /* a test build's TALLY_CRASH_AT, before any thread starts */
     install_signals();
     w->notify = tally_notify_new(); /* NULL unless systemd runs us as Type=notify */
+    start_watchdog(w);
     if ((rc = setup_registry(w)) != 0 || (rc = setup_metrics(w)) != 0) {
         goto out;
     }
@@ -1007,6 +1057,7 @@ int tally_worker_main(int argc, char **argv, const tally_worker_ops_t *ops)
     }
     inited = false;
     tally_metric_set(w->m_up, 0);
+    stop_watchdog(w);
     close_all(w);
     TALLY_INFO("stopped: %llu ticks, %llu items of work, drain %s in %lld ms, up %lld s", w->ticks,
                w->work, drained ? "completed" : "cut short", drain_ms, (now_ms() - t_start) / 1000);
@@ -1016,6 +1067,7 @@ out:
     if (inited && ops->fini != NULL) {
         ops->fini(w, state);
     }
+    stop_watchdog(w);
     close_all(w);
     tally_notify_free(w->notify);
     tally_metrics_free(w->metrics);

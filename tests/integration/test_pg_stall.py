@@ -24,6 +24,7 @@ import psycopg2.extensions
 import tallytest
 from dispatchcase import DispatchCase, main, run_id
 from tallytest import wait_for
+from test_systemd_notify import NotifySocket
 
 STALL_MS = 2000   # TALLY_PG_STALL_MS for these workers
 MARGIN_S = 10.0   # how long after the stall threshold every worker must have said so
@@ -102,10 +103,10 @@ class PostgresStallTest(DispatchCase):
 
     # --- the workers and what they say ------------------------------------------------------
 
-    def start_workers(self, **env):
+    def start_workers(self, dispatcher_env=None, **env):
         env = {"TALLY_PG_STALL_MS": STALL_MS, "TALLY_POLL_MS": 200, "TALLY_SWEEP_MS": 500,
                **env}
-        workers = [self.dispatcher(**env),
+        workers = [self.dispatcher(**env, **(dispatcher_env or {})),
                    self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url, **env),
                    self.start("tally-compensator", TALLY_FAKE_TOOL_URL=self.fake_url, **env)]
         for p in workers:
@@ -209,12 +210,39 @@ class PostgresStallTest(DispatchCase):
 
     # --- the tests ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def listening(self, notify):
+        """@notify's datagrams collected on a thread meanwhile."""
+        stop = threading.Event()
+        def collect():
+            while not stop.is_set():
+                notify.receive(0.2)
+        t = threading.Thread(target=collect, daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(5)
+
     def test_a_frozen_server_makes_workers_unready_not_dead_and_they_recover(self):
-        workers = self.start_workers()
+        # the dispatcher also speaks to a systemd of the test's, with a 2 s watchdog: systemd
+        # must not kill what /healthz keeps
+        notify = NotifySocket(os.path.join(self.tmp, "notify.sock"))
+        self.addCleanup(notify.close)
+        workers = self.start_workers(dispatcher_env={
+            "NOTIFY_SOCKET": notify.name, "WATCHDOG_USEC": 2_000_000})
         pids = {p.name: p.pid for p in workers}
-        with self.frozen():
+        notify.wait_for(lambda m: "READY=1" in m, 30, "READY=1")
+        with self.frozen(), self.listening(notify):
+            t0 = time.monotonic()
             ce = self.waiting_intent()
             unready = self.ride_out(workers, 20)
+            t1 = time.monotonic()
+        pings = [t for t, _, m in notify.messages if m == "WATCHDOG=1" and t0 <= t <= t1]
+        gaps = [b - a for a, b in zip([t0] + pings, pings + [t1])]
+        self.assertGreaterEqual(len(pings), 8, "no watchdog pings through the stall")
+        self.assertLess(max(gaps), 2.0, f"a gap systemd's watchdog (2 s) would kill on: {gaps}")
         self.recovered(workers, pids)
         self.answered(ce)
         # nothing waited long enough (30 s deadline) to be given up

@@ -3,7 +3,8 @@
  * with WatchdogSec= (deploy/systemd/).
  *
  * A worker tells systemd three things: READY=1 once it has started, STOPPING=1 when the first
- * SIGTERM begins the drain, and WATCHDOG=1 from its main loop's heartbeat. Before READY=1 the
+ * SIGTERM begins the drain, and WATCHDOG=1 while it is alive by the rule /healthz follows (worker.c
+ * calls tally_notify_heartbeat from a thread of its own). Before READY=1 the
  * heartbeat sends EXTEND_TIMEOUT_USEC instead, so a start-up that keeps turning (waiting for
  * PostgreSQL in bounded rounds) outlasts TimeoutStartSec=, and one that stops turning is
  * killed after the watchdog period, as a hung running worker would be.
@@ -39,14 +40,14 @@ void tally_notify_free(tally_notify_t *n);
  */
 __attribute__((warn_unused_result)) bool tally_notify_send(tally_notify_t *n, const char *msg);
 
-/** @brief READY=1 with STATUS=@p status (may be NULL); the heartbeat then sends WATCHDOG=1. */
+/** @brief READY=1 with STATUS=@p status (may be NULL); heartbeats then send WATCHDOG=1. */
 void tally_notify_ready(tally_notify_t *n, const char *status);
 
 /** @brief STOPPING=1 with STATUS=@p status (may be NULL). */
 void tally_notify_stopping(tally_notify_t *n, const char *status);
 
 /**
- * @brief The main loop turned at @p now_ms (CLOCK_MONOTONIC, ms): when the watchdog is on and
+ * @brief The worker is alive at @p now_ms (CLOCK_MONOTONIC, ms): when the watchdog is on and
  * half its period has passed since the last ping, send WATCHDOG=1 (EXTEND_TIMEOUT_USEC before
  * READY=1). One atomic load and compare when nothing is due; safe from any thread.
  */
