@@ -210,6 +210,23 @@ class PostgresStallTest(DispatchCase):
 
     # --- the tests ---------------------------------------------------------------------------
 
+    @staticmethod
+    def db_up_alerts(base):
+        """The jobs TallyDatabaseUnreachable is pending or firing for; None before the rules
+        are loaded."""
+        import json
+        import urllib.request
+        try:
+            with urllib.request.urlopen(base + "/api/v1/rules?type=alert", timeout=5) as r:
+                groups = json.load(r)["data"]["groups"]
+        except OSError:
+            return None
+        rules = [rule for g in groups for rule in g["rules"]
+                 if rule["name"] == "TallyDatabaseUnreachable"]
+        if not rules or rules[0].get("lastEvaluation", "").startswith("0001"):
+            return None
+        return {a["labels"]["job"] for a in rules[0].get("alerts", [])}
+
     @contextlib.contextmanager
     def listening(self, notify):
         """@notify's datagrams collected on a thread meanwhile."""
@@ -234,11 +251,20 @@ class PostgresStallTest(DispatchCase):
             "NOTIFY_SOCKET": notify.name, "WATCHDOG_USEC": 2_000_000})
         pids = {p.name: p.pid for p in workers}
         notify.wait_for(lambda m: "READY=1" in m, 30, "READY=1")
+        # and the page: Prometheus with the shipped rules scrapes the three
+        prom, base = self.start_prometheus(
+            {p.name: f"127.0.0.1:{p.metrics_port}" for p in workers},
+            rule_files=[os.path.join(tallytest.SOURCE_DIR, "deploy", "prometheus", "alerts.yml")])
+        wait_for(lambda: self.db_up_alerts(base) == set(), timeout=60, interval=0.5,
+                 what="Prometheus evaluating the rules, TallyDatabaseUnreachable quiet")
         with self.frozen(), self.listening(notify):
             t0 = time.monotonic()
             ce = self.waiting_intent()
             unready = self.ride_out(workers, 20)
             t1 = time.monotonic()
+            # its expression holds for every worker kind (pending: it fires after 1 min)
+            alerting = self.db_up_alerts(base)
+        self.assertEqual(alerting, set(WORKERS), "TallyDatabaseUnreachable during the stall")
         pings = [t for t, _, m in notify.messages if m == "WATCHDOG=1" and t0 <= t <= t1]
         gaps = [b - a for a, b in zip([t0] + pings, pings + [t1])]
         self.assertGreaterEqual(len(pings), 8, "no watchdog pings through the stall")
