@@ -42,6 +42,9 @@ class ConsumerMetricsTest(CompensateCase):
                    "outcomes": self.start("tally-reconciler", TALLY_FAKE_TOOL_URL=self.fake_url),
                    "obligations": self.compensator()}
         for topic, p in workers.items():
+            # /healthz answers from before the consumer is made; /readyz once it started
+            wait_for(lambda: p.http_get("/readyz")[0] == 200, timeout=60,
+                     what=f"{p.name} started")
             # the counter is there at 0 for both kinds before anything happened to count
             text = self.metrics(p)
             self.assertIsNotNone(self.metric_value(text, "tally_kafka_rebalances_total",
