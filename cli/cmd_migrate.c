@@ -109,6 +109,29 @@ static int print_status(tally_pg_t *pg)
     return 1;
 }
 
+/* The last run of `tally migrate` that applied something (tally_schema_history, from 16). */
+static void print_last_migration(tally_pg_t *pg, int version)
+{
+    if (version < 16)
+        return;
+    tally_error_t err;
+    PGresult *res = tally_pg_exec(pg,
+                                  "SELECT from_version, to_version, release, migrated_by,"
+                                  " to_char(migrated_at AT TIME ZONE 'UTC',"
+                                  " 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
+                                  " FROM tally_schema_history ORDER BY id DESC LIMIT 1",
+                                  0, NULL, &err);
+    if (res == NULL) {
+        printf("last migrated: unknown (%s)\n", err.message);
+        return;
+    }
+    if (PQntuples(res) == 1)
+        printf("last migrated: from schema %s to %s by tally %s, as %s, at %s\n",
+               PQgetvalue(res, 0, 0), PQgetvalue(res, 0, 1), PQgetvalue(res, 0, 2),
+               PQgetvalue(res, 0, 3), PQgetvalue(res, 0, 4));
+    PQclear(res);
+}
+
 /* --check: would a worker of this release start on this schema? */
 static int print_check(tally_pg_t *pg)
 {
@@ -145,6 +168,7 @@ static int print_plan(tally_pg_t *pg)
     }
     const int latest = tally_migrate_latest();
     print_window("database now:", win.version, win.serves_from, win.serves_from_release);
+    print_last_migration(pg, win.version);
     printf("this tally %s runs on schema %d to %d\n", TALLY_VERSION, TALLY_SCHEMA_OLDEST, latest);
     char why[600];
     if (win.version > latest) {

@@ -29,6 +29,7 @@ static const char SQL_CREATE_TABLE[] = "CREATE TABLE IF NOT EXISTS tally_migrati
  * changes. */
 const tally_release_t tally_releases[] = {
     {"0.1.0", 15},
+    {"0.2.0", 16},
     {NULL, 0},
 };
 
@@ -333,6 +334,22 @@ static bool raise_window(tally_pg_t *pg, int found, int applied, tally_error_t *
                         2, params, err);
 }
 
+/* One row of tally_schema_history (016) for a run that applied something. */
+static bool record_history(tally_pg_t *pg, int found, int applied, tally_error_t *err)
+{
+    if (applied < 16 || applied == found)
+        return true;
+    char from[16], to[16];
+    snprintf(from, sizeof from, "%d", found);
+    snprintf(to, sizeof to, "%d", applied);
+    const char *params[3] = {from, to, TALLY_VERSION};
+    return tally_pg_run(pg,
+                        "INSERT INTO tally_schema_history (from_version, to_version, release,"
+                        " serves_from) SELECT $1::int, $2::int, $3, serves_from"
+                        " FROM tally_schema_window WHERE id = 1",
+                        3, params, err);
+}
+
 bool tally_migrate_apply(tally_pg_t *pg, const tally_config_t *cfg, int *before, int *after,
                          tally_roles_report_t *roles, tally_error_t *err)
 {
@@ -372,7 +389,7 @@ bool tally_migrate_apply(tally_pg_t *pg, const tally_config_t *cfg, int *before,
             goto fail;
         applied = m->version;
     }
-    if (!raise_window(pg, found, applied, err))
+    if (!raise_window(pg, found, applied, err) || !record_history(pg, found, applied, err))
         goto fail;
     if (!install_machines(pg, err))
         goto fail;

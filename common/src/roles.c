@@ -38,7 +38,8 @@ static const struct {
     {"tenant_keys", {SI, S, S, SU, NONE}},
     {"tally_migrations", {S, S, S, S, S}},
     {"schema_machines", {NONE, NONE, NONE, S, S}},
-    {"tally_schema_window", {S, S, S, S, S}}, /* which binaries the schema serves (015) */
+    {"tally_schema_window", {S, S, S, S, S}},           /* which binaries the schema serves (015) */
+    {"tally_schema_history", {NONE, NONE, NONE, S, S}}, /* each migrate that applied (016) */
     /* upstream audit (012): the confirm trigger queues audits as their owner */
     {"audit_policies", {NONE, SIUD, NONE, S, S}},
     {"audits", {NONE, SIUD, NONE, S, S}},

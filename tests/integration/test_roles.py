@@ -39,18 +39,21 @@ EXPECTED = {
     "operator": {"runs": {S, U}, "effects": {S, U}, "outbox": {S, I, U, D},
                  "obligations": {S, I, U}, "alerts": {S, I, U}, "events": {S, I},
                  "message_outbox": {S, I}, "replies": {S}, "tenant_keys": {S, U},
-                 "tally_migrations": {S}, "tally_schema_window": {S}, "schema_machines": {S},
+                 "tally_migrations": {S}, "tally_schema_window": {S},
+                 "tally_schema_history": {S}, "schema_machines": {S},
                  "audit_policies": {S},
                  "audits": {S}, "tool_pacing": {S, I, U}, "sweep_cursors": {S},
                  "findings": {S, I, U}},
     "reader": {t: {S} for t in ("runs", "effects", "outbox", "obligations", "alerts", "events",
                                 "message_outbox", "replies", "tally_migrations",
-                                "tally_schema_window", "schema_machines", "audit_policies", "audits", "tool_pacing",
+                                "tally_schema_window", "tally_schema_history",
+                                "schema_machines", "audit_policies", "audits", "tool_pacing",
                                 "sweep_cursors", "findings")},
 }
 TABLES = ("runs", "effects", "outbox", "obligations", "alerts", "events", "message_outbox",
-          "replies", "tenant_keys", "tally_migrations", "tally_schema_window", "schema_machines",
-          "audit_policies", "audits", "tool_pacing", "sweep_cursors", "findings")
+          "replies", "tenant_keys", "tally_migrations", "tally_schema_window",
+          "tally_schema_history", "schema_machines", "audit_policies", "audits", "tool_pacing",
+          "sweep_cursors", "findings")
 
 
 def attempts(table, privilege):
@@ -66,6 +69,7 @@ def attempts(table, privilege):
 
 def _column(table):
     return {"tally_migrations": "name", "tally_schema_window": "serves_from_release",
+            "tally_schema_history": "release",
             "schema_machines": "sha256", "runs": "status",
             "effects": "status", "outbox": "tool", "obligations": "status", "alerts": "summary",
             "events": "reason", "message_outbox": "topic", "replies": "run_id",

@@ -10,8 +10,9 @@ import subprocess
 from dispatchcase import SECRET, DispatchCase, main, run_id
 from tallytest import BUILD_DIR, PROGRAM_ROLES, SOURCE_DIR, Proc, free_port, wait_for
 
-# The previous release: its name, the commit tagged v<name>, and its newest schema.
-PREVIOUS = ("0.1.0", "33d4651b0b9c9a4d2dd822f28384af000e359299", 15)
+# The previous release: its name, the commit tagged v<name>, and its newest schema (a clone
+# without tags still has the commit: it is an ancestor of main).
+PREVIOUS = ("0.1.0", "c86a30d8412233478c48290abe3a94056a027194", 15)
 PROGRAMS = ("tally", "tally-dispatcher", "tally-reconciler", "tally-compensator")
 
 
