@@ -84,14 +84,22 @@ static void print_window(const char *what, int version, int serves_from, const c
         printf("%s schema %d\n", what, version);
 }
 
-static int print_status(tally_pg_t *pg)
+/* The schema's version and window; @returns 0, or the exit code when it cannot be read. */
+static int read_window(tally_pg_t *pg, tally_schema_window_t *win)
 {
     tally_error_t err;
+    if (tally_migrate_window(pg, win, &err))
+        return 0;
+    fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
+    return is_connection_error(&err) ? 3 : 1;
+}
+
+static int print_status(tally_pg_t *pg)
+{
     tally_schema_window_t win;
-    if (!tally_migrate_window(pg, &win, &err)) {
-        fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
-        return is_connection_error(&err) ? 3 : 1;
-    }
+    int rc = read_window(pg, &win);
+    if (rc != 0)
+        return rc;
     int version = win.version;
     int latest = tally_migrate_latest();
     if (version == latest) {
@@ -135,12 +143,10 @@ static void print_last_migration(tally_pg_t *pg, int version)
 /* --check: would a worker of this release start on this schema? */
 static int print_check(tally_pg_t *pg)
 {
-    tally_error_t err;
     tally_schema_window_t win;
-    if (!tally_migrate_window(pg, &win, &err)) {
-        fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
-        return is_connection_error(&err) ? 3 : 1;
-    }
+    int rc = read_window(pg, &win);
+    if (rc != 0)
+        return rc;
     char why[600];
     switch (tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, tally_migrate_latest(), TALLY_VERSION, why,
                              sizeof why)) {
@@ -160,12 +166,10 @@ static int print_check(tally_pg_t *pg)
 /* --plan: what `tally migrate` would do, and whom the schema would serve after it. */
 static int print_plan(tally_pg_t *pg)
 {
-    tally_error_t err;
     tally_schema_window_t win;
-    if (!tally_migrate_window(pg, &win, &err)) {
-        fprintf(stderr, "tally migrate: cannot read the schema version: %s\n", err.message);
-        return is_connection_error(&err) ? 3 : 1;
-    }
+    int rc = read_window(pg, &win);
+    if (rc != 0)
+        return rc;
     const int latest = tally_migrate_latest();
     print_window("database now:", win.version, win.serves_from, win.serves_from_release);
     print_last_migration(pg, win.version);
@@ -200,6 +204,7 @@ static int print_plan(tally_pg_t *pg)
 
     tally_schema_session_t s[64];
     size_t n = 0;
+    tally_error_t err;
     if (!tally_migrate_sessions(pg, s, sizeof s / sizeof s[0], &n, &err)) {
         fprintf(stderr, "tally migrate: cannot list the connected processes: %s\n", err.message);
         return is_connection_error(&err) ? 3 : 1;
@@ -345,10 +350,10 @@ int tally_cmd_migrate(int argc, char **argv, tally_config_t *cfg)
          * to do (and must not grant by an older table of grants) */
         tally_schema_window_t win;
         char why[600];
-        if (!tally_migrate_window(pg, &win, &err)) {
-            fprintf(stderr, "tally migrate: cannot read the schema window: %s\n", err.message);
+        int rc = read_window(pg, &win);
+        if (rc != 0) {
             tally_pg_free(pg);
-            return is_connection_error(&err) ? 3 : 1;
+            return rc;
         }
         tally_schema_fit_t fit = tally_schema_fit(&win, TALLY_SCHEMA_OLDEST, tally_migrate_latest(),
                                                   TALLY_VERSION, why, sizeof why);
