@@ -162,7 +162,9 @@ static void rebalance_cb(rd_kafka_t *rk, rd_kafka_resp_err_t err,
                          rd_kafka_topic_partition_list_t *parts, void *opaque)
 {
     tally_metric_t *m_rebalances = opaque;
-    bool cooperative = strcmp(rd_kafka_rebalance_protocol(rk), "COOPERATIVE") == 0;
+    /* NULL while no protocol is known (a consumer closing before it joined, say) */
+    const char *protocol = rd_kafka_rebalance_protocol(rk);
+    bool cooperative = protocol != NULL && strcmp(protocol, "COOPERATIVE") == 0;
     bool assign = err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS;
     bool revoke = err == RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS;
     if (assign || revoke) {
