@@ -188,6 +188,12 @@ class CrashPointTest(CompensateCase):
         self.publish_many(intents)
         victim = self.worker("dispatcher", crash_at=point.name)
         self.wait_killed(victim, point)
+        # a statement the victim sent before it died (a record's COMMIT, say) still runs on its
+        # backend: the snapshot is what the crash left once those backends have ended too
+        wait_for(lambda: self.scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name LIKE 'tally-dispatcher%%'") == 0, timeout=30,
+            what="the victim's database sessions to end")
         s = self.snapshot()
         st = s["effects"]
         if point.name == "dispatch.after_intake_commit":
