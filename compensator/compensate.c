@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/alert.h"
 #include "tally/crashpoint.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
@@ -53,11 +54,7 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
         m, "tally_alerts_sent_total",
         "Pages raised by this worker (kafka: alert events written) and delivered (pagerduty)",
         "channel");
-    c->m_alert_fail = tally_metrics_counter(
-        m, "tally_alert_write_failures_total",
-        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
-        "at once as a minimal page)",
-        "worker");
+    c->m_alert_fail = tally_alert_failures_counter(m, "compensator");
     c->m_outcomes =
         tally_metrics_counter(m, "tally_compensations_total",
                               "Obligation outcomes recorded, by tool and state", "tool,outcome");
@@ -89,7 +86,6 @@ static void declare_metrics(compensator_t *c, tally_metrics_t *m)
     tally_metric_set(c->m_near_deadline, 0);
     tally_metric_add(c->m_alerts, 0, "kafka");
     tally_metric_add(c->m_alerts, 0, "pagerduty");
-    tally_metric_add(c->m_alert_fail, 0, "compensator");
     /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
      * the event that creates a series, such as a tool's first compensation since the start. */
     for (size_t t = 0; t < tally_registry_count(c->reg); t++) {

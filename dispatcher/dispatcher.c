@@ -12,6 +12,7 @@
 #include <time.h>
 
 #include "dispatcher.h"
+#include "tally/alert.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
 
@@ -156,12 +157,7 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
                                       "1 while intake is paused by backpressure", NULL);
     d->m_db_errors = tally_metrics_counter(m, "tally_dispatcher_db_errors_total",
                                            "Failed dispatcher transactions by stage", "stage");
-    d->m_alert_fail = tally_metrics_counter(
-        m, "tally_alert_write_failures_total",
-        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
-        "at once as a minimal page)",
-        "worker");
-    tally_metric_add(d->m_alert_fail, 0, "dispatcher");
+    d->m_alert_fail = tally_alert_failures_counter(m, "dispatcher");
     /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
      * the event that creates a series, such as a tool's first failed call since the start. */
     static const char *const results[] = {"created", "replay",     "conflict",

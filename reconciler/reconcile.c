@@ -15,6 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tally/alert.h"
 #include "tally/backoff.h"
 #include "tally/consume.h"
 #include "tally/crashpoint.h"
@@ -1198,12 +1199,7 @@ static bool reconciler_init(tally_worker_t *w, void **state)
         "tool");
     for (size_t i = 0; i < tally_registry_count(rc->reg); i++)
         tally_metric_set(rc->m_tool_inflight, 0, tally_registry_at(rc->reg, i)->name);
-    rc->m_alert_fail = tally_metrics_counter(
-        m, "tally_alert_write_failures_total",
-        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
-        "at once as a minimal page)",
-        "worker");
-    tally_metric_add(rc->m_alert_fail, 0, "reconciler");
+    rc->m_alert_fail = tally_alert_failures_counter(m, "reconciler");
     rc->m_db_errors =
         tally_metrics_counter(m, "tally_reconciler_db_errors_total",
                               "Failed reconciler transactions and statements, by step", "step");

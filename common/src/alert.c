@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "tally/cloudevent.h"
+#include "tally/metrics.h"
 #include "tally/text.h"
 
 /* TALLY_CONSOLE_URL without its trailing slash, or "": set once at start-up, before any thread
@@ -455,4 +456,15 @@ char *tally_alert_close_command(const char *dedup_key)
     return format("tally resolve --alert %s --reason \"<what you did about it>\"  # close the "
                   "page once the damage is dealt with%s",
                   dedup_key, "");
+}
+
+tally_metric_t *tally_alert_failures_counter(tally_metrics_t *m, const char *worker)
+{
+    tally_metric_t *mt = tally_metrics_counter(
+        m, "tally_alert_write_failures_total",
+        "Pages that PostgreSQL refused to write (the reconciler and the compensator retry each "
+        "at once as a minimal page)",
+        "worker");
+    tally_metric_add(mt, 0, worker);
+    return mt;
 }

@@ -8,7 +8,7 @@ set(TALLY_FUZZ_SOURCES_intake cloudevent.c registry.c json.c id.c error.c)
 set(TALLY_FUZZ_SOURCES_registry registry.c json.c error.c)
 set(TALLY_FUZZ_SOURCES_json_scan json_scan.c json.c error.c)
 set(TALLY_FUZZ_SOURCES_canonical json.c error.c)
-set(TALLY_FUZZ_SOURCES_text cloudevent.c json.c id.c error.c alert.c audit.c columns.c outbox.c
+set(TALLY_FUZZ_SOURCES_text cloudevent.c json.c id.c error.c alert.c metrics.c audit.c columns.c outbox.c
     pg.c log.c backoff.c ledger.c)
 set(TALLY_FUZZ_SOURCES_bounded cloudevent.c json.c id.c error.c)
 set(TALLY_FUZZ_SOURCES_redact seal.c json.c id.c error.c config.c)

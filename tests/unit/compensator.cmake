@@ -12,7 +12,7 @@ target_include_directories(test_compensate PRIVATE ${CMAKE_SOURCE_DIR}/compensat
 
 # A run's compensation summary (common/src/runsummary.c): the classification the compensator
 # and `tally summary` share, in both views. No services.
-tally_unit_test(test_runsummary SOURCES runsummary.c registry.c alert.c audit.c columns.c backoff.c
+tally_unit_test(test_runsummary SOURCES runsummary.c registry.c alert.c metrics.c audit.c columns.c backoff.c
                 outbox.c pg.c cloudevent.c id.c json.c ledger.c log.c error.c)
 
 # Not a unit test: drives common/src/runops.c against a real PostgreSQL for the integration

@@ -10,6 +10,7 @@
 #include "tally/audit.h"
 #include "tally/config.h"
 #include "tally/error.h"
+#include "tally/metrics.h"
 #include "tally/outbox.h"
 #include "tally/pg.h"
 
@@ -134,5 +135,12 @@ char *tally_alert_approval_command(bool obligation, const char *id) TALLY_WUR;
  * effect escalated as UNCOMPENSATABLE): `tally resolve --alert <key> --reason ...`. Malloc'd.
  */
 char *tally_alert_close_command(const char *dedup_key) TALLY_WUR;
+
+/**
+ * @brief tally_alert_write_failures_total{worker} in @p m, its @p worker series at 0 from the
+ * start: the pages PostgreSQL refused to write, which every worker counts alike (the
+ * TallyPageRefused rule). NULL when out of memory, which tally_metric_add accepts.
+ */
+tally_metric_t *tally_alert_failures_counter(tally_metrics_t *m, const char *worker);
 
 #endif
