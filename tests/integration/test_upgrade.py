@@ -152,7 +152,14 @@ class UpgradeTest(DispatchCase):
         self.assertRegex(plan.stdout, r"tally-dispatcher/0\.1\.0 \(schema 15-15\)\s+served after")
 
         # the rollback: every new worker stops, the previous release's take over
+        def assignments():
+            return sum("consumer group rebalance" in str(ln.get("msg", "")) and
+                       " assigned " in ln["msg"] for ln in old.log_lines())
+        before = assignments()
         self.assertEqual(new.terminate(), 0)
+        # the old dispatcher takes the partitions over (its group settles before it is stopped)
+        wait_for(lambda: assignments() > before, timeout=60,
+                 what="0.1.0's dispatcher assigned the partitions the new one left")
         self.start_old("tally-reconciler")
         self.start_old("tally-compensator")
         self.confirm_one()
