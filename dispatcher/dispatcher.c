@@ -37,6 +37,13 @@ double dispatch_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+void dispatch_spent(dispatcher_t *d, const char *phase, double since)
+{
+    double s = dispatch_now() - since;
+    if (s > 0)
+        tally_metric_add(d->m_seconds, s, phase);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Backpressure                                                                             */
 
@@ -158,6 +165,16 @@ static void declare_metrics(dispatcher_t *d, tally_metrics_t *m)
     d->m_db_errors = tally_metrics_counter(m, "tally_dispatcher_db_errors_total",
                                            "Failed dispatcher transactions by stage", "stage");
     d->m_alert_fail = tally_alert_failures_counter(m, "dispatcher");
+    /* Where a dispatcher's time goes (bench/README.md, "The mock broker"): the main loop's
+     * kafka, intake, claim and wait add up to its wall time; record is the recorder's thread. */
+    d->m_seconds = tally_metrics_counter(
+        m, "tally_dispatcher_seconds_total",
+        "Time spent by phase: reading intents from Kafka (kafka), writing them (intake), "
+        "claiming (claim), waiting for work (wait), recording results (record, its own thread)",
+        "phase");
+    static const char *const phases[] = {"kafka", "intake", "claim", "wait", "record"};
+    for (size_t i = 0; i < sizeof phases / sizeof phases[0]; i++)
+        tally_metric_add(d->m_seconds, 0, phases[i]);
     /* The series a dashboard rates exist at 0 from the start: rate() and increase() cannot see
      * the event that creates a series, such as a tool's first failed call since the start. */
     static const char *const results[] = {"created", "replay",     "conflict",
@@ -327,12 +344,16 @@ static int dispatcher_tick(tally_worker_t *w, void *state)
         int n = intake_step(d);
         if (n > 0)
             work += n;
+        double t = dispatch_now();
         n = deliver_claim(d);
+        dispatch_spent(d, "claim", t);
         if (n > 0)
             work += n;
     }
-    int timeout = behind ? d->cfg->poll_ms : next_timeout_ms(d, dispatch_now(), work);
+    double t = dispatch_now();
+    int timeout = behind ? d->cfg->poll_ms : next_timeout_ms(d, t, work);
     work += wait_and_collect(d, timeout);
+    dispatch_spent(d, "wait", t);
     trim_when_idle(d, work);
     tally_worker_heartbeat(w);
     return work;

@@ -159,10 +159,13 @@ typedef struct dispatcher {
     tally_metric_t *m_paused;
     tally_metric_t *m_db_errors;
     tally_metric_t *m_alert_fail; /**< tally_alert_write_failures_total{worker} */
+    tally_metric_t *m_seconds;    /**< tally_dispatcher_seconds_total{phase} */
 } dispatcher_t;
 
 /* dispatcher.c */
 double dispatch_now(void);
+/** @brief Add the time since @p since (dispatch_now) to phase @p phase of m_seconds. */
+void dispatch_spent(dispatcher_t *d, const char *phase, double since);
 
 /* intake.c */
 

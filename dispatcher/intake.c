@@ -588,6 +588,8 @@ static bool intake_commit(dispatcher_t *d, size_t lo, size_t hi, tally_error_t *
     return true;
 }
 
+static int intake_write_batch(dispatcher_t *d);
+
 int intake_step(dispatcher_t *d)
 {
     if (d->draining || !d->cs)
@@ -598,6 +600,7 @@ int intake_step(dispatcher_t *d)
     d->intake_more = false;
     /* Holding a failed batch (partitions paused): poll anyway, one message at most. */
     size_t cap = d->intake_failed ? d->n_batch + 1 : limit;
+    double t = dispatch_now();
     while (d->n_batch < cap) {
         rd_kafka_message_t *rkm = tally_consume_next(d->cs);
         if (!rkm)
@@ -612,10 +615,21 @@ int intake_step(dispatcher_t *d)
         if (d->n_batch >= limit)
             d->intake_more = true;
     }
+    dispatch_spent(d, "kafka", t);
     if (d->n_batch == 0)
         return 0;
     if (d->intake_failed && dispatch_now() < d->intake_retry_at)
         return 0;
+    t = dispatch_now();
+    int n = intake_write_batch(d);
+    dispatch_spent(d, "intake", t);
+    return n;
+}
+
+/* Parse and write the batch held (intake_step): @returns its messages once committed, -1 when
+ * it is held for a retry. */
+static int intake_write_batch(dispatcher_t *d)
+{
 
     for (size_t i = 0; i < d->n_batch; i++)
         if (!d->batch[i].parsed)

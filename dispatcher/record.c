@@ -625,12 +625,14 @@ static void *recorder_main(void *arg)
         double due = 0;
         tally_error_t err;
         tally_error_clear(&err);
+        double t = dispatch_now();
         bool ok = record_batch(d, batch, n, &due, &err);
         size_t recorded = ok ? n : 0;
         if (!ok && tally_pg_error_is_data(&err)) {
             recorded = record_isolating(d, batch, &n, &due);
             ok = n == 0;
         }
+        dispatch_spent(d, "record", t);
 
         pthread_mutex_lock(&d->rec_mu);
         d->rec_busy = false;

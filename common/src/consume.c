@@ -16,6 +16,7 @@ struct tally_consume {
     rd_kafka_queue_t *rkq; /* the consumer queue (the main queue is forwarded to it) */
     int pipefd[2];         /* librdkafka writes [1] when the queue becomes non-empty */
     rd_kafka_topic_partition_list_t *offsets; /* noted: the next offset to read, per partition */
+    tally_metric_t *m_read;                   /* messages noted, by partition (may be NULL) */
 };
 
 tally_consume_t *tally_consume_new(rd_kafka_t *rk, char *errstr, size_t errsz)
@@ -110,6 +111,16 @@ void tally_consume_note(tally_consume_t *cs, const rd_kafka_message_t *msg)
     if (msg->offset + 1 > tp->offset) {
         tp->offset = msg->offset + 1;
     }
+    if (cs->m_read != NULL) {
+        char partition[16];
+        snprintf(partition, sizeof partition, "%d", (int)msg->partition);
+        tally_metric_add(cs->m_read, 1, partition, topic);
+    }
+}
+
+void tally_consume_count(tally_consume_t *cs, tally_metric_t *read)
+{
+    cs->m_read = read;
 }
 
 int tally_consume_wakeups(tally_consume_t *cs, int max, tally_consume_fn *fn, void *opaque)

@@ -70,6 +70,7 @@ struct tally_worker {
     tally_metric_t *m_lag;        /* tally_kafka_consumer_lag{partition,topic} */
     long long lag_at_ms;          /* when m_lag was last refilled */
     tally_metric_t *m_rebalances; /* tally_kafka_rebalances_total{kind} */
+    tally_metric_t *m_read;       /* tally_kafka_messages_read_total{partition,topic} */
     tally_consume_t *consume;
     rd_kafka_t *producer;
     char id[256];
@@ -402,6 +403,8 @@ tally_consume_t *tally_worker_consume(tally_worker_t *w)
         w->consume = tally_consume_new(w->consumer, errstr, sizeof errstr);
         if (w->consume == NULL) {
             TALLY_ERROR("cannot wait on the Kafka consumer: %s", errstr);
+        } else {
+            tally_consume_count(w->consume, w->m_read);
         }
     }
     return w->consume;
@@ -844,6 +847,10 @@ static int setup_consumer(tally_worker_t *w)
                               "kind");
     tally_metric_add(w->m_rebalances, 0, "assign");
     tally_metric_add(w->m_rebalances, 0, "revoke");
+    w->m_read = tally_metrics_counter(w->metrics, "tally_kafka_messages_read_total",
+                                      "Messages this worker read, per partition: its intake rate "
+                                      "by partition",
+                                      "partition,topic");
     w->consumer = tally_kafka_consumer_new(w->cfg, w->group, names, w->n_topics, w->m_rebalances,
                                            errstr, sizeof errstr);
     if (w->consumer == NULL) {

@@ -11,7 +11,11 @@ and the compensator alike.
   the group at SIGTERM logs the revocation.
 """
 
+import json
+import os
 import re
+import uuid
+from collections import Counter
 
 import tallytest
 from tallytest import wait_for
@@ -79,6 +83,62 @@ class ConsumerMetricsTest(CompensateCase):
         self.assertEqual(d2.terminate(), 0)
         self.assertTrue(self.rebalance_lines(d2, "revoked") or
                         self.rebalance_lines(d2, "lost"), d2.log())
+
+    def test_intake_is_counted_by_partition_and_time_by_phase(self):
+        d = self.dispatcher()
+        wait_for(lambda: d.http_get("/readyz")[0] == 200, timeout=60, what="dispatcher ready")
+        n = 40
+        intents = [self.intent(f"run-{uuid.uuid4().hex[:12]}", 1, "update_ledger",
+                               {"entry_id": f"e-{i}-{uuid.uuid4().hex[:8]}", "amount": i + 1})
+                   for i in range(n)]
+        self.publish_many(intents)
+        self.wait_count("SELECT count(*) FROM effects WHERE status = 'CONFIRMED'", n)
+        # what Kafka holds per partition, read by the test's own consumer
+        mine = {ce["id"] for ce in intents}
+        held = Counter()
+        reader = self.reader("intents")
+        seen = set()
+        wait_for(lambda: self._read_ids(reader, mine, seen, held) >= n, timeout=30,
+                 what="the test's reader to see every intent")
+        topic = self.topic("intents")
+
+        def read_by_partition():
+            return {int(m.group(1)): float(m.group(3)) for m in re.finditer(
+                r'^tally_kafka_messages_read_total\{partition="(\d+)",topic="([^"]+)"\} (\S+)$',
+                self.metrics(d), re.M) if m.group(2) == topic}
+        # every message read once, on the partition it is on
+        wait_for(lambda: sum(read_by_partition().values()) == n, timeout=30,
+                 what=f"{n} intents counted as read")
+        self.assertEqual({p: v for p, v in read_by_partition().items() if v},
+                         {p: float(c) for p, c in held.items()})
+        self.assertGreater(len(held), 1, "the intents should spread over partitions")
+        text = self.metrics(d)
+        phases = {ph: self.metric_value(text, "tally_dispatcher_seconds_total", phase=ph)
+                  for ph in ("kafka", "intake", "claim", "wait", "record")}
+        for ph, v in phases.items():
+            self.assertIsNotNone(v, ph)
+            self.assertGreater(v, 0, f"{ph}: {text}")
+        # the main loop's phases cannot add up to more than the time it has run
+        with open(f"/proc/{d.pid}/stat") as f:
+            alive_s = float(f.read().rsplit(") ", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        hz = float(os.sysconf("SC_CLK_TCK"))
+        ran_s = uptime - alive_s / hz
+        loop = sum(v for ph, v in phases.items() if ph != "record")
+        self.assertLessEqual(loop, ran_s + 1.0, phases)
+
+    @staticmethod
+    def _read_ids(reader, mine, seen, held):
+        m = reader.poll(0.2)
+        while m is not None:
+            if not m.error():
+                ce = json.loads(m.value())
+                if ce.get("id") in mine and ce["id"] not in seen:
+                    seen.add(ce["id"])
+                    held[m.partition()] += 1
+            m = reader.poll(0)
+        return len(seen)
 
 
 if __name__ == "__main__":

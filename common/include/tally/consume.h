@@ -17,6 +17,7 @@
 #include <librdkafka/rdkafka.h>
 
 #include "tally/error.h"
+#include "tally/metrics.h"
 
 typedef struct tally_consume tally_consume_t;
 
@@ -52,6 +53,13 @@ rd_kafka_message_t *tally_consume_next(tally_consume_t *cs);
 
 /** @brief Store @p msg's offset (the next one to read) with the next tally_consume_store. */
 void tally_consume_note(tally_consume_t *cs, const rd_kafka_message_t *msg);
+
+/**
+ * @brief Count every message tally_consume_note sees in @p read, a counter labelled
+ * "partition,topic" (the worker's tally_kafka_messages_read_total: intake per partition).
+ * NULL stops counting.
+ */
+void tally_consume_count(tally_consume_t *cs, tally_metric_t *read);
 
 /** @brief Looks at one message read by tally_consume_wakeups; @p msg is destroyed after. */
 typedef void tally_consume_fn(void *opaque, const rd_kafka_message_t *msg);
