@@ -12,7 +12,7 @@
 # by the EXIT trap, also on failure or Ctrl-C.
 #
 #   bench/run.sh [--intents N] [--runs R] [--dispatchers D] [--rate R] [--duration S]
-#                [--skip-ceiling] [--inflight N] [--pgbench-seconds S] [--pgbench-rows N]
+#                [--partitions P] [--skip-ceiling] [--inflight N] [--pgbench-seconds S] [--pgbench-rows N]
 #                [--fetch-wait-ms MS] [--build-dir DIR] [--no-build] [--log-dir DIR] [--perf]
 #                [--pg-statements] [--sensitive]
 set -euo pipefail
@@ -23,6 +23,7 @@ do_build=1
 intents=50000
 runs=1000
 dispatchers=1
+partitions=""
 rate=1000
 duration=20
 skip_ceiling=0
@@ -43,6 +44,8 @@ usage: bench/run.sh [options]
   --intents N          intents of the throughput run (default $intents)
   --runs R             agent runs they are spread over (default $runs)
   --dispatchers D      tally-dispatcher processes (default $dispatchers)
+  --partitions P       partitions of each topic of the mock cluster (default: D, one per
+                       dispatcher; see bench/README.md, "The mock broker", for why not more)
   --rate R             intents/s of the latency run (default $rate)
   --duration S         seconds of the latency run (default $duration)
   --skip-ceiling       do not run the pgbench ceiling
@@ -83,6 +86,7 @@ while [[ $# -gt 0 ]]; do
     --intents) need_value "$@"; positive "$1" "$2" pos; intents=$2; shift ;;
     --runs) need_value "$@"; positive "$1" "$2" pos; runs=$2; shift ;;
     --dispatchers) need_value "$@"; positive "$1" "$2" pos; dispatchers=$2; shift ;;
+    --partitions) need_value "$@"; positive "$1" "$2" pos; partitions=$2; shift ;;
     --rate) need_value "$@"; positive "$1" "$2" pos; rate=$2; shift ;;
     --duration) need_value "$@"; positive "$1" "$2" pos; duration=$2; shift ;;
     --skip-ceiling) skip_ceiling=1 ;;
@@ -101,6 +105,11 @@ while [[ $# -gt 0 ]]; do
     esac
     shift
 done
+partitions=${partitions:-$dispatchers}
+if [[ $partitions -lt $dispatchers ]]; then
+    echo "bench/run.sh: --partitions $partitions leaves dispatchers without a partition (--dispatchers $dispatchers)" >&2
+    exit 2
+fi
 
 say() { echo "bench/run.sh: $*" >&2; }
 die() {
@@ -249,7 +258,8 @@ say "build: $build ($build_type); logs in $log_dir"
 
 # ---- the embedded stack -------------------------------------------------------------------
 # The developer's own TALLY_PG must not redirect the benchmark to their database.
-env -u TALLY_PG -u TALLY_TOPIC_PREFIX "$tally_bin" dev --no-workers --env-file "$work/env" \
+env -u TALLY_PG -u TALLY_TOPIC_PREFIX "$tally_bin" dev --no-workers --partitions "$partitions" \
+    --env-file "$work/env" \
     >"$log_dir/dev.log" 2>&1 &
 dev_pid=$!
 env_ready() {
@@ -271,7 +281,7 @@ pg_pid=$(sed -n 's/.*PostgreSQL .*(.*, pid \([0-9]*\),.*/\1/p' "$log_dir/dev.log
 [[ -n "$pg_pid" ]] || die "cannot find the PostgreSQL server's pid in $log_dir/dev.log"
 TALLY_PG=$TALLY_PG_OWNER "$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
 pg_settings=$(psql "$pg_admin" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers') || ', wal_init_zero ' || current_setting('wal_init_zero')")
-say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}*"
+say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}* with $partitions partition(s) each"
 
 # ---- the fake tool service ----------------------------------------------------------------
 "$fake_bin" --listen 127.0.0.1:0 --port-file "$work/fake.port" >"$log_dir/fake-tool.log" 2>&1 &
