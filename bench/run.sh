@@ -8,7 +8,9 @@
 #                   a ratio of it
 #   3. latency      R intents/s for S seconds: publish→outcome p50/p99/max
 #   4. memory       dispatcher VmRSS/VmHWM while it holds ~5,000 calls to a slow tool
-# and prints `bench: <name> = <value> <unit>` lines at the end. Everything it starts is stopped
+# and prints `bench: <name> = <value> <unit>` lines at the end, with the steady counters of the
+# throughput and latency runs per effect (WAL, rows, transactions, statements, Kafka bytes;
+# bench/README.md, "Steady counters"). Everything it starts is stopped
 # by the EXIT trap, also on failure or Ctrl-C.
 #
 #   bench/run.sh [--intents N] [--runs R] [--dispatchers D] [--rate R] [--duration S]
@@ -130,7 +132,8 @@ if [[ $skip_ceiling -eq 0 && -z "$pgbench" ]]; then
 fi
 
 # ---- build --------------------------------------------------------------------------------
-targets=(tally tally-dispatcher tally-fake-tool tally-bench-client tally-bench-connmem)
+targets=(tally tally-dispatcher tally-fake-tool tally-bench-client tally-bench-connmem
+    tally-bench-pqcount)
 if [[ $do_build -eq 1 ]]; then
     if [[ ! -f "$build/CMakeCache.txt" ]]; then
         cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
@@ -142,6 +145,7 @@ dispatcher_bin="$build/tally-dispatcher"
 fake_bin="$build/tests/fakes/tally-fake-tool"
 client_bin="$build/bench/tally-bench-client"
 connmem_bin="$build/bench/tally-bench-connmem"
+pqcount_lib="$build/bench/libtally-bench-pqcount.so"
 for b in "$tally_bin" "$dispatcher_bin" "$fake_bin" "$client_bin" "$connmem_bin"; do
     [[ -x "$b" ]] || die "$b is not built (run without --no-build, or build ${targets[*]})"
 done
@@ -319,9 +323,18 @@ export TALLY_KAFKA_FETCH_WAIT_MAX_MS=$fetch_wait_ms
 export TALLY_MAX_INFLIGHT=$((inflight > 5000 ? inflight + 1000 : 6000))
 export TALLY_SHUTDOWN_GRACE_MS=5000
 "$tally_bin" tools check "$TALLY_TOOLS" >/dev/null || die "bench/tools.json does not pass tally tools check"
+# Statements are counted by wrapping libpq in the dispatchers (pqcount.c, preloaded), unless the
+# build has AddressSanitizer, whose runtime must come first in the list of libraries.
+pq_dispatchers="$work/pqcount-dispatchers"
+pq_pgbench="$work/pqcount-pgbench"
+pq_env=() # the environment that makes a process count its statements into $TALLY_BENCH_PQCOUNT
+if [[ -f "$pqcount_lib" ]] && ! ldd "$dispatcher_bin" 2>/dev/null | grep -q libasan; then
+    pq_env=("LD_PRELOAD=$pqcount_lib${LD_PRELOAD:+:$LD_PRELOAD}")
+fi
 for i in $(seq 1 "$dispatchers"); do
     port=$(free_port)
-    TALLY_METRICS_ADDR="127.0.0.1:$port" TALLY_WORKER_ID="bench-dispatcher-$i" \
+    env "${pq_env[@]}" TALLY_BENCH_PQCOUNT="$pq_dispatchers" \
+        TALLY_METRICS_ADDR="127.0.0.1:$port" TALLY_WORKER_ID="bench-dispatcher-$i" \
         "$dispatcher_bin" >"$log_dir/dispatcher-$i.log" 2>&1 &
     dispatcher_pids+=($!)
     metrics_ports+=("$port")
@@ -390,7 +403,131 @@ save_metrics() {
     done
 }
 
+# ---- steady counters (bench/README.md, "Steady counters") --------------------------------------
+# What a run cost PostgreSQL and Kafka, in units that do not move with the machine's noise.
+# The exact ones are read at any moment: WAL bytes (pg_current_wal_lsn), transaction ids
+# assigned (pg_current_snapshot's xmax: write transactions), statements sent (pqcount.c).
+# The pg_stat ones (transactions, rows, WAL records) arrive late: a backend flushes its
+# counts at the end of a transaction at most once a second, and one that then goes idle only
+# after PGSTAT_IDLE_INTERVAL (10 s), so they are read 11 s after the work ended. Each reading
+# is a new session: no cached statistics snapshot.
+stats_delay=11
+pq_read() { # pq_read FILE: "statements prepares" counted into FILE so far
+    local a b
+    read -r a b < <(od -An -t u8 -N 16 -v "$1" 2>/dev/null | tr -s ' \n' '  ' || true)
+    echo "${a:-0} ${b:-0}"
+}
+counters_exact() { # counters_exact PQFILE: key=value ...
+    local g pq
+    g=$(psql "$TALLY_PG_ADMIN dbname=postgres" -XAtq -F ' ' -c \
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
+                txid_snapshot_xmax(txid_current_snapshot())")
+    read -r -a pq <<<"$(pq_read "$1")"
+    echo "wal=${g% *} xids=${g#* } statements=${pq[0]} prepares=${pq[1]} t_exact=$(date +%s.%N)"
+}
+# counters_stats DB: key=value ... of the pg_stat views. The transactions are read from the
+# postgres database first, then the rows from DB: that session's own transaction counts in
+# DB after this reading, never in it (a reading at the start of a run adds exactly one).
+counters_stats() {
+    local g t
+    g=$(psql "$TALLY_PG_ADMIN dbname=postgres" -XAtq -F ' ' -c \
+        "SELECT d.xact_commit + d.xact_rollback, w.wal_records, w.wal_fpi,
+                b.checkpoints_timed + b.checkpoints_req
+           FROM pg_stat_database d, pg_stat_wal w, pg_stat_bgwriter b WHERE d.datname = '$1'")
+    t=$(psql "$TALLY_PG_ADMIN dbname=$1" -XAtq -F ' ' -c \
+        "SELECT coalesce(sum(n_tup_ins), 0), coalesce(sum(n_tup_upd), 0),
+                coalesce(sum(n_tup_del), 0), coalesce(sum(n_tup_hot_upd), 0)
+           FROM pg_stat_user_tables")
+    read -r -a a <<<"$g"
+    read -r -a b <<<"$t"
+    echo "xacts=${a[0]} wal_records=${a[1]} wal_fpi=${a[2]} checkpoints=${a[3]} ins=${b[0]} upd=${b[1]} del=${b[2]} hot=${b[3]} t_stats=$(date +%s.%N)"
+}
+# counters_diff "BEFORE" "AFTER": key=value ... of AFTER - BEFORE (t_* in seconds)
+counters_diff() {
+    awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); for (i = 1; i <= n; i++) {
+            split(x[i], kv, "="); v[kv[1]] = kv[2] }
+        n = split(b, y, " "); for (i = 1; i <= n; i++) { split(y[i], kv, "=");
+            printf "%s%s=%s", (i > 1 ? " " : ""), kv[1],
+                (kv[1] ~ /^t_/ ? sprintf("%.1f", kv[2] - v[kv[1]]) : sprintf("%.0f", kv[2] - v[kv[1]])) }
+        print "" }'
+}
+cv() { sed -n "s/.*\(^\| \)$2=\([^ ]*\).*/\2/p" <<<"$1"; } # cv "k=v ..." KEY
+# settle: wait until tally has finished the work of a run (no dispatch outbox, message outbox
+# or pending effect left); settle_polls = the transactions that cost in the tally database
+settle() {
+    local left=""
+    settle_polls=0
+    for _ in $(seq 1 600); do
+        left=$(psql "$pg_admin" -XAtqc "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM message_outbox)
+            + (SELECT count(*) FROM effects WHERE status IN ('PLANNED', 'DISPATCHING'))")
+        settle_polls=$((settle_polls + 1))
+        [[ "$left" == 0 ]] && return 0
+        sleep 0.2
+    done
+    say "tally still had $left rows of work 120 s after the run; the counters include it"
+}
+# window_start: the counters at the start of a tally run (after the work before it settled)
+window_start() {
+    settle
+    sleep "$stats_delay"
+    w_stats0=$(counters_stats tally)
+    w_exact0=$(counters_exact "$pq_dispatchers")
+}
+# window_end LABEL OUTCOMES CLIENT_LINE HARNESS_XACTS: the run's counters into counters_LABEL
+# and per-effect figures into steady_LABEL. HARNESS_XACTS are transactions this script ran in
+# the tally database during the run (the sampler's); the window's own readings and polls,
+# and the dispatchers' idle polling while the statistics arrive, are taken out here.
+window_end() {
+    local label=$1 n=$2 line=$3 harness=$4 exact stats d e xacts idle_x
+    settle
+    exact=$(counters_diff "$w_exact0" "$(counters_exact "$pq_dispatchers")")
+    sleep "$stats_delay"
+    stats=$(counters_diff "$w_stats0" "$(counters_stats tally)")
+    # the idle dispatchers' read-only polling over the stats delay, at the idle rate
+    idle_x=$(awk -v r="$idle_xact_rate" -v t="$(cv "$stats" t_stats)" -v e="$(cv "$exact" t_exact)" \
+        'BEGIN { printf "%.0f", r * (t - e) }')
+    xacts=$(($(cv "$stats" xacts) - 1 - settle_polls - harness - idle_x))
+    d="outcomes=$n $exact $stats xacts_net=$xacts subtracted_xacts=$((1 + settle_polls + harness + idle_x))"
+    d+=" kafka_in=$(kv "$line" in_bytes) kafka_in_messages=$(kv "$line" in_messages)"
+    d+=" kafka_out=$(kv "$line" out_bytes) kafka_out_messages=$(kv "$line" out_messages)"
+    printf -v "counters_$label" '%s' "$d"
+    echo "$d" >>"$log_dir/counters.txt"
+}
+per_effect() { awk -v a="$1" -v n="$2" -v p="${3:-2}" 'BEGIN { if (n > 0 && a != "") printf "%.*f", p, a / n; else printf "n/a" }'; }
+# steady_lines LABEL UNIT: the bench lines of counters_LABEL, per UNIT (effect or job)
+steady_lines() {
+    local label=$1 unit=$2 var="counters_$1" c n stm
+    c=${!var}
+    n=$(cv "$c" outcomes)
+    if [[ ${#pq_env[@]} -gt 0 ]]; then
+        stm="$(per_effect "$(cv "$c" statements)" "$n" 3) statements (sent through libpq, counted by pqcount.c; prepares $(per_effect "$(cv "$c" prepares)" "$n" 4))"
+    else
+        stm="not counted (a sanitizer build: pqcount.c cannot be preloaded)"
+    fi
+    echo "bench: ${label}_wal_per_$unit = $(per_effect "$(cv "$c" wal)" "$n" 0) bytes (WAL, pg_current_wal_lsn; $(per_effect "$(cv "$c" wal_records)" "$n" 2) records, $(per_effect "$(cv "$c" wal_fpi)" "$n" 3) full-page images; checkpoints during the run: $(cv "$c" checkpoints))"
+    echo "bench: ${label}_rows_per_$unit = $(per_effect "$(($(cv "$c" ins) + $(cv "$c" upd) + $(cv "$c" del)))" "$n" 2) rows (inserted $(per_effect "$(cv "$c" ins)" "$n" 2), updated $(per_effect "$(cv "$c" upd)" "$n" 2) of which HOT $(per_effect "$(cv "$c" hot)" "$n" 2), deleted $(per_effect "$(cv "$c" del)" "$n" 2))"
+    echo "bench: ${label}_xacts_per_$unit = $(per_effect "$(cv "$c" xacts_net)" "$n" 3) transactions (commits + rollbacks; writing ones, by transaction id: $(per_effect "$(cv "$c" xids)" "$n" 3))"
+    echo "bench: ${label}_statements_per_$unit = $stm"
+    if [[ -n "$(cv "$c" kafka_in)" ]]; then
+        echo "bench: ${label}_kafka_in_per_$unit = $(per_effect "$(cv "$c" kafka_in)" "$n" 0) bytes (intents delivered: key + value)"
+        echo "bench: ${label}_kafka_out_per_$unit = $(per_effect "$(cv "$c" kafka_out)" "$n" 0) bytes (outcomes topic: key + value + headers, $(per_effect "$(cv "$c" kafka_out_messages)" "$n" 3) messages)"
+    fi
+    echo "bench: ${label}_counters = $c"
+}
+
 # ---- 1. throughput --------------------------------------------------------------------------
+# The counters' starting point, and what the idle dispatchers do to them: their polling runs
+# read-only transactions, whose share over the statistics delay window_end takes out.
+window_start
+sleep 10
+idle_stats=$(counters_diff "$w_stats0" "$(counters_stats tally)")
+idle_exact=$(counters_diff "$w_exact0" "$(counters_exact "$pq_dispatchers")")
+idle_xact_rate=$(awk -v x="$(cv "$idle_stats" xacts)" -v t="$(cv "$idle_stats" t_stats)" \
+    'BEGIN { printf "%.2f", (t > 0 ? (x - 1) / t : 0) }')
+idle_line="$idle_xact_rate transactions/s, $(awk -v x="$(cv "$idle_exact" statements)" -v t="$(cv "$idle_exact" t_exact)" 'BEGIN { printf "%.1f", (t > 0 ? x / t : 0) }') statements/s, $(cv "$idle_exact" wal) WAL bytes and $(cv "$idle_stats" ins) rows inserted in $(cv "$idle_exact" t_exact) s"
+say "idle dispatchers: $idle_line"
+w_stats0=$(counters_stats tally)
+w_exact0=$(counters_exact "$pq_dispatchers")
 # One psql session for the whole run, fed through a FIFO: a psql per sample would cost more
 # CPU (a process and a backend each) than the measurement is worth on two cores. Once a second
 # it counts the backlogs ("B|outbox|message_outbox|pending effects"); five times a second it
@@ -469,6 +606,8 @@ stop_pid "$sampler_psql_pid" 5
 sampler_psql_pid=""
 tp_line=$client_line
 tp_rate=$(kv "$tp_line" effects_per_s)
+# the sampler ran one transaction per query, one line of output each
+window_end throughput "$(kv "$tp_line" received)" "$tp_line" "$(wc -l <"$work/samples.txt")"
 grep '^B|' "$work/samples.txt" | cut -d'|' -f2- >"$work/backlog.txt" || true
 grep '^W|' "$work/samples.txt" | cut -d'|' -f2- >"$work/waits.txt" || true
 outbox_max=$(awk -F'|' 'BEGIN { m = 0 } $1 + 0 > m { m = $1 + 0 } END { print m }' "$work/backlog.txt")
@@ -525,6 +664,7 @@ fi
 
 # ---- 3. latency at a fixed rate -------------------------------------------------------------
 lat_count=$((rate * duration))
+window_start
 lat_started=$(psql "$pg_admin" -Atc "SELECT now()")
 lat_dispatch_before=$(hist_sums tally_dispatch_seconds)
 lat_connector_before=$(hist_sums tally_connector_seconds)
@@ -538,6 +678,7 @@ lat_cpu="dispatcher $(cpu_diff "${lb[0]}" "${la[0]}") s, postgres $(cpu_diff "${
 lat_dispatch_mean=$(mean_ms "$lat_dispatch_before" "$(hist_sums tally_dispatch_seconds)")
 lat_connector_mean=$(mean_ms "$lat_connector_before" "$(hist_sums tally_connector_seconds)")
 lat_line=$client_line
+window_end latency "$(kv "$lat_line" received)" "$lat_line" 1 # 1: lat_started's SELECT now()
 save_metrics latency
 say "latency at $rate/s: p50 $(kv "$lat_line" p50_ms) ms, p99 $(kv "$lat_line" p99_ms) ms"
 # The ledger's share of it, by the database clock: from the intake transaction that created
@@ -700,6 +841,8 @@ echo "bench: throughput_connector_mean = $connector_mean ms (HTTP call, tally_co
 echo "bench: throughput_pg_waits = ${pg_waits:-no samples}"
 echo "bench: throughput_cpu = dispatcher $cpu_dispatcher s, postgres $cpu_postgres s, kafka-mock $cpu_kafka s, fake-tool $cpu_fake s"
 echo "bench: throughput_cpu_per_effect = $cpu_per_effect us (dispatchers and PostgreSQL)"
+steady_lines throughput effect
+echo "bench: idle_dispatchers = $idle_line (taken out of the runs' transactions over the ${stats_delay} s statistics delay)"
 if [[ -n "$ceiling" ]]; then
     echo "bench: pg_ceiling = $ceiling rows/s$ceiling_note"
     echo "bench: ceiling_ratio = $(awk -v a="$tp_rate" -v b="$ceiling" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (target >= 0.15)"
@@ -715,6 +858,7 @@ read -r kin50 kin99 led50 led99 kout50 kout99 <<<"${lat_parts:-}"
 echo "bench: latency_parts = in p50 ${kin50:-?} / p99 ${kin99:-?} ms, ledger ${led50:-?} / ${led99:-?} ms, out ${kout50:-?} / ${kout99:-?} ms (publish -> intake transaction -> recorded outcome -> arrival)"
 echo "bench: latency_dispatch_mean = $lat_dispatch_mean ms, connector $lat_connector_mean ms (claim to recorded outcome; the HTTP call)"
 echo "bench: latency_cpu = $lat_cpu (CPU used during the fixed-rate run)"
+steady_lines latency effect
 if [[ -n "$rss_target" ]]; then
     echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
     echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"

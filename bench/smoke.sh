@@ -23,9 +23,20 @@ fi
 missing=0
 for name in throughput throughput_cpu_per_effect throughput_latency_p50 throughput_latency_p99 \
     throughput_latency_max outbox_backlog_max pg_ceiling ceiling_ratio latency_p50 latency_p99 \
-    latency_max inflight_held dispatcher_rss dispatcher_hwm connmem_call; do
+    latency_max inflight_held dispatcher_rss dispatcher_hwm connmem_call \
+    throughput_wal_per_effect throughput_rows_per_effect throughput_xacts_per_effect \
+    throughput_kafka_in_per_effect throughput_kafka_out_per_effect latency_wal_per_effect \
+    latency_rows_per_effect latency_xacts_per_effect latency_kafka_in_per_effect \
+    latency_kafka_out_per_effect; do
     if ! grep -Eq "^bench: $name = [0-9][0-9.]* " "$out"; then
         echo "bench/smoke.sh: no figure line 'bench: $name = <number> ...'" >&2
+        missing=1
+    fi
+done
+# statements are counted only where pqcount.c can be preloaded (not in a sanitizer build)
+for name in throughput_statements_per_effect latency_statements_per_effect; do
+    if ! grep -Eq "^bench: $name = ([0-9][0-9.]* |not counted)" "$out"; then
+        echo "bench/smoke.sh: no line 'bench: $name = <number> ...' or '... = not counted ...'" >&2
         missing=1
     fi
 done
