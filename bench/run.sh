@@ -469,6 +469,9 @@ settle() {
 # window_start: the counters at the start of a tally run (after the work before it settled)
 window_start() {
     settle
+    # a checkpoint first: no run has one fall inside it (checkpoint_timeout is 5 min), and
+    # each starts the same way, its first change to a page written whole (a full-page image)
+    psql "$pg_admin" -qc "CHECKPOINT"
     sleep "$stats_delay"
     w_stats0=$(counters_stats tally)
     w_exact0=$(counters_exact "$pq_dispatchers")
@@ -491,28 +494,28 @@ window_end() {
     d+=" kafka_in=$(kv "$line" in_bytes) kafka_in_messages=$(kv "$line" in_messages)"
     d+=" kafka_out=$(kv "$line" out_bytes) kafka_out_messages=$(kv "$line" out_messages)"
     printf -v "counters_$label" '%s' "$d"
-    echo "$d" >>"$log_dir/counters.txt"
+    echo "$label $d" >>"$log_dir/counters.txt"
 }
 per_effect() { awk -v a="$1" -v n="$2" -v p="${3:-2}" 'BEGIN { if (n > 0 && a != "") printf "%.*f", p, a / n; else printf "n/a" }'; }
-# steady_lines LABEL UNIT: the bench lines of counters_LABEL, per UNIT (effect or job)
+# steady_lines VAR NAME UNIT [SUFFIX]: the bench lines of the counters in $VAR, per UNIT
+# (effect or job): NAME_wal_per_UNIT[SUFFIX] = ...
 steady_lines() {
-    local label=$1 unit=$2 var="counters_$1" c n stm
-    c=${!var}
+    local c=${!1} name=$2 unit=$3 suffix=${4:-} n stm
     n=$(cv "$c" outcomes)
     if [[ ${#pq_env[@]} -gt 0 ]]; then
         stm="$(per_effect "$(cv "$c" statements)" "$n" 3) statements (sent through libpq, counted by pqcount.c; prepares $(per_effect "$(cv "$c" prepares)" "$n" 4))"
     else
         stm="not counted (a sanitizer build: pqcount.c cannot be preloaded)"
     fi
-    echo "bench: ${label}_wal_per_$unit = $(per_effect "$(cv "$c" wal)" "$n" 0) bytes (WAL, pg_current_wal_lsn; $(per_effect "$(cv "$c" wal_records)" "$n" 2) records, $(per_effect "$(cv "$c" wal_fpi)" "$n" 3) full-page images; checkpoints during the run: $(cv "$c" checkpoints))"
-    echo "bench: ${label}_rows_per_$unit = $(per_effect "$(($(cv "$c" ins) + $(cv "$c" upd) + $(cv "$c" del)))" "$n" 2) rows (inserted $(per_effect "$(cv "$c" ins)" "$n" 2), updated $(per_effect "$(cv "$c" upd)" "$n" 2) of which HOT $(per_effect "$(cv "$c" hot)" "$n" 2), deleted $(per_effect "$(cv "$c" del)" "$n" 2))"
-    echo "bench: ${label}_xacts_per_$unit = $(per_effect "$(cv "$c" xacts_net)" "$n" 3) transactions (commits + rollbacks; writing ones, by transaction id: $(per_effect "$(cv "$c" xids)" "$n" 3))"
-    echo "bench: ${label}_statements_per_$unit = $stm"
+    echo "bench: ${name}_wal_per_$unit$suffix = $(per_effect "$(cv "$c" wal)" "$n" 0) bytes (WAL, pg_current_wal_lsn; $(per_effect "$(cv "$c" wal_records)" "$n" 2) records, $(per_effect "$(cv "$c" wal_fpi)" "$n" 3) full-page images; checkpoints during the run: $(cv "$c" checkpoints))"
+    echo "bench: ${name}_rows_per_$unit$suffix = $(per_effect "$(($(cv "$c" ins) + $(cv "$c" upd) + $(cv "$c" del)))" "$n" 2) rows (inserted $(per_effect "$(cv "$c" ins)" "$n" 2), updated $(per_effect "$(cv "$c" upd)" "$n" 2) of which HOT $(per_effect "$(cv "$c" hot)" "$n" 2), deleted $(per_effect "$(cv "$c" del)" "$n" 2))"
+    echo "bench: ${name}_xacts_per_$unit$suffix = $(per_effect "$(cv "$c" xacts_net)" "$n" 3) transactions (commits + rollbacks; writing ones, by transaction id: $(per_effect "$(cv "$c" xids)" "$n" 3))"
+    echo "bench: ${name}_statements_per_$unit$suffix = $stm"
     if [[ -n "$(cv "$c" kafka_in)" ]]; then
-        echo "bench: ${label}_kafka_in_per_$unit = $(per_effect "$(cv "$c" kafka_in)" "$n" 0) bytes (intents delivered: key + value)"
-        echo "bench: ${label}_kafka_out_per_$unit = $(per_effect "$(cv "$c" kafka_out)" "$n" 0) bytes (outcomes topic: key + value + headers, $(per_effect "$(cv "$c" kafka_out_messages)" "$n" 3) messages)"
+        echo "bench: ${name}_kafka_in_per_$unit$suffix = $(per_effect "$(cv "$c" kafka_in)" "$n" 0) bytes (intents delivered: key + value)"
+        echo "bench: ${name}_kafka_out_per_$unit$suffix = $(per_effect "$(cv "$c" kafka_out)" "$n" 0) bytes (outcomes topic: key + value + headers, $(per_effect "$(cv "$c" kafka_out_messages)" "$n" 3) messages)"
     fi
-    echo "bench: ${label}_counters = $c"
+    echo "bench: ${name}_counters$suffix = $c"
 }
 
 # ---- 1. throughput --------------------------------------------------------------------------
@@ -639,27 +642,48 @@ cpu_per_effect=$(awk -v d="$cpu_dispatcher" -v p="$cpu_postgres" -v n="$(kv "$tp
 say "throughput: $tp_rate effects/s; outbox max $outbox_max, message_outbox max $msg_outbox_max ($backlog_samples samples)"
 
 # ---- 2. the raw PostgreSQL ceiling --------------------------------------------------------------
-ceiling=""
-ceiling_note=""
-if [[ $skip_ceiling -eq 0 ]]; then
+# ceiling_run LABEL SCRIPT: a fresh queue in its own database, pgbench runs SCRIPT on it; sets
+# ceiling_LABEL (jobs/s), ceiling_note_LABEL and counters_LABEL (as the tally runs': WAL,
+# rows, transactions and statements, pgbench's statements counted by pqcount.c)
+ceiling_run() {
+    local label=$1 script=$2 qconn ready_after tps done_rows s0 e0 exact stats note=""
     psql "$pg_admin" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null
     psql "$pg_admin" -qc "CREATE DATABASE tally_bench_queue"
     qconn="$TALLY_PG_ADMIN dbname=tally_bench_queue" # a later dbname wins in a conninfo string
-    say "ceiling: prefilling $pgbench_rows queue rows"
+    # a checkpoint first, so a run starts as far from the next one as the tally runs do
+    psql "$pg_admin" -qc "CHECKPOINT"
+    say "ceiling ($script): prefilling $pgbench_rows queue rows"
     psql "$qconn" -q -v ON_ERROR_STOP=1 -v rows="$pgbench_rows" -f "$root/bench/queue_setup.sql"
-    "$pgbench" -n -c 4 -j 2 -T "$pgbench_seconds" -f "$root/bench/pgbench_queue.sql" "$qconn" \
-        >"$log_dir/pgbench.log" 2>&1 || die "pgbench failed: $(tail -n 5 "$log_dir/pgbench.log")"
+    s0=$(counters_stats tally_bench_queue) # its own transaction in tally_bench_queue: 1
+    e0=$(counters_exact "$pq_pgbench")
+    env "${pq_env[@]}" TALLY_BENCH_PQCOUNT="$pq_pgbench" \
+        "$pgbench" -n -c 4 -j 2 -T "$pgbench_seconds" -f "$root/bench/$script" "$qconn" \
+        >"$log_dir/pgbench-$label.log" 2>&1 || die "pgbench failed: $(tail -n 5 "$log_dir/pgbench-$label.log")"
+    exact=$(counters_diff "$e0" "$(counters_exact "$pq_pgbench")")
+    # pgbench's sessions flushed their statistics as they ended (a backend does at exit)
+    sleep 1
+    stats=$(counters_diff "$s0" "$(counters_stats tally_bench_queue)")
     ready_after=$(psql "$qconn" -Atc "SELECT count(*) FROM bench_queue WHERE state = 'ready'")
-    tps=$(sed -n 's/^tps = \([0-9.]*\) .*/\1/p' "$log_dir/pgbench.log")
-    # rows completed = rows marked done; a batch claimed but not completed when the run ended
+    tps=$(sed -n 's/^tps = \([0-9.]*\) .*/\1/p' "$log_dir/pgbench-$label.log")
+    # jobs completed = rows marked done; a batch claimed but not completed when the run ended
     # is not counted
     done_rows=$(psql "$qconn" -Atc "SELECT count(*) FROM bench_queue WHERE state = 'done'")
-    ceiling=$(awk -v n="$done_rows" -v s="$pgbench_seconds" 'BEGIN { printf "%.0f", n / s }')
+    printf -v "ceiling_$label" '%s' "$(awk -v n="$done_rows" -v s="$pgbench_seconds" 'BEGIN { printf "%.0f", n / s }')"
     if [[ "$ready_after" -eq 0 ]]; then
-        ceiling_note=" (the queue ran dry: a lower bound; raise --pgbench-rows)"
+        note=" (the queue ran dry: a lower bound; raise --pgbench-rows)"
     fi
-    say "ceiling: $done_rows rows in ${pgbench_seconds}s = $ceiling rows/s (pgbench tps $tps x 100)$ceiling_note"
+    printf -v "ceiling_note_$label" '%s' "$note"
+    printf -v "counters_$label" '%s' "outcomes=$done_rows $exact $stats xacts_net=$(($(cv "$stats" xacts) - 1)) subtracted_xacts=1"
+    local var="counters_$label"
+    echo "$label ${!var}" >>"$log_dir/counters.txt"
+    say "ceiling ($script): $done_rows jobs in ${pgbench_seconds}s (pgbench tps $tps x 100)$note"
     psql "$pg_admin" -qc "DROP DATABASE IF EXISTS tally_bench_queue" 2>/dev/null || true
+}
+ceiling_plain=""
+ceiling_receipt=""
+if [[ $skip_ceiling -eq 0 ]]; then
+    ceiling_run plain pgbench_queue.sql
+    ceiling_run receipt pgbench_queue_receipt.sql
 fi
 
 # ---- 3. latency at a fixed rate -------------------------------------------------------------
@@ -841,11 +865,18 @@ echo "bench: throughput_connector_mean = $connector_mean ms (HTTP call, tally_co
 echo "bench: throughput_pg_waits = ${pg_waits:-no samples}"
 echo "bench: throughput_cpu = dispatcher $cpu_dispatcher s, postgres $cpu_postgres s, kafka-mock $cpu_kafka s, fake-tool $cpu_fake s"
 echo "bench: throughput_cpu_per_effect = $cpu_per_effect us (dispatchers and PostgreSQL)"
-steady_lines throughput effect
+steady_lines counters_throughput throughput effect
 echo "bench: idle_dispatchers = $idle_line (taken out of the runs' transactions over the ${stats_delay} s statistics delay)"
-if [[ -n "$ceiling" ]]; then
-    echo "bench: pg_ceiling = $ceiling rows/s$ceiling_note"
-    echo "bench: ceiling_ratio = $(awk -v a="$tp_rate" -v b="$ceiling" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (target >= 0.15)"
+if [[ -n "$ceiling_plain" ]]; then
+    echo "bench: pg_ceiling = $ceiling_plain rows/s$ceiling_note_plain"
+    echo "bench: ceiling_ratio = $(awk -v a="$tp_rate" -v b="$ceiling_plain" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (target >= 0.15)"
+    echo "bench: pg_ceiling_receipt = $ceiling_receipt jobs/s (with a receipt row per job)$ceiling_note_receipt"
+    echo "bench: ceiling_ratio_receipt = $(awk -v a="$tp_rate" -v b="$ceiling_receipt" 'BEGIN { printf "%.3f", (b > 0 ? a / b : 0) }') x (throughput / pg_ceiling_receipt)"
+    steady_lines counters_plain ceiling job
+    steady_lines counters_receipt ceiling job _receipt
+    echo "bench: wal_ratio = $(awk -v a="$(per_effect "$(cv "$counters_throughput" wal)" "$(cv "$counters_throughput" outcomes)" 4)" \
+        -v b="$(per_effect "$(cv "$counters_receipt" wal)" "$(cv "$counters_receipt" outcomes)" 4)" \
+        'BEGIN { if (b > 0) printf "%.2f", a / b; else printf "n/a" }') x (throughput_wal_per_effect / ceiling_wal_per_job_receipt; target <= 3)"
 else
     echo "bench: pg_ceiling = not measured (--skip-ceiling)"
 fi
@@ -858,7 +889,7 @@ read -r kin50 kin99 led50 led99 kout50 kout99 <<<"${lat_parts:-}"
 echo "bench: latency_parts = in p50 ${kin50:-?} / p99 ${kin99:-?} ms, ledger ${led50:-?} / ${led99:-?} ms, out ${kout50:-?} / ${kout99:-?} ms (publish -> intake transaction -> recorded outcome -> arrival)"
 echo "bench: latency_dispatch_mean = $lat_dispatch_mean ms, connector $lat_connector_mean ms (claim to recorded outcome; the HTTP call)"
 echo "bench: latency_cpu = $lat_cpu (CPU used during the fixed-rate run)"
-steady_lines latency effect
+steady_lines counters_latency latency effect
 if [[ -n "$rss_target" ]]; then
     echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
     echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"

@@ -27,7 +27,9 @@ for name in throughput throughput_cpu_per_effect throughput_latency_p50 throughp
     throughput_wal_per_effect throughput_rows_per_effect throughput_xacts_per_effect \
     throughput_kafka_in_per_effect throughput_kafka_out_per_effect latency_wal_per_effect \
     latency_rows_per_effect latency_xacts_per_effect latency_kafka_in_per_effect \
-    latency_kafka_out_per_effect; do
+    latency_kafka_out_per_effect pg_ceiling_receipt ceiling_wal_per_job ceiling_rows_per_job \
+    ceiling_xacts_per_job ceiling_wal_per_job_receipt ceiling_rows_per_job_receipt \
+    ceiling_xacts_per_job_receipt wal_ratio; do
     if ! grep -Eq "^bench: $name = [0-9][0-9.]* " "$out"; then
         echo "bench/smoke.sh: no figure line 'bench: $name = <number> ...'" >&2
         missing=1
