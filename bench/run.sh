@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # tally's benchmark (bench/README.md): the embedded stack, the fake tool service and D
-# dispatchers, then four measurements in one run:
+# dispatchers, then five measurements in one run:
 #   1. throughput   N intents as fast as a C producer can publish them; effects/s from the first
 #                   publish to the last outcome, publish→outcome latency, outbox backlog
 #   2. ceiling      pgbench on the same PostgreSQL server: 4 clients claim 100 rows of a
-#                   one-table queue with FOR UPDATE SKIP LOCKED and delete them; tally's rate as
-#                   a ratio of it
-#   3. latency      R intents/s for S seconds: publish→outcome p50/p99/max
-#   4. memory       dispatcher VmRSS/VmHWM while it holds ~5,000 calls to a slow tool
+#                   one-table queue with FOR UPDATE SKIP LOCKED and complete them, then the same
+#                   with a receipt row per job; tally's rate as a ratio of it
+#   3. latency      R intents/s for S seconds: publish→outcome p50/p99/max, first vs last minute
+#   4. slow tool    an agent keeps 5,000 effects in flight against a tool answering in 200 ms:
+#                   effects/s, calls in flight, memory, the answers' p99
+#   5. memory       dispatcher VmRSS/VmHWM while it holds ~5,000 calls to a slow tool
 # and prints `bench: <name> = <value> <unit>` lines at the end, with the steady counters of the
 # throughput and latency runs per effect (WAL, rows, transactions, statements, Kafka bytes;
 # bench/README.md, "Steady counters"). Everything it starts is stopped
@@ -15,6 +17,7 @@
 #
 #   bench/run.sh [--intents N] [--runs R] [--dispatchers D] [--rate R] [--duration S]
 #                [--partitions P] [--skip-ceiling] [--inflight N] [--pgbench-seconds S] [--pgbench-rows N]
+#                [--slow-tool-seconds S] [--slow-tool-inflight N] [--slow-tool-ms MS]
 #                [--fetch-wait-ms MS] [--build-dir DIR] [--no-build] [--log-dir DIR] [--perf]
 #                [--pg-statements] [--sensitive]
 set -euo pipefail
@@ -27,13 +30,16 @@ runs=1000
 dispatchers=1
 partitions=""
 rate=1000
-duration=20
+duration=180
 skip_ceiling=0
 inflight=5000
 pgbench_seconds=10
 pgbench_rows=1500000
 fetch_wait_ms=1
 slow_delay_ms=120000
+slow_seconds=60
+slow_inflight=5000
+slow_ms=200
 log_dir=""
 use_perf=0
 pg_statements=0
@@ -49,11 +55,15 @@ usage: bench/run.sh [options]
   --partitions P       partitions of each topic of the mock cluster (default: D, one per
                        dispatcher; see bench/README.md, "The mock broker", for why not more)
   --rate R             intents/s of the latency run (default $rate)
-  --duration S         seconds of the latency run (default $duration)
+  --duration S         seconds of the latency run (default $duration: long enough to compare
+                       its first and last minute, the drift; shorter runs compare thirds)
   --skip-ceiling       do not run the pgbench ceiling
   --inflight N         slow calls held for the memory figure (default $inflight; 0 skips)
   --pgbench-seconds S  length of the ceiling run (default $pgbench_seconds)
   --pgbench-rows N     rows prefilled into the pgbench queue (default $pgbench_rows)
+  --slow-tool-seconds S  length of the slow-tool run (default $slow_seconds; 0 skips it)
+  --slow-tool-inflight N effects the agent keeps in flight in it (default $slow_inflight)
+  --slow-tool-ms MS    how long the slow tool takes to answer (default $slow_ms)
   --fetch-wait-ms MS   fetch.wait.max.ms of every Kafka consumer (default $fetch_wait_ms;
                        see bench/README.md: the mock broker holds empty fetches this long)
   --build-dir DIR      build to use (default build-bench, RelWithDebInfo)
@@ -95,6 +105,9 @@ while [[ $# -gt 0 ]]; do
     --inflight) need_value "$@"; positive "$1" "$2" non-negative; inflight=$2; shift ;;
     --pgbench-seconds) need_value "$@"; positive "$1" "$2" pos; pgbench_seconds=$2; shift ;;
     --pgbench-rows) need_value "$@"; positive "$1" "$2" pos; pgbench_rows=$2; shift ;;
+    --slow-tool-seconds) need_value "$@"; positive "$1" "$2" non-negative; slow_seconds=$2; shift ;;
+    --slow-tool-inflight) need_value "$@"; positive "$1" "$2" pos; slow_inflight=$2; shift ;;
+    --slow-tool-ms) need_value "$@"; positive "$1" "$2" pos; slow_ms=$2; shift ;;
     --fetch-wait-ms) need_value "$@"; positive "$1" "$2" non-negative; fetch_wait_ms=$2; shift ;;
     --build-dir) need_value "$@"; build=$(realpath -m "$2"); shift ;;
     --no-build) do_build=0 ;;
@@ -248,6 +261,7 @@ pg_cpu_seconds() {
     echo "$total"
 }
 
+status_kb() { awk -v k="$2:" '$1 == k { print $2 }' "/proc/$1/status"; }
 cpu_diff() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 cpu_snapshot() { # one line: dispatchers postgres kafka-mock fake-tool
     local d=0
@@ -320,7 +334,8 @@ fi
 export TALLY_SESSION_TIMEOUT_MS=6000
 export TALLY_KAFKA_HEARTBEAT_INTERVAL_MS=500
 export TALLY_KAFKA_FETCH_WAIT_MAX_MS=$fetch_wait_ms
-export TALLY_MAX_INFLIGHT=$((inflight > 5000 ? inflight + 1000 : 6000))
+max_held=$((inflight > slow_inflight ? inflight : slow_inflight))
+export TALLY_MAX_INFLIGHT=$((max_held > 5000 ? max_held + 1000 : 6000))
 export TALLY_SHUTDOWN_GRACE_MS=5000
 "$tally_bin" tools check "$TALLY_TOOLS" >/dev/null || die "bench/tools.json does not pass tally tools check"
 # Statements are counted by wrapping libpq in the dispatchers (pqcount.c, preloaded), unless the
@@ -773,7 +788,106 @@ WHERE v.kind = 'transition' AND v.to_status = 'CONFIRMED' ORDER BY t.sent_ns;
 \\copy p TO '$log_dir/latency_parts.txt' WITH (DELIMITER ' ')
 SQL
 
-# ---- 4. dispatcher memory with slow calls in flight -------------------------------------------
+# Drift: the first and the last minute of the run set side by side (intents by send time;
+# publish -> outcome by the client's clock, from latency_times.txt). A run shorter than two
+# minutes compares its first and last third instead, and the lines say so.
+lat_drift=$(python3 - "$log_dir/latency_times.txt" <<'PY' 2>>"$log_dir/psql.log" || true
+import sys
+rows = []
+for line in open(sys.argv[1]):
+    p = line.split()
+    if len(p) == 3:
+        rows.append((int(p[1]), (int(p[2]) - int(p[1])) / 1e6))
+if not rows:
+    sys.exit(0)
+t0 = min(r[0] for r in rows)
+t1 = max(r[0] for r in rows)
+span = (t1 - t0) / 1e9
+w = 60.0 if span >= 120 else span / 3
+def pct(v, p):  # nearest rank, as tally-bench-client
+    v = sorted(v)
+    if not v:
+        return float("nan")
+    k = max(1, min(len(v), int(p / 100 * len(v) + 0.999999)))
+    return v[k - 1]
+first = [ms for t, ms in rows if (t - t0) / 1e9 < w]
+last = [ms for t, ms in rows if (t1 - t) / 1e9 < w]
+print("%.1f %.1f %.2f %.2f %d %.2f %.2f %d" % (span, w, pct(first, 50), pct(first, 99), len(first),
+                                               pct(last, 50), pct(last, 99), len(last)))
+PY
+)
+
+# ---- 4. a slow tool ---------------------------------------------------------------------------
+# conn_hist TOOL: tally_connector_seconds of TOOL summed over the dispatchers, one line:
+# "LE=COUNT ... sum=S count=N" (cumulative buckets, as exposed)
+conn_hist() {
+    local port
+    for port in "${metrics_ports[@]}"; do
+        curl -s --max-time 5 "http://127.0.0.1:$port/metrics" || true
+    done | awk -v t="tool=\"$1\"" '
+        index($1, "tally_connector_seconds_bucket{" t ",le=\"") == 1 {
+            le = substr($1, length("tally_connector_seconds_bucket{" t ",le=\"") + 1); sub(/"}$/, "", le)
+            if (!(le in c)) order[n++] = le
+            c[le] += $2 }
+        $1 == "tally_connector_seconds_sum{" t "}" { s += $2 }
+        $1 == "tally_connector_seconds_count{" t "}" { k += $2 }
+        END { for (i = 0; i < n; i++) printf "%s=%s ", order[i], c[order[i]]; printf "sum=%.6f count=%d\n", s, k }'
+}
+slow_line=""
+if [[ $slow_seconds -gt 0 ]]; then
+    curl -s -f -X POST "$TALLY_FAKE_TOOL_URL/_control/faults" \
+        -d "{\"collection\":\"bench_slow\",\"op\":\"execute\",\"fault\":\"slow\",\"delay_ms\":$slow_ms,\"times\":-1}" \
+        >/dev/null || die "cannot arm the slow fault on the fake tool"
+    slow_hist0=$(conn_hist bench_slow)
+    # once a second: the calls the dispatchers hold (tally_inflight_calls, summed) and the
+    # first dispatcher's VmRSS in kB
+    (
+        while :; do
+            n=0
+            for port in "${metrics_ports[@]}"; do
+                v=$({ curl -s --max-time 1 "http://127.0.0.1:$port/metrics" || true; } |
+                    awk '$1 == "tally_inflight_calls" { sub(/\..*/, "", $2); print $2; exit }')
+                n=$((n + ${v:-0}))
+            done
+            echo "$n $(awk '$1 == "VmRSS:" { print $2 }' "/proc/${dispatcher_pids[0]}/status" 2>/dev/null)"
+            sleep 1
+        done
+    ) >"$work/slow-samples.txt" &
+    sampler_pid=$!
+    client slow --count $((30000 * slow_seconds)) --window "$slow_inflight" --duration "$slow_seconds" \
+        --runs 100 --tool bench_slow:job_id --timeout $((slow_seconds + 600))
+    stop_pid "$sampler_pid" 5
+    sampler_pid=""
+    slow_line=$client_line
+    slow_hist1=$(conn_hist bench_slow)
+    curl -s -X DELETE "$TALLY_FAKE_TOOL_URL/_control/faults" >/dev/null || true
+    slow_hwm_kb=$(status_kb "${dispatcher_pids[0]}" VmHWM)
+    cp "$work/slow-samples.txt" "$log_dir/slow-tool-samples.txt"
+    # in flight and memory over the seconds the agent was publishing (its window kept full)
+    read -r slow_held_mean slow_held_max slow_rss_max < <(awk -v s="$slow_seconds" '
+        NR <= s { n++; h += $1; if ($1 > hm) hm = $1; if ($2 > rm) rm = $2 }
+        END { printf "%.0f %d %d\n", (n ? h / n : 0), hm, rm }' "$work/slow-samples.txt")
+    # the answers' time: the histogram's new observations; its buckets are 100, 250, 500 ms...
+    # around 200 ms, so the 99th percentile is known to lie in one bucket, and the share at or
+    # under the bucket bound nearest below the target is exact
+    slow_target_ms=$((slow_ms + 50))
+    read -r slow_p99_lo slow_p99_hi slow_le slow_le_share slow_n slow_mean < <(awk \
+        -v a="$slow_hist0" -v b="$slow_hist1" -v target="$slow_target_ms" 'BEGIN {
+            n = split(a, x, " "); for (i = 1; i <= n; i++) { split(x[i], kv, "="); v0[kv[1]] = kv[2] }
+            m = split(b, y, " ")
+            for (i = 1; i <= m; i++) { split(y[i], kv, "="); d[kv[1]] = kv[2] - v0[kv[1]]; if (kv[1] != "sum" && kv[1] != "count") o[k++] = kv[1] }
+            total = d["count"]; lo = 0; hi = "?"; le = 0; share = 0
+            for (i = 0; i < k; i++) {
+                if (hi == "?" && total > 0 && d[o[i]] >= 0.99 * total) hi = o[i]
+                if (hi == "?") lo = o[i]
+                if (o[i] != "+Inf" && o[i] * 1000 <= target + 1e-9) { le = o[i]; share = (total > 0 ? d[o[i]] / total : 0) }
+            }
+            printf "%s %s %s %.4f %d %.1f\n", lo * 1000, (hi == "+Inf" ? "inf" : hi * 1000), le * 1000, share * 100, total,
+                (total > 0 ? d["sum"] / total * 1000 : 0) }')
+    say "slow tool: $(kv "$slow_line" steady_effects_per_s) effects/s, $slow_held_mean calls held on average (max $slow_held_max), answers' p99 in ($slow_p99_lo, $slow_p99_hi] ms"
+fi
+
+# ---- 5. dispatcher memory with slow calls in flight -------------------------------------------
 metric() { # metric PORT NAME: the value of an unlabelled sample, or empty when unreadable
     { curl -s --max-time 2 "http://127.0.0.1:$1/metrics" || true; } |
         awk -v n="$2" '$1 == n { sub(/\..*/, "", $2); print $2; exit }'
@@ -790,7 +904,6 @@ try:
 except Exception:
     print(0)'
 }
-status_kb() { awk -v k="$2:" '$1 == k { print $2 }' "/proc/$1/status"; }
 rss_target=""
 if [[ $inflight -gt 0 ]]; then
     # one dispatcher holds them all: stop the others (their partitions move to the first)
@@ -889,7 +1002,39 @@ read -r kin50 kin99 led50 led99 kout50 kout99 <<<"${lat_parts:-}"
 echo "bench: latency_parts = in p50 ${kin50:-?} / p99 ${kin99:-?} ms, ledger ${led50:-?} / ${led99:-?} ms, out ${kout50:-?} / ${kout99:-?} ms (publish -> intake transaction -> recorded outcome -> arrival)"
 echo "bench: latency_dispatch_mean = $lat_dispatch_mean ms, connector $lat_connector_mean ms (claim to recorded outcome; the HTTP call)"
 echo "bench: latency_cpu = $lat_cpu (CPU used during the fixed-rate run)"
+if [[ -n "$lat_drift" ]]; then
+    read -r d_span d_w d_f50 d_f99 d_fn d_l50 d_l99 d_ln <<<"$lat_drift"
+    if awk -v w="$d_w" 'BEGIN { exit !(w == 60) }'; then
+        d_what="minute"
+    else
+        d_what="third of the run: ${d_w} s of ${d_span} s, shorter than two minutes"
+    fi
+    echo "bench: latency_first_minute_p50 = $d_f50 ms (intents sent in the first $d_what; $d_fn of them)"
+    echo "bench: latency_first_minute_p99 = $d_f99 ms"
+    echo "bench: latency_last_minute_p50 = $d_l50 ms (intents sent in the last $d_what; $d_ln of them)"
+    echo "bench: latency_last_minute_p99 = $d_l99 ms"
+    echo "bench: latency_drift_p50 = $(awk -v a="$d_f50" -v b="$d_l50" 'BEGIN { printf "%+.2f", b - a }') ms (last minus first $d_what)"
+    echo "bench: latency_drift_p99 = $(awk -v a="$d_f99" -v b="$d_l99" 'BEGIN { printf "%+.2f", b - a }') ms (last minus first $d_what)"
+else
+    echo "bench: latency_drift_p50 = not measured (no per-intent times: see psql.log)"
+fi
 steady_lines counters_latency latency effect
+if [[ -n "$slow_line" ]]; then
+    echo "bench: slow_tool_effects = $(kv "$slow_line" steady_effects_per_s) effects/s ($(kv "$slow_line" steady_outcomes) outcomes in $(kv "$slow_line" steady_s) s while the agent kept up to $slow_inflight effects without an outcome (most at once: $(kv "$slow_line" window_max)); tool answering in $slow_ms ms)"
+    echo "bench: slow_tool_inflight = $slow_held_mean calls (mean of the dispatchers' tally_inflight_calls, once a second; max $slow_held_max; $slow_inflight would need $((slow_inflight * 1000 / slow_ms)) effects/s)"
+    if [[ "$slow_p99_hi" == inf || "$slow_p99_hi" == "?" ]]; then
+        slow_verdict="above every bucket"
+    elif awk -v h="$slow_p99_hi" -v t="$slow_target_ms" 'BEGIN { exit !(h <= t) }'; then
+        slow_verdict="met"
+    else
+        slow_verdict="not shown: the bucket reaches past the target"
+    fi
+    echo "bench: slow_tool_answer_p99 = $slow_p99_hi ms (at most: tally_connector_seconds of bench_slow puts the 99th percentile of $slow_n answers in its bucket ($slow_p99_lo, $slow_p99_hi] ms; $slow_le_share % took <= $slow_le ms; target <= $slow_target_ms: $slow_verdict)"
+    echo "bench: slow_tool_answer_mean = $slow_mean ms (tally_connector_seconds _sum / _count)"
+    echo "bench: slow_tool_dispatcher_rss = $(mb "$slow_rss_max") MB (the first dispatcher's VmRSS, highest of the samples; VmHWM $(mb "$slow_hwm_kb") MB)"
+else
+    echo "bench: slow_tool_effects = not measured (--slow-tool-seconds 0)"
+fi
 if [[ -n "$rss_target" ]]; then
     echo "bench: inflight_held = ${held:-0} calls (asked $inflight; held open at the tool; the dispatcher's tally_inflight_calls said ${held_metric:-nothing: /metrics did not answer})"
     echo "bench: dispatcher_rss = $(mb "$rss_kb") MB (target <= 64)"

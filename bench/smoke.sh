@@ -13,7 +13,8 @@ trap 'rm -f "$out"' EXIT
 
 status=0
 "$here/run.sh" --build-dir "$build" --no-build --intents 300 --runs 20 --rate 100 --duration 2 \
-    --inflight 50 --pgbench-seconds 1 --pgbench-rows 20000 >"$out" || status=$?
+    --inflight 50 --pgbench-seconds 1 --pgbench-rows 20000 --slow-tool-seconds 3 \
+    --slow-tool-inflight 50 >"$out" || status=$?
 cat "$out"
 if [[ $status -ne 0 ]]; then
     echo "bench/smoke.sh: bench/run.sh exited with status $status" >&2
@@ -29,9 +30,18 @@ for name in throughput throughput_cpu_per_effect throughput_latency_p50 throughp
     latency_rows_per_effect latency_xacts_per_effect latency_kafka_in_per_effect \
     latency_kafka_out_per_effect pg_ceiling_receipt ceiling_wal_per_job ceiling_rows_per_job \
     ceiling_xacts_per_job ceiling_wal_per_job_receipt ceiling_rows_per_job_receipt \
-    ceiling_xacts_per_job_receipt wal_ratio; do
+    ceiling_xacts_per_job_receipt wal_ratio latency_first_minute_p50 latency_first_minute_p99 \
+    latency_last_minute_p50 latency_last_minute_p99 slow_tool_effects slow_tool_inflight \
+    slow_tool_answer_p99 slow_tool_answer_mean slow_tool_dispatcher_rss; do
     if ! grep -Eq "^bench: $name = [0-9][0-9.]* " "$out"; then
         echo "bench/smoke.sh: no figure line 'bench: $name = <number> ...'" >&2
+        missing=1
+    fi
+done
+# the drift is signed; at this size it compares thirds of the run, and says so
+for name in latency_drift_p50 latency_drift_p99; do
+    if ! grep -Eq "^bench: $name = [-+][0-9][0-9.]* ms \(last minus first third" "$out"; then
+        echo "bench/smoke.sh: no line 'bench: $name = <signed number> ms (last minus first third ...'" >&2
         missing=1
     fi
 done
