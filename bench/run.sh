@@ -624,8 +624,10 @@ stop_pid "$sampler_psql_pid" 5
 sampler_psql_pid=""
 tp_line=$client_line
 tp_rate=$(kv "$tp_line" effects_per_s)
-# the sampler ran one transaction per query, one line of output each
-window_end throughput "$(kv "$tp_line" received)" "$tp_line" "$(wc -l <"$work/samples.txt")"
+# the sampler ran one transaction per query, one line of output each; --pg-statements two
+# psql sessions of two statements each
+window_end throughput "$(kv "$tp_line" received)" "$tp_line" \
+    $(($(wc -l <"$work/samples.txt") + (pg_statements == 1 ? 4 : 0)))
 grep '^B|' "$work/samples.txt" | cut -d'|' -f2- >"$work/backlog.txt" || true
 grep '^W|' "$work/samples.txt" | cut -d'|' -f2- >"$work/waits.txt" || true
 outbox_max=$(awk -F'|' 'BEGIN { m = 0 } $1 + 0 > m { m = $1 + 0 } END { print m }' "$work/backlog.txt")
