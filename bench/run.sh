@@ -496,7 +496,7 @@ window_start() {
 # the tally database during the run (the sampler's); the window's own readings and polls,
 # and the dispatchers' idle polling while the statistics arrive, are taken out here.
 window_end() {
-    local label=$1 n=$2 line=$3 harness=$4 exact stats d e xacts idle_x
+    local label=$1 n=$2 line=$3 harness=$4 exact stats d xacts idle_x
     settle
     exact=$(counters_diff "$w_exact0" "$(counters_exact "$pq_dispatchers")")
     sleep "$stats_delay"
@@ -532,6 +532,8 @@ steady_lines() {
     fi
     echo "bench: ${name}_counters$suffix = $c"
 }
+
+counters_throughput="" # window_end sets counters_LABEL
 
 # ---- 1. throughput --------------------------------------------------------------------------
 # The counters' starting point, and what the idle dispatchers do to them: their polling runs
@@ -698,6 +700,9 @@ ceiling_run() {
 }
 ceiling_plain=""
 ceiling_receipt=""
+ceiling_note_plain=""
+ceiling_note_receipt=""
+counters_receipt="" # ceiling_run sets counters_LABEL
 if [[ $skip_ceiling -eq 0 ]]; then
     ceiling_run plain pgbench_queue.sql
     ceiling_run receipt pgbench_queue_receipt.sql
