@@ -421,7 +421,7 @@ save_metrics() {
 # ---- steady counters (bench/README.md, "Steady counters") --------------------------------------
 # What a run cost PostgreSQL and Kafka, in units that do not move with the machine's noise.
 # The exact ones are read at any moment: WAL bytes (pg_current_wal_lsn), transaction ids
-# assigned (pg_current_snapshot's xmax: write transactions), statements sent (pqcount.c).
+# assigned (txid_current_snapshot's xmax: write transactions), statements sent (pqcount.c).
 # The pg_stat ones (transactions, rows, WAL records) arrive late: a backend flushes its
 # counts at the end of a transaction at most once a second, and one that then goes idle only
 # after PGSTAT_IDLE_INTERVAL (10 s), so they are read 11 s after the work ended. Each reading
