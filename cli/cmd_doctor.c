@@ -17,6 +17,7 @@
 #include "cli.h"
 #include "format.h"
 #include "tally/cloudevent.h"
+#include "tally/connector.h"
 #include "tally/alert.h"
 #include "tally/ledger.h"
 #include "tally/text.h"
@@ -98,14 +99,17 @@ static const char SQL_EVENTS[] =
     "   WHERE obligation_id IN (SELECT obligation_id FROM obligations WHERE run_id = $1)) v";
 // clang-format on
 
+// clang-format off
 static const char SQL_EFFECTS[] =
     "SELECT coalesce(jsonb_agg(to_jsonb(e) || jsonb_build_object("
     "   'outbox_due_at', o.due_at, 'lease_held', coalesce(e.lease_until > now(), false),"
+    "   'receipt_sha256', " TALLY_SQL_RECEIPT_SHA256("e") ","
     "   'updated_age_s', extract(epoch FROM now() - e.updated_at)::float8,"
     "   'unknown_age_s', extract(epoch FROM now() - coalesce(e.unknown_since, e.updated_at))"
     "     ::float8)"
     "   ORDER BY e.step_num IS NULL, e.step_num, e.seq), '[]')"
     " FROM effects e LEFT JOIN outbox o ON o.effect_id = e.effect_id WHERE e.run_id = $1";
+// clang-format on
 
 /* In compensation order: last step first. past_deadline: the run's compensation deadline has
  * passed, or the compensator's deadline sweep paged it as passed (a tool's deadline_ms is the
@@ -360,11 +364,55 @@ static bool print_open(const json_t *run)
     return ok;
 }
 
+/* A connector call that stored its answer as the effect's receipt keeps a reference to it and
+ * its hash (ledger.h): what the reference says, in place of it, checked against the effect's
+ * receipt as stored now (its receipt_sha256, SQL_EFFECTS); NULL when @p data holds none. */
+static json_t *receipt_ref_shown(const json_t *data, const json_t *effect)
+{
+    const json_t *ref = json_object_get(data, "receipt");
+    const char *now = cli_str(effect, "receipt_sha256", NULL);
+    char where[400];
+    switch (tally_conn_receipt_ref_check(ref, now)) {
+    case TALLY_RECEIPT_REF_NONE:
+        return NULL;
+    case TALLY_RECEIPT_REF_MATCH:
+        snprintf(where, sizeof where, "the receipt of its effect, under DETAILS (sha256 matches)");
+        break;
+    case TALLY_RECEIPT_REF_UNVERIFIED:
+        snprintf(where, sizeof where, "the receipt of its effect, under DETAILS");
+        break;
+    case TALLY_RECEIPT_REF_MISMATCH: {
+        json_t *pruned = json_loads(TALLY_PRUNED_MARKER, 0, NULL);
+        bool was_pruned = json_equal(json_object_get(effect, "receipt"), pruned);
+        json_decref(pruned);
+        if (was_pruned)
+            snprintf(where, sizeof where, "the receipt of its effect, pruned since");
+        else
+            tally_fmt(where, sizeof where,
+                      "NOT the receipt its effect holds now: the call stored sha256 %s, the "
+                      "effect's receipt has sha256 %s (tally verify: effect_receipt_changed)",
+                      cli_str(ref, "sha256", "?"), now);
+        break;
+    }
+    }
+    json_t *copy = json_deep_copy(data);
+    if (copy != NULL && json_object_set_new(copy, "receipt", json_string(where)) != 0) {
+        json_decref(copy);
+        return NULL;
+    }
+    return copy;
+}
+
 /* A connector call's response that is the receipt printed under DETAILS (the effect's, or the
  * reverse receipt of the obligation) is not printed a second time: a copy of @p data with the
- * response replaced by where it is, or NULL when @p data is to be printed as it is. */
+ * response replaced by where it is, or NULL when @p data is to be printed as it is. Events
+ * written since the receipt is stored once hold a reference instead (receipt_ref_shown); those
+ * of 0.2.0 hold the answer, compared here with the receipt. */
 static json_t *body_once(const json_t *data, const json_t *effect, const json_t *obligation)
 {
+    json_t *shown = receipt_ref_shown(data, effect);
+    if (shown != NULL)
+        return shown;
     const char *text = cli_str(json_object_get(data, "response"), "text", NULL);
     if (text == NULL || *text == '\0')
         return NULL;

@@ -219,6 +219,35 @@ static const check_t CHECKS[] = {
      "   AND jsonb_typeof(e.receipt #> ptr.path) IN ('string', 'number', 'boolean')"
      "   AND length(e.receipt #>> ptr.path) BETWEEN 1 AND " TALLY_STR(TALLY_LIMIT_EXTERNAL_REF)
      CHECK_TAIL},
+    {"effect_receipt_changed",
+     "a CONFIRMED effect's receipt is not the one its call stored: its SHA-256 differs from "
+     "the one the connector_call event keeps",
+     "effect", "ledger", ACT_DOCTOR, NULL,
+     CHECK_HEAD
+     "SELECT e.effect_id::text, e.run_id, e.tool, e.effect_id::text, NULL, NULL,"
+     "  CASE WHEN v.data #>> '{receipt,sha256}' IS NULL"
+     "      THEN 'the call of ' || " TS("v.occurred_at") " || ' refers to the effect''s receipt'"
+     "        || ' but keeps no hash of it'"
+     "    WHEN v.data #>> '{receipt,sha256}' IS DISTINCT FROM " TALLY_SQL_RECEIPT_SHA256("e")
+     "      THEN 'the call of ' || " TS("v.occurred_at") " || ' stored a receipt with sha256 '"
+     "        || (v.data #>> '{receipt,sha256}') || '; the effect''s receipt now has sha256 '"
+     "        || " TALLY_SQL_RECEIPT_SHA256("e") ""
+     "    ELSE 'the call of ' || " TS("v.occurred_at") " || ' sealed a receipt with sha256 '"
+     "      || (v.data #>> '{receipt,sealed_sha256}') || '; the effect''s sealed receipt now has '"
+     "      || coalesce('sha256 ' || " TALLY_SQL_SEALED_SHA256("e") ", 'none') END"
+     " FROM effects e JOIN runs r ON r.run_id = e.run_id"
+     /* an effect's connector calls are read through its run (schema 8) */
+     " JOIN events v ON v.run_id = e.run_id AND v.effect_id = e.effect_id"
+     "   AND v.kind = 'connector_call'"
+     " WHERE" IN_RANGE("e", "updated_at")
+     /* no receipt, or the prune marker: effect_receipt_missing's, or pruned on purpose */
+     "   AND r.pruned_at IS NULL AND e.receipt IS NOT NULL AND e.receipt <> " PRUNED
+     "   AND v.data #>> '{receipt,on}' = '" TALLY_RECEIPT_ON_EFFECT "'"
+     "   AND (v.data #>> '{receipt,sha256}' IS DISTINCT FROM " TALLY_SQL_RECEIPT_SHA256("e")
+     "     OR (v.data #> '{receipt,sealed_sha256}' IS NOT NULL"
+     "       AND v.data #>> '{receipt,sealed_sha256}' IS DISTINCT FROM "
+     TALLY_SQL_SEALED_SHA256("e") "))"
+     CHECK_TAIL},
     {"effect_lease_invalid",
      "a DISPATCHING effect holds no lease, or a settled or waiting one still holds one",
      "effect", "ledger", ACT_DOCTOR, NULL,

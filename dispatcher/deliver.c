@@ -155,19 +155,18 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
                      res->http_status);
         }
     }
+    /* The receipt is stored once, on the effect (ledger.h): the audit trail keeps the answer
+     * of every other attempt, its only copy. */
+    bool on_effect = x->v.verdict == TALLY_VERDICT_CONFIRMED && x->receipt_text != NULL;
     char *scrubbed = NULL; /* a sensitive tool's answer, as the audit trail may keep it */
     size_t scrubbed_len = 0;
     if (call->red != NULL) {
         char *msg = tally_redactor_scrub(call->red, x->v.message, strlen(x->v.message));
         tally_text_copy(x->v.message, sizeof x->v.message, msg ? msg : "(redacted)");
         free(msg);
-        if (x->receipt_sealed != NULL) { /* the answer is the receipt, already redacted */
-            scrubbed = strdup(x->receipt_text);
-            scrubbed_len = scrubbed ? strlen(scrubbed) : 0;
-        } else {
+        if (!on_effect)
             scrubbed = tally_sensitive_scrub_body(call->red, call->tool, res->body, res->body_len,
                                                   &scrubbed_len);
-        }
     }
     decide(x);
     size_t ref_over = 0;
@@ -203,7 +202,9 @@ void deliver_on_done(const tally_conn_result_t *res, void *opaque)
         tally_jtext_str(&rec, "transport_error", x->v.message);
     if (res->retry_after_ms >= 0)
         tally_jtext_int(&rec, "retry_after_ms", res->retry_after_ms);
-    if (call->red != NULL)
+    if (on_effect)
+        tally_conn_receipt_ref_text(&rec); /* its hash: the recorder's statement (record.c) */
+    else if (call->red != NULL)
         tally_conn_excerpt_text(&rec, "response", scrubbed ? scrubbed : "(redacted)",
                                 scrubbed ? scrubbed_len : 10, 2048);
     else

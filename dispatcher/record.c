@@ -109,6 +109,28 @@ static const char SQL_RECORD[] =
     " SELECT effect_id::text, status, error_code, error_message FROM upd";
 // clang-format on
 
+/* The receipt is stored once, on the effect (ledger.h): the "connector_call" data of a call
+ * whose answer is the effect's receipt comes from deliver.c with "receipt": {"on": "effect"},
+ * and is completed here, in the statement that writes it, with the SHA-256 of the receipt as
+ * the effect row holds it. @p S is a relation (effect_id, receipt_sha256, sealed_sha256) of the
+ * written effects; the rows of every other event pass as they are. */
+// clang-format off
+#define RECEIPT_REF_DATA(S)                                                                        \
+    "CASE WHEN r.kind = 'connector_call' AND r.data #>> '{receipt,on}' = '"                        \
+    TALLY_RECEIPT_ON_EFFECT "' THEN r.data || jsonb_build_object('receipt', coalesce("             \
+    "   (SELECT jsonb_strip_nulls(jsonb_build_object('on', '" TALLY_RECEIPT_ON_EFFECT "',"         \
+    "   'sha256', s.receipt_sha256, 'sealed_sha256', s.sealed_sha256)) FROM " S " s"               \
+    "   WHERE s.effect_id = r.effect_id AND s.receipt_sha256 IS NOT NULL), r.data -> 'receipt'))"  \
+    " ELSE r.data END"
+#define RECEIPT_HASHES(E)                                                                          \
+    TALLY_SQL_RECEIPT_SHA256(E) " AS receipt_sha256, " TALLY_SQL_SEALED_SHA256(E) " AS sealed_sha256"
+// clang-format on
+
+/* The general path's events, written after SQL_RECORD in its transaction: the effects hold
+ * their receipts by then. */
+static const char SQL_RECORD_EVENTS[] = TALLY_AUDIT_INSERT_DATA(
+    "$1", "", RECEIPT_REF_DATA("(SELECT e.effect_id, " RECEIPT_HASHES("e") " FROM effects e)"));
+
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
  * page to open) in ONE statement and transaction: the compare-and-set of the results ($1, and
  * $6 their number), the events and the outcome messages of exactly the rows it wrote ($2 and
@@ -132,8 +154,8 @@ static const char SQL_RECORD_FINAL[] =
     "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
     "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
-    "   RETURNING e.effect_id),"
-    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
+    "   RETURNING e.effect_id, " RECEIPT_HASHES("e") "),"
+    " ev AS (" TALLY_AUDIT_INSERT_DATA("$2", WON_EVENTS, RECEIPT_REF_DATA("upd")) "),"
     " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
@@ -409,7 +431,7 @@ static bool record_batch(dispatcher_t *d, dispatch_done_t *done, size_t n_done, 
         if (!err.retriable)
             tally_metric_add(d->m_alert_fail, 1, "dispatcher");
     }
-    ok = ok && tally_audit_batch_flush(ab, d->rec_pg, &err) &&
+    ok = ok && tally_audit_batch_flush_as(ab, d->rec_pg, SQL_RECORD_EVENTS, &err) &&
          dispatch_flush_messages(d, d->rec_pg, ob, &handed, &err) &&
          tally_pg_commit(d->rec_pg, &err);
     if (ok)

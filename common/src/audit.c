@@ -108,6 +108,12 @@ size_t tally_audit_batch_len(const tally_audit_batch_t *b)
 
 bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error_t *err)
 {
+    return tally_audit_batch_flush_as(b, pg, SQL_INSERT, err);
+}
+
+bool tally_audit_batch_flush_as(tally_audit_batch_t *b, tally_pg_t *pg, const char *sql,
+                                tally_error_t *err)
+{
     const char *why = NULL;
     int len = 0;
     const char *param = tally_audit_batch_param(b, &len, &why);
@@ -121,7 +127,7 @@ bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error
         ok = true;
     } else {
         int format = 1;
-        PGresult *res = tally_pg_exec_bin(pg, SQL_INSERT, 1, &param, &len, &format, err);
+        PGresult *res = tally_pg_exec_bin(pg, sql, 1, &param, &len, &format, err);
         ok = res != NULL;
         PQclear(res);
     }

@@ -10,6 +10,7 @@
 #include <openssl/evp.h>
 
 #include "tally/json.h"
+#include "tally/ledger.h"
 #include "tally/text.h"
 
 static json_t *base64_string(const char *data, size_t len)
@@ -174,4 +175,22 @@ bool tally_conn_receipt_text(const tally_conn_result_t *res, const tally_tool_t 
         *external_ref = tally_conn_external_ref(tool, doc);
     json_decref(doc);
     return *receipt != NULL;
+}
+
+void tally_conn_receipt_ref_text(tally_jtext_t *j)
+{
+    tally_jtext_begin(j, "receipt");
+    tally_jtext_str(j, "on", TALLY_RECEIPT_ON_EFFECT);
+    tally_jtext_end(j);
+}
+
+tally_receipt_ref_t tally_conn_receipt_ref_check(const json_t *ref, const char *receipt_sha256)
+{
+    const char *on = json_string_value(json_object_get(ref, "on"));
+    if (on == NULL || strcmp(on, TALLY_RECEIPT_ON_EFFECT) != 0)
+        return TALLY_RECEIPT_REF_NONE;
+    const char *sha = json_string_value(json_object_get(ref, "sha256"));
+    if (sha == NULL || receipt_sha256 == NULL)
+        return TALLY_RECEIPT_REF_UNVERIFIED;
+    return strcmp(sha, receipt_sha256) == 0 ? TALLY_RECEIPT_REF_MATCH : TALLY_RECEIPT_REF_MISMATCH;
 }

@@ -41,6 +41,20 @@ SQL_CHECKS = [
     ("every transition and connector call of an effect names the effect's run",
      "SELECT v.event_id, v.kind, v.run_id, e.run_id FROM events v JOIN effects e USING (effect_id)"
      " WHERE v.kind IN ('transition', 'connector_call') AND v.run_id IS DISTINCT FROM e.run_id"),
+    # The receipt is stored once, on the effect: the call that stored it keeps its SHA-256
+    # as the effect holds it (a pruned run's receipts are gone on purpose; a receipt taken
+    # away by hand is the check above's).
+    ("every connector call that refers to its effect's receipt keeps that receipt's hash",
+     "SELECT v.event_id, v.data -> 'receipt', e.effect_id FROM events v"
+     " JOIN effects e ON e.run_id = v.run_id AND e.effect_id = v.effect_id"
+     " JOIN runs r ON r.run_id = e.run_id"
+     " WHERE v.kind = 'connector_call' AND v.data #>> '{receipt,on}' = 'effect'"
+     "   AND r.pruned_at IS NULL AND e.receipt IS NOT NULL"
+     "   AND (v.data #>> '{receipt,sha256}'"
+     "       IS DISTINCT FROM encode(sha256(convert_to(e.receipt::text, 'UTF8')), 'hex')"
+     "     OR (v.data #> '{receipt,sealed_sha256}' IS NOT NULL"
+     "       AND v.data #>> '{receipt,sealed_sha256}'"
+     "         IS DISTINCT FROM encode(sha256(e.receipt_sealed), 'hex')))"),
     ("every effect has the event of its creation",
      "SELECT e.effect_id FROM effects e WHERE NOT EXISTS (SELECT 1 FROM events v"
      " WHERE v.run_id = e.run_id AND v.effect_id = e.effect_id AND v.kind = 'transition'"

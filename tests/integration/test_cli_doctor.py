@@ -114,8 +114,10 @@ class DoctorTest(CliCase):
         # Each receipt once: step 1's answer is its receipt, printed under DETAILS only.
         [(ref1,)] = self.query("SELECT external_ref FROM effects WHERE effect_id = %s", (first,))
         self.assertEqual(text.count(f'"id": "{ref1}"'), 1, text)
-        self.assertIn('"response": "the receipt of its effect, under DETAILS"', " ".join(
-            text.split()))
+        # Its call keeps a reference and the receipt's hash (the receipt is stored once, on
+        # the effect), shown as where the receipt is and that the hash still matches.
+        self.assertIn('"receipt": "the receipt of its effect, under DETAILS (sha256 matches)"',
+                      " ".join(text.split()))
         # The default view has none of it.
         out = self.tally("doctor", "--run", run)
         self.assertNotIn("TIMELINE", out.stdout)

@@ -6,6 +6,7 @@ greps them all). The tool receives them byte-identical on every attempt. `tally 
 audit trail as it was and the sealed values unreadable."""
 
 import base64
+import hashlib
 import json
 import os
 import tempfile
@@ -176,6 +177,21 @@ class SensitiveTest(DispatchCase):
                                      " AND args_sealed IS NOT NULL AND receipt_sealed IS NOT NULL"
                                      " AND operation_key IN (%s, %s)", (k1, k2)), 2)
         self.assertEqual(self.scalar("SELECT count(*) FROM tenant_keys WHERE tenant = 'acme'"), 1)
+        # the receipt is stored once, on the effect: step 1's refused attempt keeps its
+        # (scrubbed) answer in its event; the applied one keeps the SHA-256 of the redacted
+        # receipt and of the sealed bytes, as the effect stores them
+        [(eid1, stored, sealed)] = self.query(
+            "SELECT effect_id::text, receipt::text, receipt_sealed FROM effects"
+            " WHERE operation_key = %s", (k1,))
+        calls = [d for (d,) in self.query(
+            "SELECT data FROM events WHERE effect_id = %s AND kind = 'connector_call'"
+            " ORDER BY seq", (eid1,))]
+        self.assertEqual([c["verdict"] for c in calls], ["retry", "confirmed"])
+        self.assertIn("response", calls[0])
+        self.assertNotIn("response", calls[1])
+        self.assertEqual(calls[1]["receipt"], {
+            "on": "effect", "sha256": hashlib.sha256(stored.encode()).hexdigest(),
+            "sealed_sha256": hashlib.sha256(bytes(sealed)).hexdigest()})
 
         # dead letters: a sensitive tool's intent refused after parsing, and bytes that are
         # not JSON at all

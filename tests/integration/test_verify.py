@@ -228,7 +228,7 @@ class VerifyTest(VerifyCase):
         check names its row, and only its row."""
         self.dispatcher()
         runs = {name: run_id() for name in (
-            "ref", "unknown", "planned", "outbox", "overdue", "ob_lease", "ob_overdue", "dup",
+            "ref", "receipt", "unknown", "planned", "outbox", "overdue", "ob_lease", "ob_overdue", "dup",
             "not_stuck", "cancelled", "not_settled", "page_resolved", "page_escalated")}
         eff = {name: self.confirmed_charges(run)[0] for name, run in runs.items()}
         self._terminate_all()  # nothing may repair what is broken below
@@ -253,6 +253,8 @@ class VerifyTest(VerifyCase):
                        " %s, %s, %s, 'r', 'tally resolve ...')", (key, runs[name], eff[name], oid))
 
         self.query("UPDATE effects SET external_ref = NULL WHERE effect_id = %s", (eff["ref"],))
+        self.query("UPDATE effects SET receipt = receipt || '{\"amount\": 9}'"
+                   " WHERE effect_id = %s", (eff["receipt"],))
         self.force("UPDATE effects SET status = 'UNKNOWN', unknown_since = NULL"
                    " WHERE effect_id = %s", (eff["unknown"],))
         self.force("UPDATE effects SET status = 'PLANNED' WHERE effect_id = %s",
@@ -293,6 +295,7 @@ class VerifyTest(VerifyCase):
         got = sorted((f["check"], f["id"]) for f in doc["findings"])
         want = sorted([
             ("effect_ref_missing", eff["ref"]),
+            ("effect_receipt_changed", eff["receipt"]),
             ("effect_incomplete", eff["unknown"]),
             ("effect_not_queued", eff["planned"]),
             ("outbox_not_dispatchable", eff["outbox"]),

@@ -673,6 +673,52 @@ static void test_excerpt(void **state)
     }
 }
 
+/* The receipt stored once (ledger.h): the reference a confirmed call's audit data keeps, and
+ * what a reader concludes from it. */
+static void test_receipt_ref(void **state)
+{
+    (void)state;
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
+    tally_jtext_str(&j, "op", "execute");
+    tally_conn_receipt_ref_text(&j);
+    tally_jtext_end(&j);
+    char *text = tally_jtext_take(&j);
+    assert_non_null(text);
+    assert_string_equal(text, "{\"op\":\"execute\",\"receipt\":{\"on\":\"effect\"}}");
+    json_t *doc = json_loads(text, 0, NULL);
+    free(text);
+    assert_non_null(doc);
+    /* as written by the dispatcher: the statement has not added the hash yet */
+    const json_t *ref = json_object_get(doc, "receipt");
+    assert_int_equal(tally_conn_receipt_ref_check(ref, "ab"), TALLY_RECEIPT_REF_UNVERIFIED);
+
+    static const char H1[] = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+    static const char H2[] = "60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752";
+    json_t *hashed = json_pack("{s:s, s:s}", "on", "effect", "sha256", H1);
+    assert_int_equal(tally_conn_receipt_ref_check(hashed, H1), TALLY_RECEIPT_REF_MATCH);
+    assert_int_equal(tally_conn_receipt_ref_check(hashed, H2), TALLY_RECEIPT_REF_MISMATCH);
+    assert_int_equal(tally_conn_receipt_ref_check(hashed, NULL), TALLY_RECEIPT_REF_UNVERIFIED);
+    json_decref(hashed);
+
+    /* no reference: 0.2.0's inline answer, an answer that is no receipt, junk */
+    static const char *const none[] = {
+        "null",        "\"effect\"",
+        "{}",          "{\"on\": \"obligation\", \"sha256\": \"ab\"}",
+        "{\"on\": 1}", "{\"text\": \"{\\\"id\\\": 1}\"}",
+    };
+    for (size_t i = 0; i < sizeof none / sizeof none[0]; i++) {
+        json_t *v = json_loads(none[i], JSON_DECODE_ANY, NULL);
+        assert_non_null(v);
+        assert_int_equal(tally_conn_receipt_ref_check(v, H1), TALLY_RECEIPT_REF_NONE);
+        json_decref(v);
+    }
+    assert_int_equal(tally_conn_receipt_ref_check(NULL, H1), TALLY_RECEIPT_REF_NONE);
+    assert_int_equal(tally_conn_receipt_ref_check(json_object_get(doc, "response"), H1),
+                     TALLY_RECEIPT_REF_NONE);
+    json_decref(doc);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* The engine against a local responder                                                     */
 
@@ -1240,6 +1286,7 @@ int main(void)
         cmocka_unit_test(test_receipt_and_ref),
         cmocka_unit_test(test_receipt_text),
         cmocka_unit_test(test_excerpt),
+        cmocka_unit_test(test_receipt_ref),
         cmocka_unit_test(test_engine),
         cmocka_unit_test(test_engine_thread),
         cmocka_unit_test(test_no_silent_replay_of_side_effects),

@@ -66,18 +66,32 @@ size_t tally_audit_batch_len(const tally_audit_batch_t *b);
 bool tally_audit_batch_flush(tally_audit_batch_t *b, tally_pg_t *pg, tally_error_t *err) TALLY_WUR;
 
 /**
+ * @brief tally_audit_batch_flush with the INSERT @p sql instead of the plain one: a
+ * TALLY_AUDIT_INSERT_DATA("$1", ...) whose data the statement completes (record.c's receipt
+ * references).
+ */
+bool tally_audit_batch_flush_as(tally_audit_batch_t *b, tally_pg_t *pg, const char *sql,
+                                tally_error_t *err) TALLY_WUR;
+
+/**
  * @brief The INSERT that writes a batch's rows from its columns parameter @p PARAM ("$2", a
  * binary two-dimensional text[]: columns.h), keeping only the rows that pass @p WHERE ("" for
  * all; the rows are "r", typed as the events table's columns, with their place "n"). For a
  * statement that writes a batch together with the state change it records (see
  * tally_audit_batch_param); tally_audit_batch_flush is this with "$1" and "".
  */
+#define TALLY_AUDIT_INSERT(PARAM, WHERE) TALLY_AUDIT_INSERT_DATA(PARAM, WHERE, "r.data")
+
+/**
+ * @brief TALLY_AUDIT_INSERT writing @p DATA, an expression over the row "r" (its "r.data" as
+ * the batch holds it), as each event's data.
+ */
 // clang-format off
-#define TALLY_AUDIT_INSERT(PARAM, WHERE)                                                           \
+#define TALLY_AUDIT_INSERT_DATA(PARAM, WHERE, DATA)                                                \
     "INSERT INTO events (event_id, run_id, effect_id, obligation_id, kind, from_status,"           \
     " to_status, actor, reason, data)"                                                             \
     " SELECT r.event_id, r.run_id, r.effect_id, r.obligation_id, r.kind, r.from_status,"           \
-    " r.to_status, r.actor, r.reason, r.data"                                                      \
+    " r.to_status, r.actor, r.reason, " DATA                                                       \
     " FROM (SELECT u.event_id::uuid AS event_id, u.run_id, u.effect_id::uuid AS effect_id,"        \
     " u.obligation_id::uuid AS obligation_id, u.kind, u.from_status, u.to_status, u.actor,"        \
     " u.reason, u.data::jsonb AS data, u.n FROM unnest("                                           \

@@ -181,6 +181,28 @@ json_t *tally_conn_excerpt(const char *body, size_t len, size_t max) TALLY_WUR;
 void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body, size_t len,
                              size_t max);
 
+/**
+ * @brief In the audit data of a call whose answer is its effect's receipt, the member
+ * `"receipt":{"on":"effect"}` in place of the answer (ledger.h, TALLY_RECEIPT_ON_EFFECT): the
+ * statement that writes the event adds the receipt's "sha256" as the effect row holds it.
+ */
+void tally_conn_receipt_ref_text(tally_jtext_t *j);
+
+/**
+ * @brief What the "receipt" member @p ref of a "connector_call" event's data says about the
+ * receipt @p receipt_sha256 (the hex SHA-256 of the effect's receipt as stored, NULL when not
+ * known; TALLY_SQL_RECEIPT_SHA256).
+ */
+typedef enum {
+    TALLY_RECEIPT_REF_NONE,       /**< no reference: the event holds the answer itself (0.2.0
+                                       and every attempt whose answer is not the receipt) */
+    TALLY_RECEIPT_REF_MATCH,      /**< the effect's receipt is the one the call stored */
+    TALLY_RECEIPT_REF_MISMATCH,   /**< the effect's receipt changed after the call stored it */
+    TALLY_RECEIPT_REF_UNVERIFIED, /**< a reference, but no hash to compare (either side) */
+} tally_receipt_ref_t;
+
+tally_receipt_ref_t tally_conn_receipt_ref_check(const json_t *ref, const char *receipt_sha256);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Requests (connector_request.c)                                                           */
 

@@ -30,6 +30,25 @@
     "   AND mn.data->>'op' = 'status' AND mn.data->>'decision' = 'redispatched'"                   \
     "   AND mn.seq > mu.seq))"
 
+/**
+ * The receipt is stored once, on the effect (issue 27). A "connector_call" event whose answer
+ * became the effect's receipt keeps, in place of the answer, a reference to it and its hash:
+ * "receipt": {"on": "effect", "sha256": <hex>} (and "sealed_sha256" for a sensitive tool's
+ * sealed receipt); schemas/README.md. Other attempts keep their answer ("response") as before.
+ */
+#define TALLY_RECEIPT_ON_EFFECT "effect"
+
+/**
+ * SQL: the SHA-256 (lowercase hex) of the receipt of the effect row aliased @p E as the ledger
+ * keeps it: the text PostgreSQL gives back for the jsonb column (receipt::text, in UTF-8), the
+ * bytes every reader gets. jsonb keeps no bytes of what was sent, so this is the exact stored
+ * form; NULL when the effect has no receipt.
+ */
+#define TALLY_SQL_RECEIPT_SHA256(E) "encode(sha256(convert_to(" E ".receipt::text, 'UTF8')), 'hex')"
+
+/** SQL: the SHA-256 (lowercase hex) of the sealed receipt bytes of @p E; NULL when none. */
+#define TALLY_SQL_SEALED_SHA256(E) "encode(sha256(" E ".receipt_sealed), 'hex')"
+
 /** The SQLSTATE of a status change the database refused because it is not in its machine. */
 #define TALLY_SQLSTATE_ILLEGAL_MOVE "23514"
 
