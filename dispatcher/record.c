@@ -112,24 +112,26 @@ static const char SQL_RECORD[] =
 /* The receipt is stored once, on the effect (ledger.h): the "connector_call" data of a call
  * whose answer is the effect's receipt comes from deliver.c with "receipt": {"on": "effect"},
  * and is completed here, in the statement that writes it, with the SHA-256 of the receipt as
- * the effect row holds it. @p S is a relation (effect_id, receipt_sha256, sealed_sha256) of the
- * written effects; the rows of every other event pass as they are. */
+ * the effect row holds it (RECEIPT_REF of the row): RECEIPT_REF_DATA(REF), where @p REF is the
+ * completed reference of the event "r"'s effect (NULL leaves the event as it is); every other
+ * event passes as it is. */
 // clang-format off
-#define RECEIPT_REF_DATA(S)                                                                        \
+#define RECEIPT_REF(E)                                                                             \
+    "jsonb_strip_nulls(jsonb_build_object('on', '" TALLY_RECEIPT_ON_EFFECT "', 'sha256', "         \
+    TALLY_SQL_RECEIPT_SHA256(E) ", 'sealed_sha256', " TALLY_SQL_SEALED_SHA256(E) "))"
+#define RECEIPT_REF_DATA(REF)                                                                      \
     "CASE WHEN r.kind = 'connector_call' AND r.data #>> '{receipt,on}' = '"                        \
-    TALLY_RECEIPT_ON_EFFECT "' THEN r.data || jsonb_build_object('receipt', coalesce("             \
-    "   (SELECT jsonb_strip_nulls(jsonb_build_object('on', '" TALLY_RECEIPT_ON_EFFECT "',"         \
-    "   'sha256', s.receipt_sha256, 'sealed_sha256', s.sealed_sha256)) FROM " S " s"               \
-    "   WHERE s.effect_id = r.effect_id AND s.receipt_sha256 IS NOT NULL), r.data -> 'receipt'))"  \
-    " ELSE r.data END"
-#define RECEIPT_HASHES(E)                                                                          \
-    TALLY_SQL_RECEIPT_SHA256(E) " AS receipt_sha256, " TALLY_SQL_SEALED_SHA256(E) " AS sealed_sha256"
+    TALLY_RECEIPT_ON_EFFECT "' THEN r.data || jsonb_build_object('receipt', coalesce(" REF ","     \
+    " r.data -> 'receipt')) ELSE r.data END"
 // clang-format on
 
 /* The general path's events, written after SQL_RECORD in its transaction: the effects hold
- * their receipts by then. */
+ * their receipts by then, each found by its primary key. */
 static const char SQL_RECORD_EVENTS[] = TALLY_AUDIT_INSERT_DATA(
-    "$1", "", RECEIPT_REF_DATA("(SELECT e.effect_id, " RECEIPT_HASHES("e") " FROM effects e)"));
+    "$1", "",
+    RECEIPT_REF_DATA("(SELECT " RECEIPT_REF("e") " FROM effects e"
+                                                 " WHERE e.effect_id = r.effect_id"
+                                                 " AND e.receipt IS NOT NULL)"));
 
 /* A batch of final results (CONFIRMED, FAILED, UNKNOWN: no retry, so no run to check, and no
  * page to open) in ONE statement and transaction: the compare-and-set of the results ($1, and
@@ -154,8 +156,14 @@ static const char SQL_RECORD_FINAL[] =
     "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
     "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
-    "   RETURNING e.effect_id, " RECEIPT_HASHES("e") "),"
-    " ev AS (" TALLY_AUDIT_INSERT_DATA("$2", WON_EVENTS, RECEIPT_REF_DATA("upd")) "),"
+    "   RETURNING e.effect_id,"
+    "     CASE WHEN e.receipt IS NOT NULL THEN " RECEIPT_REF("e") " END AS receipt_ref),"
+    /* the references by effect id, once: a subquery per event would scan all of upd */
+    " rr AS (SELECT jsonb_object_agg(effect_id::text, receipt_ref) AS refs FROM upd"
+    "   WHERE receipt_ref IS NOT NULL),"
+    " ev AS (" TALLY_AUDIT_INSERT_DATA("$2", WON_EVENTS,
+                                       RECEIPT_REF_DATA("((SELECT refs FROM rr)"
+                                                        " -> r.effect_id::text)")) "),"
     " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
