@@ -188,11 +188,7 @@ void tally_conn_excerpt_text(tally_jtext_t *j, const char *key, const char *body
  */
 void tally_conn_receipt_ref_text(tally_jtext_t *j);
 
-/**
- * @brief What the "receipt" member @p ref of a "connector_call" event's data says about the
- * receipt @p receipt_sha256 (the hex SHA-256 of the effect's receipt as stored, NULL when not
- * known; TALLY_SQL_RECEIPT_SHA256).
- */
+/** @brief What a "connector_call" event's "receipt" member says of its effect's receipt. */
 typedef enum {
     TALLY_RECEIPT_REF_NONE,       /**< no reference: the event holds the answer itself (0.2.0
                                        and every attempt whose answer is not the receipt) */
@@ -201,6 +197,11 @@ typedef enum {
     TALLY_RECEIPT_REF_UNVERIFIED, /**< a reference, but no hash to compare (either side) */
 } tally_receipt_ref_t;
 
+/**
+ * @brief What the "receipt" member @p ref of a "connector_call" event's data (NULL when it has
+ * none) says of the effect's receipt, whose hex SHA-256 as stored is @p receipt_sha256 (NULL
+ * when not known; TALLY_SQL_RECEIPT_SHA256).
+ */
 tally_receipt_ref_t tally_conn_receipt_ref_check(const json_t *ref, const char *receipt_sha256);
 
 /* ---------------------------------------------------------------------------------------- */
