@@ -180,6 +180,10 @@ static const char SQL_FIND_KEY[] =
 
 static const char SQL_WAITING[] =
     "SELECT to_jsonb(count(*)) FROM message_outbox WHERE msg_key = $1";
+/* On schema 17 the run's outcome messages by reference (message_refs) wait too. */
+static const char SQL_WAITING_REFS[] =
+    "SELECT to_jsonb((SELECT count(*) FROM message_outbox WHERE msg_key = $1)"
+    " + (SELECT count(*) FROM message_refs WHERE msg_key = $1))";
 
 /* ---------------------------------------------------------------------------------------- */
 /* Shared                                                                                   */
@@ -1349,7 +1353,8 @@ int tally_cmd_doctor(int argc, char **argv, tally_config_t *cfg)
         (obligations = cli_query_json(pg, SQL_OBLIGATIONS, 1, params, &err)) == NULL ||
         (alerts = cli_query_json(pg, SQL_ALERTS, 1, params, &err)) == NULL ||
         (findings = cli_query_json(pg, SQL_FINDINGS, 1, params, &err)) == NULL ||
-        (waiting = cli_query_json(pg, SQL_WAITING, 1, params, &err)) == NULL) {
+        (waiting = cli_query_json(pg, cli_has_message_refs(pg) ? SQL_WAITING_REFS : SQL_WAITING, 1,
+                                  params, &err)) == NULL) {
         rc = cli_pg_fail("doctor", "cannot read the run's history", &err);
         goto out;
     }

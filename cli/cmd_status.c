@@ -43,33 +43,40 @@ static const char USAGE[] =
 /* The counts, and the queue lengths the verdict is computed from. $1: the age
  * in seconds. Counting every effect reads the whole table, so it is read once: the counts by
  * state are the sums of the counts by tool and state. */
-static const char SQL_COUNTS[] =
-    "WITH x AS MATERIALIZED (SELECT tool, status, count(*) AS n FROM effects GROUP BY tool, status)"
-    " SELECT json_build_object("
-    " 'now', now(),"
-    " 'effects_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"
-    "   FROM (SELECT status, sum(n)::bigint AS n FROM x GROUP BY status) s),"
-    " 'effects_by_tool', (SELECT coalesce(json_object_agg(tool, states ORDER BY tool), '{}')"
-    "   FROM (SELECT tool, json_object_agg(status, n ORDER BY status) AS states"
-    "     FROM x GROUP BY tool) t),"
-    " 'obligations_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"
-    "   FROM (SELECT status, count(*) AS n FROM obligations GROUP BY status) s),"
-    " 'runs_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"
-    "   FROM (SELECT status, count(*) AS n FROM runs GROUP BY status) s),"
-    /* ACTIVE runs whose effects are all settled: done with their work, but never completed */
-    " 'runs_active_settled', (SELECT count(*) FROM runs r WHERE r.status = 'ACTIVE'"
-    "   AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"
-    "     AND e.status IN ('PLANNED', 'AWAITING_APPROVAL', 'DISPATCHING', 'UNKNOWN'))),"
-    " 'stuck_effects', (SELECT count(*) FROM effects WHERE status = 'STUCK'),"
-    " 'stuck_obligations', (SELECT count(*) FROM obligations WHERE status = 'STUCK'),"
-    " 'unknown', (SELECT count(*) FROM effects WHERE status = 'UNKNOWN'),"
-    " 'unknown_aging', (SELECT count(*) FROM effects WHERE status = 'UNKNOWN'"
-    "   AND now() - coalesce(unknown_since, updated_at) > make_interval(secs => $1::float8)),"
-    " 'awaiting_approval', (SELECT count(*) FROM effects WHERE status = 'AWAITING_APPROVAL')"
-    "   + (SELECT count(*) FROM obligations WHERE status = 'AWAITING_APPROVAL'),"
-    " 'alerts_open', (SELECT count(*) FROM alerts WHERE status = 'TRIGGERED'),"
-    " 'findings_open', (SELECT count(*) FROM findings WHERE status = 'OPEN'),"
-    " 'message_outbox_backlog', (SELECT count(*) FROM message_outbox))";
+#define SQL_COUNTS_(REFS_BACKLOG)                                                                  \
+    "WITH x AS MATERIALIZED (SELECT tool, status, count(*) AS n FROM effects GROUP BY tool, "      \
+    "status)"                                                                                      \
+    " SELECT json_build_object("                                                                   \
+    " 'now', now(),"                                                                               \
+    " 'effects_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"      \
+    "   FROM (SELECT status, sum(n)::bigint AS n FROM x GROUP BY status) s),"                      \
+    " 'effects_by_tool', (SELECT coalesce(json_object_agg(tool, states ORDER BY tool), '{}')"      \
+    "   FROM (SELECT tool, json_object_agg(status, n ORDER BY status) AS states"                   \
+    "     FROM x GROUP BY tool) t),"                                                               \
+    " 'obligations_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"  \
+    "   FROM (SELECT status, count(*) AS n FROM obligations GROUP BY status) s),"                  \
+    " 'runs_by_state', (SELECT coalesce(json_object_agg(status, n ORDER BY status), '{}')"         \
+    "   FROM (SELECT status, count(*) AS n FROM runs GROUP BY status) s)," /* ACTIVE runs whose    \
+                                                                              effects are all      \
+                                                                              settled: done with   \
+                                                                              their work, but      \
+                                                                              never completed */   \
+    " 'runs_active_settled', (SELECT count(*) FROM runs r WHERE r.status = 'ACTIVE'"               \
+    "   AND NOT EXISTS (SELECT 1 FROM effects e WHERE e.run_id = r.run_id"                         \
+    "     AND e.status IN ('PLANNED', 'AWAITING_APPROVAL', 'DISPATCHING', 'UNKNOWN'))),"           \
+    " 'stuck_effects', (SELECT count(*) FROM effects WHERE status = 'STUCK'),"                     \
+    " 'stuck_obligations', (SELECT count(*) FROM obligations WHERE status = 'STUCK'),"             \
+    " 'unknown', (SELECT count(*) FROM effects WHERE status = 'UNKNOWN'),"                         \
+    " 'unknown_aging', (SELECT count(*) FROM effects WHERE status = 'UNKNOWN'"                     \
+    "   AND now() - coalesce(unknown_since, updated_at) > make_interval(secs => $1::float8)),"     \
+    " 'awaiting_approval', (SELECT count(*) FROM effects WHERE status = 'AWAITING_APPROVAL')"      \
+    "   + (SELECT count(*) FROM obligations WHERE status = 'AWAITING_APPROVAL'),"                  \
+    " 'alerts_open', (SELECT count(*) FROM alerts WHERE status = 'TRIGGERED'),"                    \
+    " 'findings_open', (SELECT count(*) FROM findings WHERE status = 'OPEN'),"                     \
+    " 'message_outbox_backlog', (SELECT count(*) FROM message_outbox)" REFS_BACKLOG ")"
+static const char SQL_COUNTS[] = SQL_COUNTS_(" + 0");
+/* On schema 17 the outcome messages by reference (message_refs) wait too. */
+static const char SQL_COUNTS_REFS[] = SQL_COUNTS_(" + (SELECT count(*) FROM message_refs)");
 
 /* STUCK effects and obligations, longest stuck first, each with its open page
  * if any. An obligation's page is the one naming it; an effect's is the one
@@ -599,7 +606,8 @@ int tally_cmd_status(int argc, char **argv, tally_config_t *cfg)
 
     /* One snapshot: every list and count agrees with the others. */
     if (!cli_begin_snapshot(pg, &err) ||
-        (counts = cli_query_json(pg, SQL_COUNTS, 1, params, &err)) == NULL ||
+        (counts = cli_query_json(pg, cli_has_message_refs(pg) ? SQL_COUNTS_REFS : SQL_COUNTS, 1,
+                                 params, &err)) == NULL ||
         (stuck = cli_query_json(pg, SQL_STUCK, 0, NULL, &err)) == NULL ||
         (unknown = cli_query_json(pg, SQL_UNKNOWN, 1, params, &err)) == NULL ||
         (approvals = cli_query_json(pg, SQL_APPROVALS, 0, NULL, &err)) == NULL ||

@@ -71,6 +71,16 @@ int cli_pg_fail(const char *verb, const char *what, const tally_error_t *err)
     return cli_pg_rc(err);
 }
 
+bool cli_has_message_refs(tally_pg_t *pg)
+{
+    tally_error_t err;
+    PGresult *res =
+        tally_pg_exec(pg, "SELECT to_regclass('message_refs') IS NOT NULL", 0, NULL, &err);
+    bool has = res != NULL && PQntuples(res) == 1 && PQgetvalue(res, 0, 0)[0] == 't';
+    PQclear(res);
+    return has;
+}
+
 json_t *cli_query_json(tally_pg_t *pg, const char *sql, int nparams, const char *const *params,
                        tally_error_t *err)
 {

@@ -59,6 +59,13 @@ int cli_pg_rc(const tally_error_t *err);
 int cli_pg_fail(const char *verb, const char *what, const tally_error_t *err);
 
 /**
+ * @brief Whether the ledger has message_refs (schema 17): the outcome messages that reference
+ * it, waiting for the relay beside message_outbox's. False on an older ledger, and on error
+ * (then the statement that counts them fails the same way, and says why).
+ */
+bool cli_has_message_refs(tally_pg_t *pg);
+
+/**
  * @brief Run a statement that returns one row with one json/jsonb column, and
  * parse it.
  * @returns a new reference, or NULL with @p err filled (an SQL error, no row,

@@ -304,6 +304,10 @@ typedef struct effect_view {
     bool own;             /**< the answer to one message alone: not copied to the effect's
                                replies (a replay, a conflict) */
     const char *reply_to; /**< that message's reply destination, or NULL */
+    const char *ref;      /**< the id of the "transition" audit event this outcome reports,
+                               when the event is one the relay can build again from the
+                               ledger (tally_outbox_batch_add_ref): it is then the event's id,
+                               and the outcome's message may be a reference to it */
 } effect_view_t;
 
 /**

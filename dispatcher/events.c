@@ -1,5 +1,4 @@
 /* events.c — the effect events the dispatcher publishes on tally.outcomes (DESIGN §5). */
-#include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,54 +32,33 @@ char *dispatch_dump(json_t *v)
 bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const effect_view_t *v,
                              const json_t *extra)
 {
-    char type[96];
-    char lower[40];
-    size_t i = 0;
-    for (; v->status[i] && i < sizeof lower - 1; i++)
-        lower[i] = (char)tolower((unsigned char)v->status[i]);
-    lower[i] = '\0';
-    snprintf(type, sizeof type, "tally.effect.%s.v1", lower);
-
     /* Written as text: one of these goes out for every effect (tally_jtext_t) */
+    tally_effect_event_t e = {.source = d->source,
+                              .id = v->ref,
+                              .effect_id = v->effect_id,
+                              .run_id = v->run_id,
+                              .step = v->step,
+                              .step_is_number = v->step_is_number,
+                              .tool = v->tool,
+                              .operation_key = v->operation_key,
+                              .status = v->status,
+                              .receipt = v->receipt,
+                              .receipt_text = v->receipt_text,
+                              .external_ref = v->external_ref,
+                              .error_code = v->error_code,
+                              .error_message = v->error_message,
+                              .attempts = v->attempts,
+                              .intent_id = v->intent_id,
+                              .extra = extra};
     char id[37];
-    tally_jtext_t j = {0};
-    tally_jtext_begin(&j, NULL);
-    tally_ce_envelope_text(&j, type, d->source, v->effect_id, id);
-    tally_jtext_begin(&j, "data");
-    tally_jtext_str(&j, "effect_id", v->effect_id);
-    tally_jtext_str(&j, "run_id", v->run_id);
-    tally_step_jtext(&j, "step", v->step, v->step_is_number);
-    tally_jtext_str(&j, "tool", v->tool);
-    tally_jtext_str(&j, "operation_key", v->operation_key);
-    tally_jtext_str(&j, "status", v->status);
-    if (v->receipt_text)
-        tally_jtext_raw(&j, "receipt", v->receipt_text);
-    else
-        tally_jtext_value(&j, "receipt", v->receipt);
-    tally_jtext_str(&j, "external_ref", v->external_ref);
-    if (v->error_code) {
-        tally_jtext_begin(&j, "error");
-        tally_jtext_str(&j, "code", v->error_code);
-        tally_jtext_str(&j, "message", v->error_message ? v->error_message : "");
-        tally_jtext_end(&j);
-    } else {
-        tally_jtext_raw(&j, "error", NULL);
-    }
-    tally_jtext_int(&j, "attempts", v->attempts);
-    tally_jtext_str(&j, "intent_id", v->intent_id);
-    const char *key;
-    json_t *value;
-    json_object_foreach((json_t *)extra, key, value)
-    {
-        tally_jtext_value(&j, key, value);
-    }
-    tally_jtext_end(&j); /* data */
-    tally_jtext_end(&j); /* the event */
-    char *payload = tally_jtext_take(&j);
+    char *payload = tally_ce_effect_text(&e, id);
     if (!payload)
         return false;
-    tally_outbox_batch_add_answer(ob, "outcomes", v->run_id, id, v->effect_id, payload,
-                                  v->own ? TALLY_REPLY_NONE : TALLY_REPLY_AUTO, v->reply_to);
+    if (v->ref != NULL)
+        tally_outbox_batch_add_ref(ob, "outcomes", v->run_id, id, v->effect_id, payload);
+    else
+        tally_outbox_batch_add_answer(ob, "outcomes", v->run_id, id, v->effect_id, payload,
+                                      v->own ? TALLY_REPLY_NONE : TALLY_REPLY_AUTO, v->reply_to);
     free(payload);
     return true;
 }

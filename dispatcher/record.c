@@ -21,6 +21,8 @@
 #include "tally/json.h"
 #include "tally/ledger.h"
 #include "tally/log.h"
+#include "tally/migrate.h"
+#include "tally/id.h"
 #include "tally/runops.h"
 #include "tally/text.h"
 
@@ -167,6 +169,35 @@ static const char SQL_RECORD_FINAL[] =
     " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
+
+/* SQL_RECORD_FINAL on a ledger with message_refs (schema 17): an outcome that reports its
+ * transition by reference (record_events) is a message_refs row, and comes back ('m' rows
+ * without a payload) with what the relay builds its event from, read from what this statement
+ * wrote (TALLY_RELAY_REF_BUILD): the relay builds it as it would from the tables. */
+static const char SQL_RECORD_FINAL_REFS[] =
+    "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
+    " upd AS (UPDATE effects e SET status = x.status,"
+    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
+    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"
+    "     ELSE e.receipt_sealed END,"
+    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
+    "     ELSE e.external_ref END,"
+    "   error_code = x.error_code, error_message = x.error_message,"
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
+    "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
+    "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.step_quoted, e.tool,"
+    "     e.operation_key, e.intent_id, e.receipt),"
+    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) " RETURNING event_id, occurred_at, actor,"
+    "   to_status, CASE WHEN kind = 'transition' THEN data END AS data, effect_id),"
+    TALLY_OUTBOX_REFS_CTES("$3", WON_MESSAGES, "$4", "$5")
+    " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL, " TALLY_RELAY_REF_NONE
+    " FROM upd"
+    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply, "
+    TALLY_RELAY_REF_NONE " FROM mo"
+    " UNION ALL SELECT 'm', mr.id::text, 'outcomes', mr.msg_key, mr.event_id::text, NULL, NULL, "
+    TALLY_RELAY_REF_BUILD("ev", "u") " FROM mr JOIN ev ON ev.event_id = mr.event_id"
+    " JOIN upd u ON u.effect_id = ev.effect_id";
 // clang-format on
 
 /* ---------------------------------------------------------------------------------------- */
@@ -243,9 +274,16 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                   .reason = x->v.code,
                                   .data_text = x->call_record};
         tally_audit_batch_add(ab, &ev);
+        /* An outcome the relay can build again from the ledger alone (TALLY_RELAY_REF_BUILD)
+         * reports this transition by its id: its receipt is the effect's (CONFIRMED), or it
+         * has none. */
+        char transition_id[37];
+        tally_uuid_v7(transition_id);
+        bool by_ref = !retry && (dec->state == TALLY_EFFECT_CONFIRMED || x->receipt_text == NULL);
         ev.kind = "transition";
         ev.reason = error ? dec->error_message : NULL;
         ev.data_text = tdata;
+        ev.event_id = by_ref ? transition_id : NULL;
         (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, TALLY_EFFECT_DISPATCHING, dec->state, &ev);
         free(tdata);
         if (!retry) {
@@ -261,7 +299,8 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                .error_code = error ? dec->error_code : NULL,
                                .error_message = error ? dec->error_message : NULL,
                                .attempts = call->attempts,
-                               .intent_id = call->intent_id};
+                               .intent_id = call->intent_id,
+                               .ref = by_ref ? transition_id : NULL};
             if (!dispatch_publish_effect(d, ob, &v, NULL)) {
                 tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
                 return false;
@@ -300,8 +339,9 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
     char lease[16];
     snprintf(lease, sizeof lease, "%d", TALLY_RELAY_HAND_LEASE_MS);
     const char *params[6] = {rows, ev, mo, relay ? tally_relay_owner(relay) : NULL, lease, n_rows};
-    PGresult *res =
-        tally_pg_exec_bin(d->rec_pg, SQL_RECORD_FINAL, 6, params, lengths, formats, err);
+    bool refs = tally_worker_schema(d->w) >= TALLY_SCHEMA_MESSAGE_REFS;
+    PGresult *res = tally_pg_exec_bin(d->rec_pg, refs ? SQL_RECORD_FINAL_REFS : SQL_RECORD_FINAL, 6,
+                                      params, lengths, formats, err);
     if (!res)
         return false;
     /* Which rows it wrote ('e' rows). Out of memory for that, they all count as written: the

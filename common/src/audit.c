@@ -74,8 +74,12 @@ void tally_audit_batch_add(tally_audit_batch_t *b, const tally_audit_event_t *ev
         tally_columns_fail(c, "an audit event needs a kind and an actor");
         return;
     }
-    char event_id[37];
-    tally_uuid_v7(event_id);
+    char fresh[37];
+    const char *event_id = ev->event_id;
+    if (event_id == NULL) {
+        tally_uuid_v7(fresh);
+        event_id = fresh;
+    }
     /* serialised now: the caller may change or free its data after this returns */
     char *data = ev->data ? json_dumps(ev->data, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
     char *members = NULL;

@@ -6,6 +6,7 @@
  * message is never handed to the JSON parser. */
 #include "tally/cloudevent.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -53,15 +54,76 @@ bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *sour
         j->failed = true;
         return false;
     }
+    return tally_ce_envelope_text_at(j, type, source, subject, id_out, time_text);
+}
+
+bool tally_ce_envelope_text_at(tally_jtext_t *j, const char *type, const char *source,
+                               const char *subject, const char *id, const char *time)
+{
     tally_jtext_str(j, "specversion", "1.0");
-    tally_jtext_str(j, "id", id_out);
+    tally_jtext_str(j, "id", id);
     tally_jtext_str(j, "source", source);
     tally_jtext_str(j, "type", type);
-    tally_jtext_str(j, "time", time_text);
+    tally_jtext_str(j, "time", time);
     tally_jtext_str(j, "datacontenttype", "application/json");
     if (subject != NULL)
         tally_jtext_str(j, "subject", subject);
     return !j->failed;
+}
+
+char *tally_ce_effect_text(const tally_effect_event_t *e, char id_out[37])
+{
+    char type[96];
+    char lower[40];
+    size_t i = 0;
+    for (; e->status[i] && i < sizeof lower - 1; i++)
+        lower[i] = (char)tolower((unsigned char)e->status[i]);
+    lower[i] = '\0';
+    snprintf(type, sizeof type, "tally.effect.%s.v1", lower);
+
+    tally_jtext_t j = {0};
+    tally_jtext_begin(&j, NULL);
+    char now[32];
+    if (e->id != NULL) {
+        tally_text_copy(id_out, 37, e->id);
+        if (e->time == NULL && !rfc3339_now(now))
+            j.failed = true;
+        tally_ce_envelope_text_at(&j, type, e->source, e->effect_id, e->id,
+                                  e->time != NULL ? e->time : now);
+    } else {
+        tally_ce_envelope_text(&j, type, e->source, e->effect_id, id_out);
+    }
+    tally_jtext_begin(&j, "data");
+    tally_jtext_str(&j, "effect_id", e->effect_id);
+    tally_jtext_str(&j, "run_id", e->run_id);
+    tally_step_jtext(&j, "step", e->step, e->step_is_number);
+    tally_jtext_str(&j, "tool", e->tool);
+    tally_jtext_str(&j, "operation_key", e->operation_key);
+    tally_jtext_str(&j, "status", e->status);
+    if (e->receipt_text)
+        tally_jtext_raw(&j, "receipt", e->receipt_text);
+    else
+        tally_jtext_value(&j, "receipt", e->receipt);
+    tally_jtext_str(&j, "external_ref", e->external_ref);
+    if (e->error_code) {
+        tally_jtext_begin(&j, "error");
+        tally_jtext_str(&j, "code", e->error_code);
+        tally_jtext_str(&j, "message", e->error_message ? e->error_message : "");
+        tally_jtext_end(&j);
+    } else {
+        tally_jtext_raw(&j, "error", NULL);
+    }
+    tally_jtext_int(&j, "attempts", e->attempts);
+    tally_jtext_str(&j, "intent_id", e->intent_id);
+    const char *key;
+    json_t *value;
+    json_object_foreach((json_t *)e->extra, key, value)
+    {
+        tally_jtext_value(&j, key, value);
+    }
+    tally_jtext_end(&j); /* data */
+    tally_jtext_end(&j); /* the event */
+    return tally_jtext_take(&j);
 }
 
 json_t *tally_ce_new(const char *type, const char *source, const char *subject, json_t *data,

@@ -16,15 +16,16 @@ struct tally_outbox_batch {
     tally_columns_t cols;
 };
 
-/* topic, msg_key, event_id, effect_id, payload, scope, reply (TALLY_OUTBOX_INSERT) */
-#define N_COLS 7
+/* topic, msg_key, event_id, effect_id, payload, scope, reply (TALLY_OUTBOX_INSERT), and ref
+ * (TALLY_OUTBOX_REFS_CTES) */
+#define N_COLS 8
 
 /* "n" keeps the order of the batch in message_outbox.id, which is the relay's order. */
 static const char SQL_INSERT[] = TALLY_OUTBOX_INSERT("$1", "");
 
 static void add_row(tally_outbox_batch_t *b, const char *topic, const char *key,
                     const char *event_id, const char *effect_id, const char *payload,
-                    const char *fanout, const char *reply);
+                    const char *fanout, const char *reply, const char *ref);
 static bool uuid_text(const char *s);
 
 tally_outbox_batch_t *tally_outbox_batch_new(void)
@@ -63,7 +64,7 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
             : run_event        ? "run"
             : uuid_text(about) ? "effect"
                                : NULL,
-            NULL);
+            NULL, NULL);
     free(payload);
 }
 
@@ -95,16 +96,25 @@ void tally_outbox_batch_add_answer(tally_outbox_batch_t *b, const char *topic, c
     if (scope == TALLY_REPLY_AUTO && topic != NULL && strcmp(topic, "outcomes") == 0 &&
         uuid_text(effect_id))
         fanout = "effect";
-    add_row(b, topic, key, event_id, effect_id, payload, fanout, NULL);
+    add_row(b, topic, key, event_id, effect_id, payload, fanout, NULL, NULL);
     if (reply_to != NULL)
-        add_row(b, "replies", key, event_id, effect_id, payload, NULL, reply_to);
+        add_row(b, "replies", key, event_id, effect_id, payload, NULL, reply_to, NULL);
+}
+
+void tally_outbox_batch_add_ref(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                const char *event_id, const char *effect_id, const char *payload)
+{
+    add_row(b, topic, key, event_id, effect_id, payload,
+            topic != NULL && strcmp(topic, "outcomes") == 0 && uuid_text(effect_id) ? "effect"
+                                                                                    : NULL,
+            NULL, event_id);
 }
 
 /* One row: @p fanout the reply scope ("effect", "run" or NULL), @p reply its own destination
- * (topic "replies"). */
+ * (topic "replies"), @p ref the audit event the relay may build it from (or NULL). */
 static void add_row(tally_outbox_batch_t *b, const char *topic, const char *key,
                     const char *event_id, const char *effect_id, const char *payload,
-                    const char *fanout, const char *reply)
+                    const char *fanout, const char *reply, const char *ref)
 {
     tally_columns_t *c = &b->cols;
     if (c->failed)
@@ -139,7 +149,8 @@ static void add_row(tally_outbox_batch_t *b, const char *topic, const char *key,
     bool ok = tally_columns_row_begin(c) && tally_columns_text(c, topic) &&
               tally_columns_text(c, key) && tally_columns_text(c, event_id) &&
               tally_columns_text(c, effect_id) && tally_columns_text(c, payload) &&
-              tally_columns_text(c, fanout) && tally_columns_text(c, reply);
+              tally_columns_text(c, fanout) && tally_columns_text(c, reply) &&
+              tally_columns_text(c, ref);
     free(bounded);
     if (!tally_columns_row_end(c, ok))
         tally_columns_fail(c,

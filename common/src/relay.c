@@ -9,6 +9,12 @@
  * idle_in_transaction_session_timeout ends it) gives its rows back at once: a message may be
  * published twice (consumers deduplicate by the CloudEvent id, which the "ce_id" header also
  * carries) but is never lost. No lease UPDATE per row: one statement and one commit per round.
+ *
+ * On a ledger of schema 17 or later the relay drains message_refs beside message_outbox: a row
+ * there names the "transition" audit event an outcome reports, and the statement that takes it
+ * reads that event and its effect (TALLY_RELAY_REF_BUILD) so that the event is built here, with
+ * the dispatcher's builder (tally_ce_effect_text), from rows that never change: the same bytes
+ * on every retry (docs/hacking.md, "Outcome messages by reference").
  */
 #include "tally/relay.h"
 
@@ -56,12 +62,44 @@ static const char SQL_TAKE[] =
     "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
     " RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, m.reply::text";
 
+/* SQL_TAKE on schema 17: message_refs too, each reference with what its event is built from
+ * (a reference whose audit event is missing comes back with NULLs there: it fails, and waits
+ * out a backoff, rather than being lost). Both tables share one sequence, so the rows of both
+ * sort into one order. */
+#define TAKE_DUE(TABLE)                                                                            \
+    " m.id IN (SELECT id FROM " TABLE " WHERE lease_until IS NULL OR lease_until < now()"          \
+    "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
+static const char SQL_TAKE_REFS[] =
+    "WITH t AS (SELECT set_config('idle_in_transaction_session_timeout', $2, true)),"
+    " mo AS (DELETE FROM message_outbox m USING t WHERE" TAKE_DUE(
+        "message_outbox") "  RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, "
+                          "m.reply::text),"
+                          " mr AS (DELETE FROM message_refs m USING t WHERE" TAKE_DUE(
+                              "message_refs") "  RETURNING m.id, m.msg_key, m.event_id)"
+                                              " SELECT id, topic, msg_key, event_id, payload, "
+                                              "reply, " TALLY_RELAY_REF_NONE " FROM mo"
+                                              " UNION ALL SELECT mr.id, 'outcomes', mr.msg_key, "
+                                              "mr.event_id::text, NULL, "
+                                              "NULL, " TALLY_RELAY_REF_BUILD(
+                                                  "ev", "e") " FROM mr LEFT JOIN events ev ON "
+                                                             "ev.event_id = mr.event_id"
+                                                             " LEFT JOIN effects e ON e.effect_id "
+                                                             "= ev.effect_id";
+
 /* Delivered after their round gave up on them: gone. */
 static const char SQL_DELETE[] = "DELETE FROM message_outbox WHERE id = ANY($1::bigint[])";
+static const char SQL_DELETE_REFS[] =
+    "WITH mo AS (DELETE FROM message_outbox WHERE id = ANY($1::bigint[]))"
+    " DELETE FROM message_refs WHERE id = ANY($1::bigint[])";
 
 /* Handed over but never published (the relay stopped first): anybody may take them now. */
 static const char SQL_RELEASE[] = "UPDATE message_outbox SET lease_owner = NULL, lease_until = NULL"
                                   " WHERE id = ANY($1::bigint[]) AND lease_owner = $2";
+static const char SQL_RELEASE_REFS[] =
+    "WITH mo AS (UPDATE message_outbox SET lease_owner = NULL, lease_until = NULL"
+    " WHERE id = ANY($1::bigint[]) AND lease_owner = $2)"
+    " UPDATE message_refs SET lease_owner = NULL, lease_until = NULL"
+    " WHERE id = ANY($1::bigint[]) AND lease_owner = $2";
 
 /* After a ROLLBACK: the delivered rows go; the failed ones wait 1 s, 2 s, 4 s ... 30 s, with
  * the reason; those without a report yet wait out the lease ($1 ms), deleted by a late report.
@@ -72,23 +110,31 @@ static const char SQL_RELEASE[] = "UPDATE message_outbox SET lease_owner = NULL,
 #define REPLY_MAX_ATTEMPTS 8
 #define STR_(x)            #x
 #define STR(x)             STR_(x)
-static const char SQL_SETTLE[] =
-    "WITH f AS (SELECT * FROM json_to_recordset($2::json) AS f(id bigint, st text, err text)),"
-    " d AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st = 'delivered'),"
-    " g AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st <> 'delivered'"
-    "  AND m.topic = 'replies' AND m.attempts + 1 >= " STR(
-        REPLY_MAX_ATTEMPTS) "  RETURNING m.id, m.event_id, m.reply ->> 'topic' AS dest, f.err),"
-                            " u AS (UPDATE message_outbox m SET attempts = m.attempts + 1, "
-                            "last_error = f.err,"
-                            " lease_owner = CASE WHEN f.st = 'pending' THEN $3 END,"
-                            " lease_until = CASE WHEN f.st = 'pending' THEN now() + $1::int * "
-                            "interval '1 millisecond'"
-                            "  ELSE now() + least(interval '30 seconds',"
-                            "   interval '1 second' * power(2, least(m.attempts, 5))) END"
-                            " FROM f WHERE m.id = f.id AND f.st <> 'delivered'"
-                            "  AND NOT (m.topic = 'replies' AND m.attempts + 1 >= " STR(
-                                REPLY_MAX_ATTEMPTS) "))"
-                                                    " SELECT event_id, dest, err FROM g";
+// clang-format off
+#define SETTLE_BACKOFF(M)                                                                          \
+    " attempts = " M ".attempts + 1, last_error = f.err,"                                          \
+    " lease_owner = CASE WHEN f.st = 'pending' THEN $3 END,"                                       \
+    " lease_until = CASE WHEN f.st = 'pending' THEN now() + $1::int * interval '1 millisecond'"    \
+    "  ELSE now() + least(interval '30 seconds',"                                                  \
+    "   interval '1 second' * power(2, least(" M ".attempts, 5))) END"
+#define SETTLE_OUTBOX                                                                              \
+    "WITH f AS (SELECT * FROM json_to_recordset($2::json) AS f(id bigint, st text, err text)),"    \
+    " d AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st = 'delivered'),"       \
+    " g AS (DELETE FROM message_outbox m USING f WHERE m.id = f.id AND f.st <> 'delivered'"        \
+    "  AND m.topic = 'replies' AND m.attempts + 1 >= " STR(REPLY_MAX_ATTEMPTS)                     \
+    "  RETURNING m.id, m.event_id, m.reply ->> 'topic' AS dest, f.err),"                           \
+    " u AS (UPDATE message_outbox m SET" SETTLE_BACKOFF("m")                                       \
+    "  FROM f WHERE m.id = f.id AND f.st <> 'delivered'"                                           \
+    "  AND NOT (m.topic = 'replies' AND m.attempts + 1 >= " STR(REPLY_MAX_ATTEMPTS) "))"
+static const char SQL_SETTLE[] = SETTLE_OUTBOX " SELECT event_id, dest, err FROM g";
+/* The same for both tables (schema 17): a reference is no reply, and is never given up. */
+static const char SQL_SETTLE_REFS[] =
+    SETTLE_OUTBOX ","
+    " rd AS (DELETE FROM message_refs m USING f WHERE m.id = f.id AND f.st = 'delivered'),"
+    " ru AS (UPDATE message_refs m SET" SETTLE_BACKOFF("m")
+    "  FROM f WHERE m.id = f.id AND f.st <> 'delivered')"
+    " SELECT event_id, dest, err FROM g";
+// clang-format on
 
 /* How long a round waits for the reports of replies once every other message of the round is
  * reported: a reply topic that does not exist holds its message for the topic's whole message
@@ -104,8 +150,21 @@ static const char SQL_BACKLOG[] =
     " n AS (SELECT count(*) AS n FROM (SELECT 1 FROM message_outbox LIMIT 10000) x)"
     " SELECT CASE WHEN n.n < 10000 THEN n.n"
     "  ELSE (SELECT max(id) FROM message_outbox) - head.id + 1 END,"
-    " coalesce(extract(epoch FROM now() - head.created_at), 0)::float8"
+    " coalesce(extract(epoch FROM now() - head.created_at), 0)::float8,"
+    " to_regclass('message_refs') IS NOT NULL"
     " FROM n LEFT JOIN head ON true";
+/* The same over both tables (schema 17), each table counted as above. */
+#define BACKLOG_OF(T, H, N)                                                                        \
+    " " H " AS (SELECT id, created_at FROM " T " ORDER BY id LIMIT 1),"                            \
+    " " N " AS (SELECT CASE WHEN c.n < 10000 THEN c.n"                                             \
+    "  ELSE (SELECT max(id) FROM " T ") - (SELECT id FROM " H ") + 1 END AS n"                     \
+    "  FROM (SELECT count(*) AS n FROM (SELECT 1 FROM " T " LIMIT 10000) x) c)"
+static const char SQL_BACKLOG_REFS[] =
+    "WITH" BACKLOG_OF("message_outbox", "ho", "no") "," BACKLOG_OF(
+        "message_refs", "hr",
+        "nr") " SELECT (SELECT n FROM no) + (SELECT n FROM nr),"
+              " coalesce(extract(epoch FROM now() - least((SELECT created_at FROM ho),"
+              "  (SELECT created_at FROM hr))), 0)::float8, true";
 
 typedef enum {
     RELAY_ROW_PENDING = 0,
@@ -121,6 +180,7 @@ typedef struct relay_row {
     const char *payload;
     int payload_len;
     const char *reply; /* topic 'replies': the destination (JSON), else NULL */
+    char *built;       /* a reference's event, built by the relay (payload points at it) */
     relay_row_state_t state;
     char error[256];
 } relay_row_t;
@@ -147,6 +207,7 @@ struct tally_relay {
     int poll_ms;
     int lease_ms; /* longer than the longest wait for delivery reports */
     int wait_ms;  /* message.timeout.ms plus a margin: every report arrives within it */
+    bool refs;    /* the ledger has message_refs (schema 17): drain it too */
 
     const tally_config_t *cfg; /* for re-creating the producer after a fatal error */
     tally_pg_t *pg;
@@ -386,13 +447,18 @@ static void refresh_gauges(tally_relay_t *r)
         return;
     r->gauges_at_ms = now;
     tally_error_t err;
-    PGresult *res = tally_pg_exec(r->pg, SQL_BACKLOG, 0, NULL, &err);
+    PGresult *res = tally_pg_exec(r->pg, r->refs ? SQL_BACKLOG_REFS : SQL_BACKLOG, 0, NULL, &err);
     if (res == NULL) {
         TALLY_DEBUG("relay: cannot read the outbox backlog: %s", err.message);
         return;
     }
     tally_metric_set(r->m_backlog, strtod(PQgetvalue(res, 0, 0), NULL));
     tally_metric_set(r->m_lag, strtod(PQgetvalue(res, 0, 1), NULL));
+    if (!r->refs && PQgetvalue(res, 0, 2)[0] == 't') {
+        /* migrated to schema 17 while running: take references from the next round on */
+        TALLY_INFO("relay: the ledger has message_refs now; draining it too");
+        r->refs = true;
+    }
     PQclear(res);
 }
 
@@ -425,7 +491,7 @@ static void delete_late(tally_relay_t *r)
     }
     const char *params[1] = {arr};
     tally_error_t err;
-    bool ok = tally_pg_run(r->pg, SQL_DELETE, 1, params, &err);
+    bool ok = tally_pg_run(r->pg, r->refs ? SQL_DELETE_REFS : SQL_DELETE, 1, params, &err);
     free(arr);
     if (!ok) {
         TALLY_WARN("relay: cannot delete %zu delivered message_outbox rows (%s: %s); retrying",
@@ -459,7 +525,7 @@ static void settle_round(tally_relay_t *r)
             TALLY_WARN("relay: out of memory settling %zu message_outbox rows; they are "
                        "published again",
                        r->n_rows);
-        else if (!tally_pg_run(r->pg, SQL_DELETE, 1, params, &err))
+        else if (!tally_pg_run(r->pg, r->refs ? SQL_DELETE_REFS : SQL_DELETE, 1, params, &err))
             TALLY_WARN("relay: cannot delete %zu published message_outbox rows (%s: %s); they "
                        "are published again",
                        r->n_rows, err.code, err.message);
@@ -489,7 +555,7 @@ static void settle_round(tally_relay_t *r)
     snprintf(lease, sizeof(lease), "%d", r->lease_ms);
     const char *params[3] = {lease, text, r->owner};
     tally_error_t err;
-    PGresult *res = tally_pg_exec(r->pg, SQL_SETTLE, 3, params, &err);
+    PGresult *res = tally_pg_exec(r->pg, r->refs ? SQL_SETTLE_REFS : SQL_SETTLE, 3, params, &err);
     if (res == NULL)
         TALLY_WARN("relay: cannot settle %zu message_outbox rows (%s: %s); they are published "
                    "again",
@@ -641,6 +707,89 @@ static void produce_row(tally_relay_t *r, relay_row_t *row, int64_t deadline)
         rd_kafka_topic_destroy(dest.rkt);
 }
 
+/* A receipt as the ledger gives it back (jsonb's text, with spaces) in the compact form the
+ * events carry: its tokens byte for byte when json_scan.c is sure of them, else jansson's
+ * compact form of it, else the ledger's text itself. Each is a function of the stored value
+ * alone, so every build writes the same bytes. @returns malloc'd text, or NULL (memory). */
+static char *receipt_compact(const char *text, size_t len)
+{
+    const char *ref = NULL;
+    size_t ref_len = 0;
+    char *compact = tally_json_object_compact(text, len, NULL, &ref, &ref_len);
+    if (compact != NULL)
+        return compact;
+    json_t *doc = json_loadb(text, len, TALLY_JSON_LOAD_FLAGS, NULL);
+    compact = doc != NULL ? json_dumps(doc, JSON_COMPACT) : NULL;
+    json_decref(doc);
+    return compact != NULL ? compact : strndup(text, len);
+}
+
+/* The event of a message_refs row, from the TALLY_RELAY_REF_BUILD columns of @p res at row
+ * @p row from column @p c on: built with the dispatcher's own builder from the audit event
+ * (id @p event_id, time, actor, state, data) and its effect, and cut as outbox.c cuts an event
+ * over TALLY_LIMIT_EVENT_BYTES. @returns malloc'd text, or NULL with the reason in @p why. */
+static char *ref_payload(const PGresult *res, int row, int c, const char *event_id, char *why,
+                         size_t whysz)
+{
+    if (PQgetisnull(res, row, c) || PQgetisnull(res, row, c + 4)) {
+        tally_fmt(why, whysz, "its audit event %s or its effect is not in the ledger", event_id);
+        return NULL;
+    }
+    json_t *data = json_loads(PQgetvalue(res, row, c + 3), 0, NULL);
+    json_t *error = json_object_get(data, "error");
+    char source[sizeof TALLY_CE_DISPATCHER_SOURCE + 256];
+    tally_fmt(source, sizeof source, "%s%s", TALLY_CE_DISPATCHER_SOURCE,
+              PQgetvalue(res, row, c + 1));
+    char *receipt = NULL;
+    if (!PQgetisnull(res, row, c + 11) &&
+        (receipt = receipt_compact(PQgetvalue(res, row, c + 11),
+                                   (size_t)PQgetlength(res, row, c + 11))) == NULL) {
+        json_decref(data);
+        tally_fmt(why, whysz, "out of memory");
+        return NULL;
+    }
+    const char *error_code = json_string_value(json_object_get(error, "code"));
+    tally_effect_event_t e = {
+        .source = source,
+        .id = event_id,
+        .time = PQgetvalue(res, row, c),
+        .effect_id = PQgetvalue(res, row, c + 4),
+        .run_id = PQgetvalue(res, row, c + 5),
+        .step = PQgetvalue(res, row, c + 6),
+        .step_is_number = PQgetvalue(res, row, c + 7)[0] == 't',
+        .tool = PQgetvalue(res, row, c + 8),
+        .operation_key = PQgetvalue(res, row, c + 9),
+        .status = PQgetvalue(res, row, c + 2),
+        .receipt_text = receipt,
+        .external_ref = json_string_value(json_object_get(data, "external_ref")),
+        .error_code = error_code,
+        .error_message =
+            error_code != NULL ? json_string_value(json_object_get(error, "message")) : NULL,
+        .attempts = (long long)json_integer_value(json_object_get(data, "attempt")),
+        .intent_id = PQgetvalue(res, row, c + 10)};
+    char id[37];
+    char *payload = data != NULL ? tally_ce_effect_text(&e, id) : NULL;
+    json_decref(data);
+    free(receipt);
+    if (payload == NULL) {
+        tally_fmt(why, whysz, "%s",
+                  data == NULL ? "its audit event's data is not JSON" : "out of memory");
+        return NULL;
+    }
+    size_t len = strlen(payload);
+    if (len > TALLY_LIMIT_EVENT_BYTES) {
+        char *bounded = tally_ce_bounded(payload, TALLY_LIMIT_EVENT_BYTES);
+        if (bounded == NULL)
+            tally_fmt(why, whysz,
+                      "the event is %zu bytes, above the limit of %d, and could not "
+                      "be cut",
+                      len, TALLY_LIMIT_EVENT_BYTES);
+        free(payload);
+        payload = bounded;
+    }
+    return payload;
+}
+
 /* After a fatal idempotent-producer error the instance is unusable: replace it. */
 static void check_fatal(tally_relay_t *r)
 {
@@ -663,7 +812,8 @@ static void publish_rows(tally_relay_t *r, int64_t start, size_t *delivered_out,
 {
     int64_t deadline = start + r->wait_ms;
     for (size_t i = 0; i < r->n_rows; i++)
-        produce_row(r, &r->rows[i], deadline);
+        if (r->rows[i].state == RELAY_ROW_PENDING) /* a reference may fail to build */
+            produce_row(r, &r->rows[i], deadline);
     int64_t others_done = 0;
     while (r->pending > 0) {
         int64_t now = mono_ms();
@@ -730,7 +880,7 @@ int tally_relay_round(tally_relay_t *r)
     tally_error_t err;
     PGresult *res = NULL;
     if (tally_pg_begin(r->pg, &err))
-        res = tally_pg_exec(r->pg, SQL_TAKE, 2, params, &err);
+        res = tally_pg_exec(r->pg, r->refs ? SQL_TAKE_REFS : SQL_TAKE, 2, params, &err);
     if (res == NULL) {
         tally_pg_rollback(r->pg);
         TALLY_LOG_REPEATING(TALLY_LOG_WARN, NULL, "relay: cannot take message_outbox rows (%s: %s)",
@@ -759,6 +909,18 @@ int tally_relay_round(tally_relay_t *r)
         row->payload = PQgetvalue(res, i, 4);
         row->payload_len = PQgetlength(res, i, 4);
         row->reply = PQgetisnull(res, i, 5) ? NULL : PQgetvalue(res, i, 5);
+        if (PQgetisnull(res, i, 4)) { /* a reference (SQL_TAKE_REFS) */
+            row->built = ref_payload(res, i, 6, row->event_id, row->error, sizeof row->error);
+            row->payload = row->built != NULL ? row->built : "";
+            row->payload_len = row->built != NULL ? (int)strlen(row->built) : 0;
+            if (row->built == NULL) {
+                row->state = RELAY_ROW_FAILED;
+                TALLY_LOG_REPEATING(TALLY_LOG_ERROR, NULL,
+                                    "relay: message_refs row %" PRId64 " (event %s) cannot be "
+                                    "published: %s; retrying after a backoff",
+                                    row->id, row->event_id, row->error);
+            }
+        }
     }
     /* keys of one run stay in outbox order; sorted ids also let reports find their row */
     qsort(r->rows, (size_t)n, sizeof(*r->rows), cmp_row_id);
@@ -793,6 +955,8 @@ int tally_relay_round(tally_relay_t *r)
         TALLY_DEBUG("relay: published %zu message%s in %lld ms", delivered,
                     delivered == 1 ? "" : "s", (long long)(mono_ms() - start));
 
+    for (size_t i = 0; i < r->n_rows; i++)
+        free(r->rows[i].built);
     free(r->rows);
     r->rows = NULL;
     r->n_rows = 0;
@@ -800,6 +964,11 @@ int tally_relay_round(tally_relay_t *r)
     PQclear(res);
     check_fatal(r);
     return result;
+}
+
+void tally_relay_use_refs(tally_relay_t *r, bool on)
+{
+    r->refs = on;
 }
 
 const char *tally_relay_owner(const tally_relay_t *r)
@@ -872,9 +1041,38 @@ bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col,
     }
     int c = tag_col >= 0 ? tag_col + 1 : 0;
     size_t k = 0;
+    char **built = NULL; /* the events of the references among them */
+    bool refs = PQnfields(res) >= c + 6 + TALLY_RELAY_REF_COLS;
+    if (refs && (built = calloc((size_t)n, sizeof *built)) == NULL) {
+        free(msgs);
+        TALLY_WARN("relay: out of memory taking over %d messages; they are published when "
+                   "their lease ends",
+                   n);
+        return false;
+    }
     for (int row = 0; row < n; row++) {
         if (tag_col >= 0 && PQgetvalue(res, row, tag_col)[0] != tag)
             continue;
+        if (refs && PQgetisnull(res, row, c + 4)) {
+            char why[256];
+            const char *event_id = PQgetvalue(res, row, c + 3);
+            built[k] = ref_payload(res, row, c + 6, event_id, why, sizeof why);
+            if (built[k] == NULL) {
+                TALLY_WARN("relay: the event %s cannot be built (%s); it is published when its "
+                           "lease ends",
+                           event_id, why);
+                continue;
+            }
+            msgs[k] = (tally_relay_msg_t){
+                .id = atoll(PQgetvalue(res, row, c)),
+                .topic = PQgetvalue(res, row, c + 1),
+                .key = PQgetisnull(res, row, c + 2) ? NULL : PQgetvalue(res, row, c + 2),
+                .event_id = event_id,
+                .payload = built[k],
+                .payload_len = strlen(built[k])};
+            k++;
+            continue;
+        }
         msgs[k++] = (tally_relay_msg_t){
             .id = atoll(PQgetvalue(res, row, c)),
             .topic = PQgetvalue(res, row, c + 1),
@@ -885,6 +1083,9 @@ bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col,
             .reply = PQgetisnull(res, row, c + 5) ? NULL : PQgetvalue(res, row, c + 5)};
     }
     bool ok = k == 0 || tally_relay_hand(r, msgs, k);
+    for (size_t i = 0; built != NULL && i < k; i++)
+        free(built[i]);
+    free(built);
     free(msgs);
     return ok;
 }
@@ -1051,7 +1252,8 @@ static void release_handed(tally_relay_t *r)
     char *arr = ids ? bigint_array(ids, r->n_hand) : NULL;
     const char *params[2] = {arr, r->owner};
     tally_error_t err;
-    if (!arr || !r->pg || !tally_pg_run(r->pg, SQL_RELEASE, 2, params, &err))
+    if (!arr || !r->pg ||
+        !tally_pg_run(r->pg, r->refs ? SQL_RELEASE_REFS : SQL_RELEASE, 2, params, &err))
         TALLY_WARN("relay: %zu handed-over messages not published; they are when their lease "
                    "ends",
                    r->n_hand);

@@ -34,6 +34,7 @@ static const struct {
     {"alerts", {SIU, SIU, SIU, SIU, S}},
     {"events", {SI, SI, SI, SI, S}}, /* the audit trail: append-only for everyone */
     {"message_outbox", {SIUD, SIUD, SIUD, SI, S}},
+    {"message_refs", {SIUD, SIUD, SIUD, S, S}}, /* outcome messages by reference (017) */
     {"replies", {SI, S, S, S, S}},
     {"tenant_keys", {SI, S, S, SU, NONE}},
     {"tally_migrations", {S, S, S, S, S}},
@@ -174,6 +175,8 @@ static const char SQL_ENSURE[] =
     "        RAISE EXCEPTION 'privileges \"%\" on % are not a list of SELECT, INSERT, UPDATE, "
     "DELETE', g.privs, g.tbl;\n"
     "      END IF;\n"
+    "      -- a table of a later schema than the ledger's (roles applied before it migrates)\n"
+    "      CONTINUE WHEN to_regclass(quote_ident(g.tbl)) IS NULL;\n"
     "      EXECUTE format('REVOKE ALL ON TABLE %I FROM %I', g.tbl, role);\n"
     "      IF g.privs <> '' THEN\n"
     "        EXECUTE format('GRANT %s ON TABLE %I TO %I', g.privs, g.tbl, role);\n"

@@ -50,6 +50,7 @@ static size_t g_exit_line_len;
 
 struct tally_worker {
     const tally_worker_ops_t *ops;
+    int schema; /* the ledger's schema version, read at start */
     tally_config_t *cfg;
     tally_registry_t *reg;
     tally_keyring_t *keys; /* master keys, when a tool declares sensitive fields */
@@ -389,6 +390,11 @@ tally_metrics_t *tally_worker_metrics(tally_worker_t *w)
 tally_relay_t *tally_worker_relay(tally_worker_t *w)
 {
     return w->relay;
+}
+
+int tally_worker_schema(const tally_worker_t *w)
+{
+    return w->schema;
 }
 
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w)
@@ -769,6 +775,7 @@ static int setup_pg(tally_worker_t *w, int *schema)
     }
     int version = win.version;
     *schema = version;
+    w->schema = version;
     return check_role(w);
 }
 
@@ -780,6 +787,7 @@ static int setup_relay(tally_worker_t *w)
         TALLY_ERROR("cannot create the outbox relay: %s", errstr);
         return 1;
     }
+    tally_relay_use_refs(w->relay, w->schema >= TALLY_SCHEMA_MESSAGE_REFS);
     if (!tally_relay_start(w->relay, &g_relay_stop)) {
         TALLY_ERROR("cannot start the outbox relay thread");
         return 1;

@@ -174,7 +174,8 @@ class ChaosTest(CompensateCase):
         print(f"chaos: obligations by reason {reasons}, audits {audits}, findings {findings}")
         for name, p in workers.items():
             self.assertTrue(p.alive(), f"{name} exited:\n{p.log()[-5000:]}")
-        wait_for(lambda: self.scalar("SELECT count(*) FROM message_outbox") == 0, timeout=60,
+        wait_for(lambda: self.scalar("SELECT (SELECT count(*) FROM message_outbox)"
+                                     " + (SELECT count(*) FROM message_refs)") == 0, timeout=60,
                  what="every event to leave the outbox")
         self.assertEqual(self.scalar("SELECT count(*) FROM effects"), len(intents))
         # Double applies upstream may stay (their obligations are compensated or, for tools

@@ -134,7 +134,7 @@ class CliCase(ReconcileCase):
         for table, order in (("runs", "run_id"), ("effects", "effect_id"),
                              ("obligations", "obligation_id"), ("alerts", "dedup_key"),
                              ("outbox", "effect_id"), ("events", "seq"),
-                             ("message_outbox", "id")):
+                             ("message_outbox", "id"), ("message_refs", "id")):
             snap[table] = self.query(f"SELECT to_jsonb(t)::text FROM {table} t ORDER BY {order}")
         return snap
 

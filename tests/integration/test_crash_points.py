@@ -13,9 +13,11 @@ reconciler where the next step is its job), and check the end state:
 - the fake tool holds exactly one record per operation key and one reversal (or containment) per
   obligation, and a call whose effect was already applied upstream was never sent again to a
   tool with a status check (only read/idempotent tools may be re-sent, by definition);
-- every outcome event committed to message_outbox (a trigger of this test logs them) reached
-  the outcomes topic, exactly once — or, for the relay point only, more than once as the very
-  same message with the same CloudEvents id;
+- every outcome event committed to message_outbox or, by reference, to message_refs (a trigger
+  of this test logs them) reached the outcomes topic, exactly once — or, for the relay point
+  only, more than once as the very same message, byte for byte, with the same CloudEvents id;
+  the relay point's repeated messages include events the relay built from the ledger
+  (message_refs): once from what the dispatcher's statement returned, once from the tables;
 - the ledger invariants (invariants.py) hold.
 """
 
@@ -59,9 +61,10 @@ POINTS = [
     Point("compensate.after_reverse_answer", "compensator", "compensate", ("compensator",)),
 ]
 
-# Every row committed to message_outbox, kept after the relay deletes it: what must be published.
-# SECURITY DEFINER: the workers' roles may not write the test's table; the trigger writes it as
-# the superuser that made it.
+# Every row committed to message_outbox or message_refs, kept after the relay deletes it: what
+# must be published (a reference with no payload: the relay builds it). SECURITY DEFINER: the
+# workers' roles may not write the test's table; the trigger writes it as the superuser that
+# made it.
 SQL_OUTBOX_LOG = """
 CREATE TABLE crash_test_outbox_log (topic text, event_id text, payload text);
 CREATE FUNCTION crash_test_log_outbox() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
@@ -71,6 +74,25 @@ BEGIN
 END $$;
 CREATE TRIGGER crash_test_log_outbox AFTER INSERT ON message_outbox
     FOR EACH ROW EXECUTE FUNCTION crash_test_log_outbox();
+CREATE FUNCTION crash_test_log_ref() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+BEGIN
+    INSERT INTO crash_test_outbox_log VALUES ('outcomes', NEW.event_id::text, NULL);
+    RETURN NULL;
+END $$;
+CREATE TRIGGER crash_test_log_ref AFTER INSERT ON message_refs
+    FOR EACH ROW EXECUTE FUNCTION crash_test_log_ref();
+"""
+
+# The messages waiting for the relay, in both tables.
+SQL_WAITING = "SELECT (SELECT count(*) FROM message_outbox) + (SELECT count(*) FROM message_refs)"
+
+# What the relay builds a reference's event from, as the event must say it: the transition's
+# id, time (RFC 3339, milliseconds), actor and state, and its effect.
+SQL_REF_SOURCES = """
+SELECT ev.event_id::text, to_char(ev.occurred_at AT TIME ZONE 'UTC',
+       'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'), ev.actor, ev.to_status, ev.effect_id::text, ev.kind
+FROM crash_test_outbox_log l JOIN events ev ON ev.event_id::text = l.event_id
+WHERE l.payload IS NULL
 """
 
 
@@ -153,7 +175,8 @@ class CrashPointTest(CompensateCase):
             "answered": {r["idempotency_key"] for r in self.requests(op=None)
                          if r["status"] is not None},
             "unpublished": self.scalar("SELECT count(*) FROM message_outbox"
-                                       " WHERE topic = 'outcomes'"),
+                                       " WHERE topic = 'outcomes'")
+            + self.scalar("SELECT count(*) FROM message_refs"),
         }
 
     # --- the test --------------------------------------------------------------------------
@@ -281,7 +304,7 @@ class CrashPointTest(CompensateCase):
         self.wait_count("SELECT count(*) FROM effects WHERE status = 'UNKNOWN'", len(intents),
                         timeout=60)
         # the UNKNOWN outcomes are out, so the victim's relay has nothing in flight when it dies
-        self.wait_count("SELECT count(*) FROM message_outbox", 0)
+        self.wait_count(SQL_WAITING, 0)
 
         victim = self.worker("reconciler", crash_at=point.name)
         self.wait_killed(victim, point)
@@ -372,7 +395,31 @@ class CrashPointTest(CompensateCase):
     def logged_outcomes(self):
         """Every outcome event committed to message_outbox so far (CloudEvents, as dicts)."""
         return [json.loads(p) for p, in self.query(
-            "SELECT payload FROM crash_test_outbox_log WHERE topic = 'outcomes'")]
+            "SELECT payload FROM crash_test_outbox_log WHERE topic = 'outcomes'"
+            " AND payload IS NOT NULL")]
+
+    def logged_refs(self):
+        """{event id: (time, actor, state, effect id, kind)} of every reference committed to
+        message_refs so far: the audit event each names."""
+        return {r[0]: tuple(r[1:]) for r in self.query(SQL_REF_SOURCES)}
+
+    def read_raw(self, reader, ids, timeout):
+        """The outcomes topic's messages as bytes, until every id in @ids is there, then one
+        second more: [(CloudEvents id, bytes)]."""
+        got, seen = [], set()
+        deadline = time.monotonic() + timeout
+        quiet_until = None
+        while time.monotonic() < (quiet_until or deadline):
+            m = reader.poll(0.2)
+            if m is None or m.error():
+                continue
+            raw = bytes(m.value())
+            got.append((json.loads(raw)["id"], raw))
+            seen.add(got[-1][0])
+            if quiet_until is None and ids <= seen:
+                quiet_until = time.monotonic() + 1.0
+        self.assertLessEqual(ids, seen, "every committed message was published")
+        return got
 
     def assert_outcomes_published(self, duplicates):
         """Every outcome event committed to message_outbox reached the topic, and every copy on
@@ -381,29 +428,51 @@ class CrashPointTest(CompensateCase):
         delivery reports and its COMMIT at any crash point, so a copy may go out again
         wherever a worker dies; where the relay itself is the victim (duplicates=True) at
         least one must."""
-        self.wait_count("SELECT count(*) FROM message_outbox", 0, timeout=30)
+        self.wait_count(SQL_WAITING, 0, timeout=30)
         logged = {m["id"]: m for m in self.logged_outcomes()}
-        self.assertTrue(logged)
+        refs = self.logged_refs()
+        self.assertTrue(logged or refs)
         reader = self.reader("outcomes")
-        got = self.read_until("outcomes", lambda ms: set(logged) <= {m["id"] for m in ms},
-                              timeout=30, reader=reader)
-        got += self.read_for(reader, 1.0)
+        raw = self.read_raw(reader, set(logged) | set(refs), timeout=30)
         by_id = collections.defaultdict(list)
-        for m in got:
-            by_id[m["id"]].append(m)
-        self.assertLessEqual(set(logged), set(by_id), "every committed message was published")
+        for eid, b in raw:
+            by_id[eid].append(b)
         # Read the log again: a redelivered intent may have been answered as a replay after the
         # first read, and its outcome published since; it must have been committed all the same.
         logged = {m["id"]: m for m in self.logged_outcomes()}
-        extra = {eid: by_id[eid][0] for eid in set(by_id) - set(logged)}
-        self.assertLessEqual(set(by_id), set(logged),
+        refs = self.logged_refs()
+        extra = {eid: by_id[eid][0] for eid in set(by_id) - set(logged) - set(refs)}
+        self.assertLessEqual(set(by_id), set(logged) | set(refs),
                              f"every message on the topic was committed; not logged: {extra}")
-        dup = {eid: ms for eid, ms in by_id.items() if len(ms) > 1}
+        dup = {eid: bs for eid, bs in by_id.items() if len(bs) > 1}
         if duplicates:
             self.assertTrue(dup, "the relay died after publishing: some rows went out again")
-        for eid, ms in by_id.items():
-            for m in ms:
+            # the victim's relay published references it was handed (built from what the
+            # record statement returned); a survivor's took them again from the tables and
+            # built them anew: the same bytes
+            self.assertTrue(set(dup) & set(refs),
+                            f"no reference went out twice: {sorted(dup)[:5]}")
+        for eid, bs in by_id.items():
+            for b in bs:
+                self.assertEqual(b, bs[0], f"two deliveries of {eid} differ")
+            m = json.loads(bs[0])
+            if eid in logged:
                 self.assertEqual(m, logged[eid])
+                continue
+            # built by the relay from the transition it names and that transition's effect
+            time_, actor, state, effect_id, kind = refs[eid]
+            self.assertEqual(kind, "transition")
+            self.assertEqual((m["time"], m["source"], m["type"], m["subject"], m["data"]["status"],
+                              m["data"]["effect_id"]),
+                             (time_, "/tally/dispatcher/" + actor,
+                              f"tally.effect.{state.lower()}.v1", effect_id, state, effect_id))
+            effect = self.query("SELECT run_id, tool, operation_key, intent_id, receipt"
+                                " FROM effects WHERE effect_id = %s", (effect_id,))[0]
+            self.assertEqual((m["data"]["run_id"], m["data"]["tool"], m["data"]["operation_key"],
+                              m["data"]["intent_id"]), tuple(effect[:4]))
+            if state == "CONFIRMED":
+                self.assertEqual(m["data"]["receipt"], effect[4])
+        logged.update({eid: json.loads(by_id[eid][0]) for eid in refs if eid in by_id})
         # one outcome per state an effect reached: no transition was published under two ids
         firsts = collections.Counter(
             (m["type"], m["data"].get("effect_id"), m["data"].get("run_id"))

@@ -26,7 +26,8 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tallytest import SOURCE_DIR, TOPICS, binary, wait_for  # noqa: E402
 
-TABLES = ("runs", "effects", "outbox", "obligations", "events", "message_outbox", "alerts",
+TABLES = ("runs", "effects", "outbox", "obligations", "events", "message_outbox", "message_refs",
+          "alerts",
           "tally_migrations")
 WORKERS = ("tally-dispatcher", "tally-reconciler", "tally-compensator")
 DEMO_TOOLS = os.path.join(SOURCE_DIR, "examples", "tools", "demo.json")

@@ -787,9 +787,10 @@ class PoisonTest(CompensateCase):
                                    " OR summary IS NULL)", (sorted(settle_runs),))
             if unsettled:
                 left.append(f"{len(unsettled)} runs not summarised")
-            n = self.scalar("SELECT count(*) FROM message_outbox")
+            n = self.scalar("SELECT (SELECT count(*) FROM message_outbox)"
+                            " + (SELECT count(*) FROM message_refs)")
             if n:
-                left.append(f"{n} rows in message_outbox")
+                left.append(f"{n} rows in message_outbox and message_refs")
             if not all(p.alive() for p in workers.values()):
                 return []  # nothing more will come; report what is there
             return left
@@ -1180,11 +1181,15 @@ class PoisonTest(CompensateCase):
                     "terminal; STUCK only where expected (versions over 256 bytes, "
                     "manual_runbook)", cut(wrong, 800) if wrong else
                     f"{len(rows)} STUCK as expected")
-        n = self.scalar("SELECT count(*) FROM message_outbox")
+        n = self.scalar("SELECT (SELECT count(*) FROM message_outbox)"
+                        " + (SELECT count(*) FROM message_refs)")
         m = self.scalar("SELECT count(*) FROM outbox")
-        stuck = self.query("SELECT topic, attempts, last_error FROM message_outbox LIMIT 5")
-        self.result("outbox-drained", n == 0 and m == 0, "message_outbox and outbox",
-                    "empty", f"message_outbox {n}, outbox {m}" +
+        stuck = self.query("SELECT topic, attempts, last_error FROM message_outbox"
+                           " UNION ALL SELECT 'outcomes (reference)', attempts, last_error"
+                           " FROM message_refs LIMIT 5")
+        self.result("outbox-drained", n == 0 and m == 0,
+                    "message_outbox, message_refs and outbox",
+                    "empty", f"message_outbox and message_refs {n}, outbox {m}" +
                     (f": {cut(stuck, 600)}" if stuck else ""))
         try:
             check_invariants(self, obligations_settled=True)

@@ -38,6 +38,9 @@ typedef struct tally_audit_event {
     /** When @c data and @c members are NULL: the data as JSON text (an object), copied as is
      * (tally_jtext_t builds it). */
     const char *data_text;
+    /** The event's id, or NULL for a fresh one (tally_uuid_v7): given by a writer whose
+     * message references the event (tally_outbox_batch_add_ref). */
+    const char *event_id;
 } tally_audit_event_t;
 
 typedef struct tally_audit_batch tally_audit_batch_t;

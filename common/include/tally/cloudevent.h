@@ -30,6 +30,49 @@ bool tally_ce_envelope_text(tally_jtext_t *j, const char *type, const char *sour
                             const char *subject, char id_out[37]);
 
 /**
+ * @brief tally_ce_envelope_text with the event's id and time given: @p id, and @p time (RFC
+ * 3339 UTC with milliseconds, as tally_ce_envelope_text writes it). For an event built again
+ * from the ledger, which must come out byte for byte the same every time.
+ */
+bool tally_ce_envelope_text_at(tally_jtext_t *j, const char *type, const char *source,
+                               const char *subject, const char *id, const char *time);
+
+/** The source of the events a dispatcher publishes: its worker id after this. */
+#define TALLY_CE_DISPATCHER_SOURCE "/tally/dispatcher/"
+
+/** @brief What an effect event (tally.effect.<status>.v1, DESIGN §5) says. Every string may be
+ * NULL except source and status. */
+typedef struct tally_effect_event {
+    const char *source;
+    const char *id;   /**< the CloudEvent id, or NULL for a fresh one */
+    const char *time; /**< RFC 3339 UTC with milliseconds, or NULL for now */
+    const char *effect_id;
+    const char *run_id;
+    const char *step;
+    bool step_is_number;
+    const char *tool;
+    const char *operation_key;
+    const char *status; /**< "CONFIRMED", ..., or "CONFLICT" */
+    const json_t *receipt;
+    const char *receipt_text; /**< the receipt as JSON text; when set, used instead of receipt */
+    const char *external_ref;
+    const char *error_code;
+    const char *error_message;
+    long long attempts;
+    const char *intent_id;
+    const json_t *extra; /**< more members of data, after the standard ones (borrowed) */
+} tally_effect_event_t;
+
+/**
+ * @brief The effect event @p e as compact JSON text: the one builder of these events, used by
+ * the dispatcher when it writes one and by the relay when it builds one from the ledger
+ * (message_refs), so both come out the same for the same inputs.
+ * @param id_out receives the event id.
+ * @returns malloc'd text, or NULL when out of memory (or the clock could not be read).
+ */
+char *tally_ce_effect_text(const tally_effect_event_t *e, char id_out[37]) TALLY_WUR;
+
+/**
  * @brief The CloudEvent @p payload (JSON text) cut to at most @p limit bytes, for one that
  * would not fit the broker's message limit. The envelope is kept; in data, the largest values
  * are cut first (a string on a character boundary, an array to its first elements, what

@@ -38,6 +38,9 @@ extern const tally_release_t tally_releases[];
  */
 #define TALLY_SCHEMA_OLDEST 15
 
+/* The first schema with message_refs (017): outcome messages that reference the ledger. */
+#define TALLY_SCHEMA_MESSAGE_REFS 17
+
 /* TALLY_SCHEMA_NEWEST, the number of the newest file in schemas/sql (the build defines it, so
  * that pg.c names sessions without the migrations table), is tally_migrate_latest(). */
 #ifndef TALLY_SCHEMA_NEWEST

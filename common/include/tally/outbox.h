@@ -34,6 +34,17 @@ void tally_outbox_batch_add(tally_outbox_batch_t *b, const char *topic, const ch
 void tally_outbox_batch_add_text(tally_outbox_batch_t *b, const char *topic, const char *key,
                                  const char *event_id, const char *effect_id, const char *payload);
 
+/**
+ * @brief Queue an outcome event that the relay can build again, byte for byte, from the ledger:
+ * @p event_id is the id of the "transition" audit event it reports (written in the same
+ * statement) and the CloudEvent's id. Written by a statement with TALLY_OUTBOX_REFS_CTES, it
+ * becomes a row of message_refs (that id and the key, no payload); written otherwise (a
+ * ledger before schema 17), or when the event has reply destinations, it is the message_outbox
+ * row tally_outbox_batch_add_text writes, @p payload and all.
+ */
+void tally_outbox_batch_add_ref(tally_outbox_batch_t *b, const char *topic, const char *key,
+                                const char *event_id, const char *effect_id, const char *payload);
+
 /** Who else an answer goes to besides its topic (docs/agent-protocol.md). */
 typedef enum {
     TALLY_REPLY_AUTO = 0, /**< an effect event (data.effect_id, topic "outcomes") goes to its
@@ -129,6 +140,54 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
     "   tally_reply_payload(o.payload, p.destination), p.destination"                              \
     "  FROM ob_replies p JOIN ob_rows o ON o.n = p.n) x"                                           \
     " ORDER BY x.n, x.k"
+// clang-format on
+
+/**
+ * @brief TALLY_OUTBOX_INSERT_HANDED as items of a WITH (schema 17, message_refs): the rows
+ * queued with tally_outbox_batch_add_ref that have no reply destination go to message_refs
+ * ("mr": RETURNING id, event_id, msg_key), every other row to message_outbox ("mo": RETURNING
+ * TALLY_OUTBOX_RETURNING), both leased as TALLY_OUTBOX_INSERT_HANDED leases them. Both tables
+ * take their ids from one sequence (migration 17): the relay publishes them in id order.
+ */
+// clang-format off
+#define TALLY_OUTBOX_REFS_CTES(PARAM, WHERE, OWNER, LEASE_MS)                                      \
+    " ob_rows AS MATERIALIZED (SELECT r.n, r.topic, r.msg_key, r.event_id, r.payload,"             \
+    "   r.reply::jsonb AS reply,"                                                                  \
+    "   CASE WHEN r.scope = 'effect' THEN r.effect_id::uuid END AS eid,"                           \
+    "   CASE WHEN r.scope = 'run' THEN r.msg_key END AS rid, r.ref"                                \
+    "  FROM unnest(" TALLY_COLUMN(PARAM, 1) "," TALLY_COLUMN(PARAM, 2) ","                         \
+    TALLY_COLUMN(PARAM, 3) "," TALLY_COLUMN(PARAM, 4) "," TALLY_COLUMN(PARAM, 5) ","               \
+    TALLY_COLUMN(PARAM, 6) "," TALLY_COLUMN(PARAM, 7) "," TALLY_COLUMN(PARAM, 8) ")"               \
+    "  WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, ref, n)"   \
+    "  " WHERE "),"                                                                                \
+    " ob_replies AS (SELECT z.n, z.id, z.destination FROM ("                                       \
+    "   SELECT o.n, q.id, q.destination,"                                                          \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC) AS rank"                          \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id = o.eid"                                      \
+    "   UNION ALL SELECT o.n, q.id, q.destination,"                                                \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC)"                                  \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id IS NULL AND q.run_id = o.rid) z"              \
+    "  WHERE z.rank <= 8),"                                                                        \
+    " ob_refs AS (SELECT o.n, o.ref::uuid AS ref, o.msg_key FROM ob_rows o"                        \
+    "  WHERE o.ref IS NOT NULL AND o.reply IS NULL"                                                \
+    "  AND NOT EXISTS (SELECT 1 FROM ob_replies p WHERE p.n = o.n)),"                              \
+    " mr AS (INSERT INTO message_refs (event_id, msg_key, lease_owner, lease_until)"               \
+    "  SELECT f.ref, f.msg_key, " OWNER "::text, CASE WHEN " OWNER "::text IS NOT NULL"            \
+    "  THEN now() + " LEASE_MS "::int * interval '1 millisecond' END FROM ob_refs f ORDER BY f.n"  \
+    "  RETURNING id, event_id, msg_key),"                                                          \
+    " mo AS (INSERT INTO message_outbox (topic, msg_key, event_id, payload, reply, lease_owner,"   \
+    "  lease_until)"                                                                               \
+    "  SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply, " OWNER "::text,"                \
+    "  CASE WHEN " OWNER "::text IS NOT NULL"                                                      \
+    "  THEN now() + " LEASE_MS "::int * interval '1 millisecond' END"                              \
+    "  FROM (SELECT o.n, 0::bigint AS k, o.topic, o.msg_key, o.event_id,"                          \
+    "   CASE WHEN o.reply IS NULL THEN o.payload ELSE tally_reply_payload(o.payload, o.reply)"    \
+    "   END AS payload,"                                                                           \
+    "   o.reply FROM ob_rows o WHERE o.n NOT IN (SELECT n FROM ob_refs)"                           \
+    "   UNION ALL SELECT o.n, p.id, 'replies', o.msg_key, o.event_id,"                             \
+    "    tally_reply_payload(o.payload, p.destination), p.destination"                             \
+    "   FROM ob_replies p JOIN ob_rows o ON o.n = p.n) x"                                          \
+    "  ORDER BY x.n, x.k RETURNING " TALLY_OUTBOX_RETURNING ")"
 // clang-format on
 
 /**

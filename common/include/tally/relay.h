@@ -7,6 +7,7 @@
 
 #include <libpq-fe.h>
 
+#include "tally/cloudevent.h"
 #include "tally/config.h"
 #include "tally/error.h"
 #include "tally/metrics.h"
@@ -57,6 +58,25 @@ typedef struct tally_relay_msg {
 
 #define TALLY_RELAY_HAND_LEASE_MS 10000
 
+/**
+ * What the relay builds a message_refs row's event from (tally_ce_effect_text): of the
+ * "transition" audit event @p EV (its id is the event's id) its time (as RFC 3339 text), actor,
+ * state and data, and of the effect @p E what never changes once the transition is written —
+ * its receipt is read only for CONFIRMED, a terminal state. TALLY_RELAY_REF_NONE: the same
+ * number of NULLs, for the rows of a statement that are no reference.
+ */
+// clang-format off
+#define TALLY_RELAY_REF_BUILD(EV, E)                                                               \
+    "to_char(" EV ".occurred_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"           \
+    " " EV ".actor, " EV ".to_status, " EV ".data::text, " E ".effect_id::text, " E ".run_id,"     \
+    " " E ".step, " TALLY_SQL_STEP_IS_NUMBER(E) ", " E ".tool, " E ".operation_key,"               \
+    " " E ".intent_id, CASE WHEN " EV ".to_status = 'CONFIRMED' THEN " E ".receipt::text END"
+#define TALLY_RELAY_REF_NONE                                                                       \
+    "NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text,"          \
+    " NULL::boolean, NULL::text, NULL::text, NULL::text, NULL::text"
+// clang-format on
+#define TALLY_RELAY_REF_COLS 12
+
 /** @brief lease_owner of the rows handed to @p relay (its worker id + "/relay"). */
 const char *tally_relay_owner(const tally_relay_t *relay);
 
@@ -69,11 +89,21 @@ bool tally_relay_hand(tally_relay_t *relay, const tally_relay_msg_t *msgs, size_
 /**
  * @brief tally_relay_hand for the rows of a committed INSERT … RETURNING id, topic, msg_key,
  * event_id, payload, reply (TALLY_OUTBOX_INSERT_HANDED). With @p tag_col ≥ 0 only the rows whose
- * column @p tag_col starts with @p tag are messages, their six columns following it.
+ * column @p tag_col starts with @p tag are messages, their six columns following it, and a
+ * row whose payload is NULL is a message_refs row: its event is built (as the relay builds it
+ * when it takes the row) from the TALLY_RELAY_REF_BUILD columns that follow the six.
  * A NULL @p relay or @p res hands nothing. @returns false when they could not be handed
  * (out of memory): they are then published when their lease ends.
  */
 bool tally_relay_hand_result(tally_relay_t *relay, const PGresult *res, int tag_col, char tag);
+
+/**
+ * @brief Whether the ledger has message_refs (schema 17 or later: the worker says so at start,
+ * from the schema version it read); call before tally_relay_start. The relay then drains it
+ * beside message_outbox. A relay started without it finds the table within a second of a
+ * `tally migrate` that adds it (its backlog gauge's statement looks).
+ */
+void tally_relay_use_refs(tally_relay_t *relay, bool on);
 
 /** @brief Start tally_relay_run on a new thread. */
 bool tally_relay_start(tally_relay_t *relay, volatile const int *stop) TALLY_WUR;

@@ -53,6 +53,9 @@ tally_pg_t *tally_worker_pg(tally_worker_t *w);
 tally_metrics_t *tally_worker_metrics(tally_worker_t *w);
 /** The worker's relay (it runs on its own thread; tally_relay_hand may be called from any). */
 tally_relay_t *tally_worker_relay(tally_worker_t *w);
+/** The ledger's schema version, read at start (a feature of a later schema is used only when
+ * it is there: docs/hacking.md, "Adding a migration"). */
+int tally_worker_schema(const tally_worker_t *w);
 /** The consumer, or NULL when ops->topics is NULL. */
 rd_kafka_t *tally_worker_consumer(tally_worker_t *w);
 /** The consumer's wake-up pipe and offsets (consume.h), created on first use and owned by the
