@@ -30,6 +30,7 @@ static const char SQL_CREATE_TABLE[] = "CREATE TABLE IF NOT EXISTS tally_migrati
 const tally_release_t tally_releases[] = {
     {"0.1.0", 15},
     {"0.2.0", 16},
+    {"0.3.0", 17},
     {NULL, 0},
 };
 
