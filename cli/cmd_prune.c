@@ -75,46 +75,60 @@ static const char SQL_DATE[] = "SELECT $1::timestamptz::text, $1::timestamptz > 
 
 /* The runs that may be pruned, oldest first: in a final state (not among $1, the run
  * machine's open states) since before $2, not pruned yet, and with no effect in an open state
- * ($3) and no obligation in an open state ($4); at most $5 (NULL: all). */
-#define SQL_PRUNABLE                                                                               \
+ * ($3) and no obligation in an open state ($4); at most $5 (NULL: all). WAITING: more that
+ * keeps a run (REFS_WAITING). */
+#define SQL_PRUNABLE_(WAITING)                                                                     \
     "SELECT r.run_id, r.updated_at FROM runs r"                                                    \
     " WHERE r.pruned_at IS NULL AND r.updated_at < $2::timestamptz"                                \
     "   AND NOT (r.status = ANY ($1::text[]))"                                                     \
     "   AND NOT EXISTS (SELECT 1 FROM effects e"                                                   \
     "                    WHERE e.run_id = r.run_id AND e.status = ANY ($3::text[]))"               \
     "   AND NOT EXISTS (SELECT 1 FROM obligations o"                                               \
-    "                    WHERE o.run_id = r.run_id AND o.status = ANY ($4::text[]))"               \
+    "                    WHERE o.run_id = r.run_id AND o.status = ANY ($4::text[]))" WAITING       \
     " ORDER BY r.updated_at, r.run_id LIMIT $5::bigint"
+
+/* On schema 17, a run with an outcome message by reference still waiting for the relay
+ * (message_refs, keyed by the run) is kept until it is published: the relay builds that event
+ * from the effect's receipt, which pruning replaces. */
+#define REFS_WAITING "   AND NOT EXISTS (SELECT 1 FROM message_refs m WHERE m.msg_key = r.run_id)"
 
 /* What is left where a payload was: valid JSON (args_canonical is NOT NULL, and a CONFIRMED
  * effect must keep a receipt), and plainly not the original. */
 #define PRUNED_MARKER "'" TALLY_PRUNED_MARKER "'"
 
 /* One batch: claim, strip, mark; per run pruned, how many effects and obligations it had. */
-static const char SQL_PRUNE[] =
-    "WITH picked AS (" SQL_PRUNABLE " FOR UPDATE OF r SKIP LOCKED),"
-    " ef AS (UPDATE effects e SET args_canonical = " PRUNED_MARKER ","
-    "   receipt = CASE WHEN e.receipt IS NULL THEN NULL ELSE " PRUNED_MARKER "::jsonb END,"
-    "   args_sealed = NULL, receipt_sealed = NULL, error_message = NULL"
-    "   FROM picked p WHERE e.run_id = p.run_id RETURNING e.run_id),"
-    " ob AS (UPDATE obligations o SET receipt = NULL, reverse_receipt = NULL,"
-    "   blast_radius = NULL, error_message = NULL"
-    "   FROM picked p WHERE o.run_id = p.run_id RETURNING o.run_id),"
-    " ru AS (UPDATE runs r SET pruned_at = now()"
-    "   FROM picked p WHERE r.run_id = p.run_id RETURNING r.run_id)"
-    " SELECT ru.run_id, coalesce(ne.n, 0), coalesce(nob.n, 0) FROM ru"
-    "  LEFT JOIN (SELECT run_id, count(*) AS n FROM ef GROUP BY run_id) ne USING (run_id)"
-    "  LEFT JOIN (SELECT run_id, count(*) AS n FROM ob GROUP BY run_id) nob USING (run_id)"
-    " ORDER BY ru.run_id";
+// clang-format off
+#define SQL_PRUNE_(WAITING)                                                                        \
+    "WITH picked AS (" SQL_PRUNABLE_(WAITING) " FOR UPDATE OF r SKIP LOCKED),"                     \
+    " ef AS (UPDATE effects e SET args_canonical = " PRUNED_MARKER ","                             \
+    "   receipt = CASE WHEN e.receipt IS NULL THEN NULL ELSE " PRUNED_MARKER "::jsonb END,"        \
+    "   args_sealed = NULL, receipt_sealed = NULL, error_message = NULL"                           \
+    "   FROM picked p WHERE e.run_id = p.run_id RETURNING e.run_id),"                              \
+    " ob AS (UPDATE obligations o SET receipt = NULL, reverse_receipt = NULL,"                     \
+    "   blast_radius = NULL, error_message = NULL"                                                 \
+    "   FROM picked p WHERE o.run_id = p.run_id RETURNING o.run_id),"                              \
+    " ru AS (UPDATE runs r SET pruned_at = now()"                                                  \
+    "   FROM picked p WHERE r.run_id = p.run_id RETURNING r.run_id)"                               \
+    " SELECT ru.run_id, coalesce(ne.n, 0), coalesce(nob.n, 0) FROM ru"                             \
+    "  LEFT JOIN (SELECT run_id, count(*) AS n FROM ef GROUP BY run_id) ne USING (run_id)"         \
+    "  LEFT JOIN (SELECT run_id, count(*) AS n FROM ob GROUP BY run_id) nob USING (run_id)"        \
+    " ORDER BY ru.run_id"
+// clang-format on
+static const char SQL_PRUNE[] = SQL_PRUNE_("");
+static const char SQL_PRUNE_REFS[] = SQL_PRUNE_(REFS_WAITING);
 
 /* --dry-run: the same runs, counted, with the range of their settle times. */
-static const char SQL_PLAN[] =
-    "WITH picked AS (" SQL_PRUNABLE ")"
-    " SELECT (SELECT count(*) FROM picked),"
-    "  (SELECT count(*) FROM effects e JOIN picked p USING (run_id)),"
-    "  (SELECT count(*) FROM obligations o JOIN picked p USING (run_id)),"
-    "  (SELECT date_trunc('second', min(updated_at))::text FROM picked),"
-    "  (SELECT date_trunc('second', max(updated_at))::text FROM picked)";
+// clang-format off
+#define SQL_PLAN_(WAITING)                                                                         \
+    "WITH picked AS (" SQL_PRUNABLE_(WAITING) ")"                                                  \
+    " SELECT (SELECT count(*) FROM picked),"                                                       \
+    "  (SELECT count(*) FROM effects e JOIN picked p USING (run_id)),"                             \
+    "  (SELECT count(*) FROM obligations o JOIN picked p USING (run_id)),"                         \
+    "  (SELECT date_trunc('second', min(updated_at))::text FROM picked),"                          \
+    "  (SELECT date_trunc('second', max(updated_at))::text FROM picked)"
+// clang-format on
+static const char SQL_PLAN[] = SQL_PLAN_("");
+static const char SQL_PLAN_REFS[] = SQL_PLAN_(REFS_WAITING);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Options                                                                                  */
@@ -253,7 +267,8 @@ static int plan(tally_pg_t *pg, const prune_op_t *o, const open_states_t *s)
                              o->limit > 0 ? limit : NULL};
     PGresult *res = NULL;
     if (!cli_begin_snapshot(pg, &err) ||
-        (res = tally_pg_exec(pg, SQL_PLAN, 5, params, &err)) == NULL)
+        (res = tally_pg_exec(pg, cli_has_message_refs(pg) ? SQL_PLAN_REFS : SQL_PLAN, 5, params,
+                             &err)) == NULL)
         return cli_pg_fail("prune", "cannot count what would be pruned", &err);
     totals_t t = {strtoll(PQgetvalue(res, 0, 0), NULL, 10),
                   strtoll(PQgetvalue(res, 0, 1), NULL, 10),
@@ -295,7 +310,8 @@ static long long prune_batch(tally_pg_t *pg, const prune_op_t *o, const open_sta
         return -1;
     }
     if (!tally_pg_begin(pg, &err) || !tally_pg_run(pg, SQL_LOCK_TIMEOUT, 0, NULL, &err) ||
-        (res = tally_pg_exec(pg, SQL_PRUNE, 5, params, &err)) == NULL) {
+        (res = tally_pg_exec(pg, cli_has_message_refs(pg) ? SQL_PRUNE_REFS : SQL_PRUNE, 5, params,
+                             &err)) == NULL) {
         tally_pg_rollback(pg);
         *rc = cli_pg_fail("prune", "this batch was not pruned", &err);
         tally_audit_batch_free(ab);
