@@ -21,8 +21,10 @@
  *                                    applied; the lease expires and the status check confirms.
  *   dispatch.after_record_commit     outcomes committed, their events still in message_outbox:
  *                                    another worker's relay publishes them.
- *   relay.after_delivery             a relay round acknowledged by Kafka, its DELETE not
- *                                    committed: the rows come back and go out again, same ids.
+ *   relay.after_delivery             a relay round (or a handed-over batch) acknowledged by
+ *                                    Kafka, its DELETE not committed: the rows come back and go
+ *                                    out again, same ids, byte for byte the same — a reference
+ *                                    (message_refs) built again from the ledger included.
  *   reconcile.after_lease_commit     UNKNOWN effects leased, no status call made.
  *   reconcile.after_status_answer    a status answer arrived, its verdict not recorded.
  *   compensate.after_lease_commit    obligations leased (RUNNING), no reverse call made.
