@@ -1051,6 +1051,71 @@ static void test_random_and_truncated_inputs_never_crash(void **state)
     }
 }
 
+/* An effect event with its id and time given (a reference the relay builds from the ledger)
+ * is a pure function of its inputs: these exact bytes, every time; without them, a fresh id
+ * and the clock, the rest the same. */
+static void test_effect_event_with_given_id_and_time_is_exact(void **state)
+{
+    (void)state;
+    tally_effect_event_t e = {.source = TALLY_CE_DISPATCHER_SOURCE "d-1",
+                              .id = "0199a0b1-2c3d-7e4f-8a5b-6c7d8e9f0a1b",
+                              .time = "2026-11-27T08:00:00.123Z",
+                              .effect_id = "4b0c7a1e-52f3-4d7e-9a51-0c5e8f3b2a10",
+                              .run_id = "run-\xc3\xbc",
+                              .step = "3",
+                              .step_is_number = true,
+                              .tool = "charge_card",
+                              .operation_key = "charge_card:p-1",
+                              .status = "CONFIRMED",
+                              .receipt_text = "{\"id\":\"ch_1\",\"amount\":5}",
+                              .external_ref = "ch_1",
+                              .attempts = 1,
+                              .intent_id = "i-1"};
+    const char *want =
+        "{\"specversion\":\"1.0\",\"id\":\"0199a0b1-2c3d-7e4f-8a5b-6c7d8e9f0a1b\","
+        "\"source\":\"/tally/dispatcher/d-1\",\"type\":\"tally.effect.confirmed.v1\","
+        "\"time\":\"2026-11-27T08:00:00.123Z\",\"datacontenttype\":\"application/json\","
+        "\"subject\":\"4b0c7a1e-52f3-4d7e-9a51-0c5e8f3b2a10\",\"data\":{"
+        "\"effect_id\":\"4b0c7a1e-52f3-4d7e-9a51-0c5e8f3b2a10\",\"run_id\":\"run-\xc3\xbc\","
+        "\"step\":3,\"tool\":\"charge_card\",\"operation_key\":\"charge_card:p-1\","
+        "\"status\":\"CONFIRMED\",\"receipt\":{\"id\":\"ch_1\",\"amount\":5},"
+        "\"external_ref\":\"ch_1\",\"error\":null,\"attempts\":1,\"intent_id\":\"i-1\"}}";
+    char id[37], again_id[37];
+    char *text = tally_ce_effect_text(&e, id);
+    char *again = tally_ce_effect_text(&e, again_id);
+    assert_non_null(text);
+    assert_string_equal(text, want);
+    assert_string_equal(again, text);
+    assert_string_equal(id, e.id);
+
+    /* an error, no receipt, a string step */
+    e.status = "FAILED";
+    e.receipt_text = NULL;
+    e.external_ref = NULL;
+    e.step = "03";
+    e.step_is_number = false;
+    e.error_code = "http_422";
+    e.error_message = "bad \"card\"";
+    char *failed = tally_ce_effect_text(&e, id);
+    assert_non_null(failed);
+    assert_non_null(strstr(failed, "\"type\":\"tally.effect.failed.v1\""));
+    assert_non_null(strstr(failed, "\"step\":\"03\""));
+    assert_non_null(strstr(failed, "\"receipt\":null,\"external_ref\":null,\"error\":{\"code\":"
+                                   "\"http_422\",\"message\":\"bad \\\"card\\\"\"}"));
+
+    /* without an id and a time: fresh ones, the same data */
+    e.id = NULL;
+    e.time = NULL;
+    char *fresh = tally_ce_effect_text(&e, id);
+    assert_non_null(fresh);
+    assert_string_not_equal(id, "0199a0b1-2c3d-7e4f-8a5b-6c7d8e9f0a1b");
+    assert_string_equal(strstr(fresh, "\"data\":"), strstr(failed, "\"data\":"));
+    free(text);
+    free(again);
+    free(failed);
+    free(fresh);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1081,6 +1146,7 @@ int main(void)
         cmocka_unit_test(test_operation_key_with_control_characters_is_invalid),
         cmocka_unit_test(test_numbers_that_would_read_as_zero_are_refused),
         cmocka_unit_test(test_an_oversized_event_is_bounded),
+        cmocka_unit_test(test_effect_event_with_given_id_and_time_is_exact),
     };
     return cmocka_run_group_tests_name("cloudevent", tests, NULL, NULL);
 }
