@@ -4,6 +4,7 @@ schema; a rollback inside the window starts cleanly; outside it, the refusal nam
 to run. docs/operations.md, "Upgrading and rolling back"."""
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -14,6 +15,18 @@ from tallytest import BUILD_DIR, PROGRAM_ROLES, SOURCE_DIR, Proc, free_port, wai
 # without tags still has the commit: it is an ancestor of main).
 PREVIOUS = ("0.1.0", "c86a30d8412233478c48290abe3a94056a027194", 15)
 PROGRAMS = ("tally", "tally-dispatcher", "tally-reconciler", "tally-compensator")
+
+
+def this_release():
+    """This tree's release (CMakeLists.txt's project version) and newest schema."""
+    with open(os.path.join(SOURCE_DIR, "CMakeLists.txt")) as f:
+        version = re.search(r"project\(tally VERSION (\d+\.\d+\.\d+)", f.read()).group(1)
+    newest = max(int(n[:3]) for n in os.listdir(os.path.join(SOURCE_DIR, "schemas", "sql"))
+                 if re.match(r"\d{3}_.*\.sql$", n))
+    return version, newest
+
+
+RELEASE, NEWEST = this_release()
 
 
 def previous_release():
@@ -93,12 +106,21 @@ class UpgradeTest(DispatchCase):
         return self.scalar("SELECT max(version) FROM tally_migrations")
 
     def confirm_one(self):
-        """An intent through whichever dispatcher runs: it reaches CONFIRMED."""
+        """An intent through whichever dispatcher runs: it reaches CONFIRMED, and its outcome
+        reaches the outcomes topic whole, whichever relays run (a 0.1.0 relay never sees an
+        outcome written by reference, message_refs: it would publish garbage and delete it)."""
         run = run_id()
         self.publish(self.intent(run, 1, "send_email", {"message_id": f"{run}-m",
                                                         "to": "a@example.com", "subject": "hi"}))
         self.wait_count("SELECT count(*) FROM effects WHERE run_id = %s AND status = 'CONFIRMED'",
                         1, (run,))
+        effect_id, receipt = self.query("SELECT effect_id::text, receipt FROM effects"
+                                        " WHERE run_id = %s", (run,))[0]
+        got = self.read_until("outcomes", lambda ms: any(
+            m.get("data", {}).get("run_id") == run for m in ms), timeout=30)
+        [m] = [m for m in got if m.get("data", {}).get("run_id") == run]
+        self.assertEqual((m["type"], m["data"]["effect_id"], m["data"]["receipt"]),
+                         ("tally.effect.confirmed.v1", effect_id, receipt))
 
     def warnings(self, proc):
         return [line["msg"] for line in proc.log_lines() if line.get("level") == "warn"]
@@ -122,7 +144,8 @@ class UpgradeTest(DispatchCase):
         plan = self.cli("migrate", "--plan", env=self._as_role(self.env(), "owner"))
         self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
         self.assertRegex(plan.stdout, r"016_\w+\s+expand")
-        self.assertRegex(plan.stdout, r"tally-dispatcher/0\.2\.0 \(schema 15-16\)\s+served after")
+        self.assertRegex(plan.stdout, rf"tally-dispatcher/{re.escape(RELEASE)} "
+                         rf"\(schema {PREVIOUS[2]}-{NEWEST}\)\s+served after")
         self.assertNotIn("NOT SERVED", plan.stdout)
 
         # migrating under running workers: they carry on
@@ -131,8 +154,8 @@ class UpgradeTest(DispatchCase):
         self.assertIn("(was 15)", out.stdout)
         self.assertGreater(self.version(), PREVIOUS[2])
         self.assertEqual(self.query("SELECT from_version, to_version, release, serves_from"
-                                    " FROM tally_schema_history"), [(15, self.version(), "0.2.0",
-                                                                     15)])
+                                    " FROM tally_schema_history"),
+                         [(15, self.version(), RELEASE, 15)])
         self.confirm_one()
         self.assertTrue(d.alive(), d.log())
 
@@ -150,6 +173,9 @@ class UpgradeTest(DispatchCase):
         plan = self.cli("migrate", "--plan", env=self._as_role(self.env(), "owner"))
         self.assertEqual(plan.returncode, 0, plan.stdout + plan.stderr)
         self.assertRegex(plan.stdout, r"tally-dispatcher/0\.1\.0 \(schema 15-15\)\s+served after")
+        # side by side, with the old dispatcher's relay taking rows too: every outcome whole
+        for _ in range(3):
+            self.confirm_one()
 
         # the rollback: every new worker stops, the previous release's take over
         def assignments():
@@ -201,7 +227,8 @@ class UpgradeTest(DispatchCase):
             self.assertEqual(p.popen.wait(60), 1, p.log())
             [refusal] = [line["msg"] for line in p.log_lines() if line.get("level") == "error"]
             self.assertIn("database schema is at version 14", refusal)
-            self.assertRegex(refusal, r"run `tally migrate` of tally 0\.[12]\.0 first")
+            self.assertRegex(refusal, rf"run `tally migrate` of tally "
+                                      rf"({re.escape(PREVIOUS[0])}|{re.escape(RELEASE)}) first")
         # what the refusal asks for (here, on an empty ledger): then the workers start
         self.query("DROP TABLE tally_migrations")
         out = self.cli("migrate")
