@@ -230,7 +230,7 @@ static bool dispatcher_init(tally_worker_t *w, void **state)
     d->pg = tally_worker_pg(w);
     d->rk = tally_worker_consumer(w);
     d->worker_id = tally_worker_id(w);
-    snprintf(d->source, sizeof d->source, "/tally/dispatcher/%s", d->worker_id);
+    snprintf(d->source, sizeof d->source, TALLY_CE_DISPATCHER_SOURCE "%s", d->worker_id);
     *state = d;
     declare_metrics(d, tally_worker_metrics(w));
 

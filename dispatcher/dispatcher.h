@@ -85,6 +85,8 @@ typedef struct dispatch_done {
     char *receipt_sealed;          /**< a sensitive tool's whole receipt, sealed, or NULL */
     char *call_record;             /**< the "connector_call" audit data, JSON text (owned) */
     double seconds;                /**< connector latency */
+    char transition_id[37];        /**< the id of its "transition" audit event when its outcome
+                                        is written by reference (record.c), else "" */
 } dispatch_done_t;
 
 typedef struct dispatcher {

@@ -171,9 +171,12 @@ static const char SQL_RECORD_FINAL[] =
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
 
 /* SQL_RECORD_FINAL on a ledger with message_refs (schema 17): an outcome that reports its
- * transition by reference (record_events) is a message_refs row, and comes back ('m' rows
- * without a payload) with what the relay builds its event from, read from what this statement
- * wrote (TALLY_RELAY_REF_BUILD): the relay builds it as it would from the tables. */
+ * transition by reference (record_events) is a message_refs row. Those come back as 'r' rows
+ * (id, key, the transition's id, and its time as the relay writes it: now() is the events'
+ * occurred_at), and each effect ('e' rows) with its receipt when CONFIRMED: the recorder builds
+ * each reference's event from them and from what it wrote (ref_messages), as the relay builds
+ * it from the tables, without a join here (a join of these CTEs runs as nested loops: the
+ * planner guesses 10 rows for each). */
 static const char SQL_RECORD_FINAL_REFS[] =
     "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
     " upd AS (UPDATE effects e SET status = x.status,"
@@ -186,18 +189,14 @@ static const char SQL_RECORD_FINAL_REFS[] =
     "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
     "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
     "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
-    "   RETURNING e.effect_id, e.run_id, e.step, e.step_num, e.step_quoted, e.tool,"
-    "     e.operation_key, e.intent_id, e.receipt),"
-    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) " RETURNING event_id, occurred_at, actor,"
-    "   to_status, CASE WHEN kind = 'transition' THEN data END AS data, effect_id),"
+    "   RETURNING e.effect_id,"
+    "     CASE WHEN e.status = 'CONFIRMED' THEN e.receipt::text END AS receipt),"
+    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
     TALLY_OUTBOX_REFS_CTES("$3", WON_MESSAGES, "$4", "$5")
-    " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL, " TALLY_RELAY_REF_NONE
-    " FROM upd"
-    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply, "
-    TALLY_RELAY_REF_NONE " FROM mo"
-    " UNION ALL SELECT 'm', mr.id::text, 'outcomes', mr.msg_key, mr.event_id::text, NULL, NULL, "
-    TALLY_RELAY_REF_BUILD("ev", "u") " FROM mr JOIN ev ON ev.event_id = mr.event_id"
-    " JOIN upd u ON u.effect_id = ev.effect_id";
+    " SELECT 'e', effect_id::text, NULL, NULL, NULL, receipt, NULL, NULL FROM upd"
+    " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply, NULL FROM mo"
+    " UNION ALL SELECT 'r', id::text, 'outcomes', msg_key, event_id::text, NULL, NULL, "
+    TALLY_SQL_EVENT_TIME("now()") " FROM mr";
 // clang-format on
 
 /* ---------------------------------------------------------------------------------------- */
@@ -277,13 +276,14 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
         /* An outcome the relay can build again from the ledger alone (TALLY_RELAY_REF_BUILD)
          * reports this transition by its id: its receipt is the effect's (CONFIRMED), or it
          * has none. */
-        char transition_id[37];
-        tally_uuid_v7(transition_id);
         bool by_ref = !retry && (dec->state == TALLY_EFFECT_CONFIRMED || x->receipt_text == NULL);
+        x->transition_id[0] = '\0';
+        if (by_ref)
+            tally_uuid_v7(x->transition_id);
         ev.kind = "transition";
         ev.reason = error ? dec->error_message : NULL;
         ev.data_text = tdata;
-        ev.event_id = by_ref ? transition_id : NULL;
+        ev.event_id = by_ref ? x->transition_id : NULL;
         (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, TALLY_EFFECT_DISPATCHING, dec->state, &ev);
         free(tdata);
         if (!retry) {
@@ -300,7 +300,7 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                .error_message = error ? dec->error_message : NULL,
                                .attempts = call->attempts,
                                .intent_id = call->intent_id,
-                               .ref = by_ref ? transition_id : NULL};
+                               .ref = by_ref ? x->transition_id : NULL};
             if (!dispatch_publish_effect(d, ob, &v, NULL)) {
                 tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
                 return false;
@@ -312,6 +312,94 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
         }
     }
     return true;
+}
+
+/* The events of SQL_RECORD_FINAL_REFS's references ('r' rows), built as the relay builds them
+ * from the tables (tally_relay_ref_event): id and time as the statement returned them, the
+ * receipt as the ledger holds it (its 'e' row), and the rest as this recorder wrote it into
+ * the effect and the transition — the same values the relay reads back. Handed to the relay;
+ * one that cannot be built here is published when its lease ends, from the tables. */
+static void hand_refs(dispatcher_t *d, tally_relay_t *relay, const PGresult *res,
+                      const dispatch_done_t *done, size_t n_done, const char *const *effect_ids)
+{
+    int n = PQntuples(res);
+    const char **tids = calloc(n_done ? n_done : 1, sizeof *tids);
+    tally_relay_msg_t *msgs = calloc((size_t)n ? (size_t)n : 1, sizeof *msgs);
+    char **built = calloc((size_t)n ? (size_t)n : 1, sizeof *built);
+    int *receipt_row = malloc((n_done ? n_done : 1) * sizeof *receipt_row);
+    size_t *by_tid = NULL, *by_effect = NULL;
+    size_t k = 0;
+    if (tids && msgs && built && receipt_row) {
+        for (size_t i = 0; i < n_done; i++) {
+            tids[i] = done[i].transition_id[0] ? done[i].transition_id : NULL;
+            receipt_row[i] = -1;
+        }
+        by_tid = tally_columns_positions(res, 4, tids, n_done);
+        by_effect = tally_columns_positions(res, 1, effect_ids, n_done);
+    }
+    if (by_tid == NULL || by_effect == NULL) {
+        TALLY_WARN("out of memory handing over the outcomes of %zu results; they are published "
+                   "when their lease ends",
+                   n_done);
+        goto out;
+    }
+    for (int row = 0; row < n; row++)
+        if (PQgetvalue(res, row, 0)[0] == 'e' && by_effect[row] != SIZE_MAX)
+            receipt_row[by_effect[row]] = row;
+    for (int row = 0; row < n; row++) {
+        if (PQgetvalue(res, row, 0)[0] != 'r' || by_tid[row] == SIZE_MAX)
+            continue;
+        const dispatch_done_t *x = &done[by_tid[row]];
+        const dispatch_call_t *call = x->call;
+        const tally_dispatch_decision_t *dec = &x->dec;
+        bool error = dec->error_code[0] != '\0';
+        int rr = receipt_row[by_tid[row]];
+        bool has_receipt = rr >= 0 && !PQgetisnull(res, rr, 5);
+        tally_effect_event_t e = {.source = d->source,
+                                  .id = PQgetvalue(res, row, 4),
+                                  .time = PQgetvalue(res, row, 7),
+                                  .effect_id = call->effect_id,
+                                  .run_id = call->run_id,
+                                  .step = call->step,
+                                  .step_is_number = call->step_is_number,
+                                  .tool = call->tool->name,
+                                  .operation_key = call->operation_key,
+                                  .status = tally_effect_state_name(dec->state),
+                                  .external_ref = x->external_ref,
+                                  .error_code = error ? dec->error_code : NULL,
+                                  .error_message = error ? dec->error_message : NULL,
+                                  .attempts = call->attempts,
+                                  .intent_id = call->intent_id};
+        char why[256];
+        built[k] = tally_relay_ref_event(&e, has_receipt ? PQgetvalue(res, rr, 5) : NULL,
+                                         has_receipt ? (size_t)PQgetlength(res, rr, 5) : 0, why,
+                                         sizeof why);
+        if (built[k] == NULL) {
+            TALLY_WARN("the outcome event %s cannot be built (%s); it is published when its lease "
+                       "ends",
+                       e.id, why);
+            continue;
+        }
+        msgs[k] =
+            (tally_relay_msg_t){.id = atoll(PQgetvalue(res, row, 1)),
+                                .topic = "outcomes",
+                                .key = PQgetisnull(res, row, 3) ? NULL : PQgetvalue(res, row, 3),
+                                .event_id = e.id,
+                                .payload = built[k],
+                                .payload_len = strlen(built[k])};
+        k++;
+    }
+    if (k > 0)
+        (void)tally_relay_hand(relay, msgs, k);
+out:
+    for (size_t i = 0; built && i < k; i++)
+        free(built[i]);
+    free(built);
+    free(msgs);
+    free(tids);
+    free(receipt_row);
+    free(by_tid);
+    free(by_effect);
 }
 
 /* SQL_RECORD_FINAL: the events and messages are built for every row first; @p won then says
@@ -354,8 +442,10 @@ static bool record_final(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                 won[pos[row]] = true;
         free(pos);
     }
-    /* Committed: the relay may publish the messages ('m' rows) now. */
+    /* Committed: the relay may publish the messages ('m' rows, and the references: 'r') now. */
     (void)tally_relay_hand_result(relay, res, 0, 'm');
+    if (refs && relay != NULL)
+        hand_refs(d, relay, res, done, n_done, ids);
     PQclear(res);
     return true;
 }

@@ -12,9 +12,9 @@
  *
  * On a ledger of schema 17 or later the relay drains message_refs beside message_outbox: a row
  * there names the "transition" audit event an outcome reports, and the statement that takes it
- * reads that event and its effect (TALLY_RELAY_REF_BUILD) so that the event is built here, with
- * the dispatcher's builder (tally_ce_effect_text), from rows that never change: the same bytes
- * on every retry (docs/hacking.md, "Outcome messages by reference").
+ * reads that event and its effect (REF_BUILD) so that the event is built here, with the
+ * dispatcher's builder (tally_ce_effect_text, through tally_relay_ref_event), from rows that never
+ * change: the same bytes on every retry (docs/hacking.md, "Outcome messages by reference").
  */
 #include "tally/relay.h"
 
@@ -62,29 +62,41 @@ static const char SQL_TAKE[] =
     "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
     " RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, m.reply::text";
 
+/* What a reference's event is built from (ref_payload): of its "transition" audit event EV
+ * (whose id is the event's id) the time, actor, state and data, and of the effect E what never
+ * changes once the transition is written; its receipt only for CONFIRMED, a terminal state.
+ * REF_NONE: as many NULLs, for the rows that are copies. */
+// clang-format off
+#define REF_BUILD(EV, E)                                                                           \
+    TALLY_SQL_EVENT_TIME(EV ".occurred_at") ","                                                    \
+    " " EV ".actor, " EV ".to_status, " EV ".data::text, " E ".effect_id::text, " E ".run_id,"     \
+    " " E ".step, " TALLY_SQL_STEP_IS_NUMBER(E) ", " E ".tool, " E ".operation_key,"               \
+    " " E ".intent_id, CASE WHEN " EV ".to_status = 'CONFIRMED' THEN " E ".receipt::text END"
+#define REF_NONE                                                                                   \
+    "NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text,"          \
+    " NULL::boolean, NULL::text, NULL::text, NULL::text, NULL::text"
+
 /* SQL_TAKE on schema 17: message_refs too, each reference with what its event is built from
  * (a reference whose audit event is missing comes back with NULLs there: it fails, and waits
  * out a backoff, rather than being lost). Both tables share one sequence, so the rows of both
- * sort into one order. */
+ * sort into one order. The audit event and its effect are read through a subquery the planner
+ * keeps apart (OFFSET 0): two primary-key probes per reference, never a hash join that would
+ * read the whole events table for a round's few rows. */
 #define TAKE_DUE(TABLE)                                                                            \
     " m.id IN (SELECT id FROM " TABLE " WHERE lease_until IS NULL OR lease_until < now()"          \
     "  ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)"
 static const char SQL_TAKE_REFS[] =
     "WITH t AS (SELECT set_config('idle_in_transaction_session_timeout', $2, true)),"
-    " mo AS (DELETE FROM message_outbox m USING t WHERE" TAKE_DUE(
-        "message_outbox") "  RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, "
-                          "m.reply::text),"
-                          " mr AS (DELETE FROM message_refs m USING t WHERE" TAKE_DUE(
-                              "message_refs") "  RETURNING m.id, m.msg_key, m.event_id)"
-                                              " SELECT id, topic, msg_key, event_id, payload, "
-                                              "reply, " TALLY_RELAY_REF_NONE " FROM mo"
-                                              " UNION ALL SELECT mr.id, 'outcomes', mr.msg_key, "
-                                              "mr.event_id::text, NULL, "
-                                              "NULL, " TALLY_RELAY_REF_BUILD(
-                                                  "ev", "e") " FROM mr LEFT JOIN events ev ON "
-                                                             "ev.event_id = mr.event_id"
-                                                             " LEFT JOIN effects e ON e.effect_id "
-                                                             "= ev.effect_id";
+    " mo AS (DELETE FROM message_outbox m USING t WHERE" TAKE_DUE("message_outbox")
+    "  RETURNING m.id, m.topic, m.msg_key, m.event_id, m.payload, m.reply::text),"
+    " mr AS (DELETE FROM message_refs m USING t WHERE" TAKE_DUE("message_refs")
+    "  RETURNING m.id, m.msg_key, m.event_id)"
+    " SELECT id, topic, msg_key, event_id, payload, reply, " REF_NONE " FROM mo"
+    " UNION ALL SELECT mr.id, 'outcomes', mr.msg_key, mr.event_id::text, NULL, NULL, b.*"
+    " FROM mr LEFT JOIN LATERAL (SELECT " REF_BUILD("ev", "e") " FROM events ev"
+    "  JOIN effects e ON e.effect_id = ev.effect_id WHERE ev.event_id = mr.event_id"
+    "  OFFSET 0) b ON true";
+// clang-format on
 
 /* Delivered after their round gave up on them: gone. */
 static const char SQL_DELETE[] = "DELETE FROM message_outbox WHERE id = ANY($1::bigint[])";
@@ -159,12 +171,13 @@ static const char SQL_BACKLOG[] =
     " " N " AS (SELECT CASE WHEN c.n < 10000 THEN c.n"                                             \
     "  ELSE (SELECT max(id) FROM " T ") - (SELECT id FROM " H ") + 1 END AS n"                     \
     "  FROM (SELECT count(*) AS n FROM (SELECT 1 FROM " T " LIMIT 10000) x) c)"
+// clang-format off
 static const char SQL_BACKLOG_REFS[] =
-    "WITH" BACKLOG_OF("message_outbox", "ho", "no") "," BACKLOG_OF(
-        "message_refs", "hr",
-        "nr") " SELECT (SELECT n FROM no) + (SELECT n FROM nr),"
-              " coalesce(extract(epoch FROM now() - least((SELECT created_at FROM ho),"
-              "  (SELECT created_at FROM hr))), 0)::float8, true";
+    "WITH" BACKLOG_OF("message_outbox", "ho", "no") "," BACKLOG_OF("message_refs", "hr", "nr")
+    " SELECT (SELECT n FROM no) + (SELECT n FROM nr),"
+    " coalesce(extract(epoch FROM now() - least((SELECT created_at FROM ho),"
+    "  (SELECT created_at FROM hr))), 0)::float8, true";
+// clang-format on
 
 typedef enum {
     RELAY_ROW_PENDING = 0,
@@ -724,10 +737,39 @@ static char *receipt_compact(const char *text, size_t len)
     return compact != NULL ? compact : strndup(text, len);
 }
 
-/* The event of a message_refs row, from the TALLY_RELAY_REF_BUILD columns of @p res at row
- * @p row from column @p c on: built with the dispatcher's own builder from the audit event
- * (id @p event_id, time, actor, state, data) and its effect, and cut as outbox.c cuts an event
- * over TALLY_LIMIT_EVENT_BYTES. @returns malloc'd text, or NULL with the reason in @p why. */
+char *tally_relay_ref_event(tally_effect_event_t *e, const char *receipt, size_t len, char *why,
+                            size_t whysz)
+{
+    char *compact = NULL;
+    if (receipt != NULL && (compact = receipt_compact(receipt, len)) == NULL) {
+        tally_fmt(why, whysz, "out of memory");
+        return NULL;
+    }
+    e->receipt_text = compact;
+    char id[37];
+    char *payload = tally_ce_effect_text(e, id);
+    e->receipt_text = NULL;
+    free(compact);
+    if (payload == NULL) {
+        tally_fmt(why, whysz, "out of memory");
+        return NULL;
+    }
+    size_t n = strlen(payload);
+    if (n > TALLY_LIMIT_EVENT_BYTES) {
+        char *bounded = tally_ce_bounded(payload, TALLY_LIMIT_EVENT_BYTES);
+        if (bounded == NULL)
+            tally_fmt(why, whysz,
+                      "the event is %zu bytes, above the limit of %d, and could not be cut", n,
+                      TALLY_LIMIT_EVENT_BYTES);
+        free(payload);
+        payload = bounded;
+    }
+    return payload;
+}
+
+/* The event of a message_refs row, from the REF_BUILD columns of @p res at row @p row from
+ * column @p c on (tally_relay_ref_event). @returns malloc'd text, or NULL with the reason in
+ * @p why. */
 static char *ref_payload(const PGresult *res, int row, int c, const char *event_id, char *why,
                          size_t whysz)
 {
@@ -736,18 +778,14 @@ static char *ref_payload(const PGresult *res, int row, int c, const char *event_
         return NULL;
     }
     json_t *data = json_loads(PQgetvalue(res, row, c + 3), 0, NULL);
+    if (data == NULL) {
+        tally_fmt(why, whysz, "the data of its audit event %s is not JSON", event_id);
+        return NULL;
+    }
     json_t *error = json_object_get(data, "error");
     char source[sizeof TALLY_CE_DISPATCHER_SOURCE + 256];
     tally_fmt(source, sizeof source, "%s%s", TALLY_CE_DISPATCHER_SOURCE,
               PQgetvalue(res, row, c + 1));
-    char *receipt = NULL;
-    if (!PQgetisnull(res, row, c + 11) &&
-        (receipt = receipt_compact(PQgetvalue(res, row, c + 11),
-                                   (size_t)PQgetlength(res, row, c + 11))) == NULL) {
-        json_decref(data);
-        tally_fmt(why, whysz, "out of memory");
-        return NULL;
-    }
     const char *error_code = json_string_value(json_object_get(error, "code"));
     tally_effect_event_t e = {
         .source = source,
@@ -760,33 +798,17 @@ static char *ref_payload(const PGresult *res, int row, int c, const char *event_
         .tool = PQgetvalue(res, row, c + 8),
         .operation_key = PQgetvalue(res, row, c + 9),
         .status = PQgetvalue(res, row, c + 2),
-        .receipt_text = receipt,
         .external_ref = json_string_value(json_object_get(data, "external_ref")),
         .error_code = error_code,
         .error_message =
             error_code != NULL ? json_string_value(json_object_get(error, "message")) : NULL,
         .attempts = (long long)json_integer_value(json_object_get(data, "attempt")),
         .intent_id = PQgetvalue(res, row, c + 10)};
-    char id[37];
-    char *payload = data != NULL ? tally_ce_effect_text(&e, id) : NULL;
+    bool has_receipt = !PQgetisnull(res, row, c + 11);
+    char *payload =
+        tally_relay_ref_event(&e, has_receipt ? PQgetvalue(res, row, c + 11) : NULL,
+                              has_receipt ? (size_t)PQgetlength(res, row, c + 11) : 0, why, whysz);
     json_decref(data);
-    free(receipt);
-    if (payload == NULL) {
-        tally_fmt(why, whysz, "%s",
-                  data == NULL ? "its audit event's data is not JSON" : "out of memory");
-        return NULL;
-    }
-    size_t len = strlen(payload);
-    if (len > TALLY_LIMIT_EVENT_BYTES) {
-        char *bounded = tally_ce_bounded(payload, TALLY_LIMIT_EVENT_BYTES);
-        if (bounded == NULL)
-            tally_fmt(why, whysz,
-                      "the event is %zu bytes, above the limit of %d, and could not "
-                      "be cut",
-                      len, TALLY_LIMIT_EVENT_BYTES);
-        free(payload);
-        payload = bounded;
-    }
     return payload;
 }
 
@@ -1041,38 +1063,9 @@ bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col,
     }
     int c = tag_col >= 0 ? tag_col + 1 : 0;
     size_t k = 0;
-    char **built = NULL; /* the events of the references among them */
-    bool refs = PQnfields(res) >= c + 6 + TALLY_RELAY_REF_COLS;
-    if (refs && (built = calloc((size_t)n, sizeof *built)) == NULL) {
-        free(msgs);
-        TALLY_WARN("relay: out of memory taking over %d messages; they are published when "
-                   "their lease ends",
-                   n);
-        return false;
-    }
     for (int row = 0; row < n; row++) {
         if (tag_col >= 0 && PQgetvalue(res, row, tag_col)[0] != tag)
             continue;
-        if (refs && PQgetisnull(res, row, c + 4)) {
-            char why[256];
-            const char *event_id = PQgetvalue(res, row, c + 3);
-            built[k] = ref_payload(res, row, c + 6, event_id, why, sizeof why);
-            if (built[k] == NULL) {
-                TALLY_WARN("relay: the event %s cannot be built (%s); it is published when its "
-                           "lease ends",
-                           event_id, why);
-                continue;
-            }
-            msgs[k] = (tally_relay_msg_t){
-                .id = atoll(PQgetvalue(res, row, c)),
-                .topic = PQgetvalue(res, row, c + 1),
-                .key = PQgetisnull(res, row, c + 2) ? NULL : PQgetvalue(res, row, c + 2),
-                .event_id = event_id,
-                .payload = built[k],
-                .payload_len = strlen(built[k])};
-            k++;
-            continue;
-        }
         msgs[k++] = (tally_relay_msg_t){
             .id = atoll(PQgetvalue(res, row, c)),
             .topic = PQgetvalue(res, row, c + 1),
@@ -1083,9 +1076,6 @@ bool tally_relay_hand_result(tally_relay_t *r, const PGresult *res, int tag_col,
             .reply = PQgetisnull(res, row, c + 5) ? NULL : PQgetvalue(res, row, c + 5)};
     }
     bool ok = k == 0 || tally_relay_hand(r, msgs, k);
-    for (size_t i = 0; built != NULL && i < k; i++)
-        free(built[i]);
-    free(built);
     free(msgs);
     return ok;
 }

@@ -58,24 +58,22 @@ typedef struct tally_relay_msg {
 
 #define TALLY_RELAY_HAND_LEASE_MS 10000
 
+/** SQL: the timestamptz @p X as an event's time, RFC 3339 UTC with milliseconds, as the relay
+ * writes a reference's (the time of its transition audit event). */
+#define TALLY_SQL_EVENT_TIME(X)                                                                    \
+    "to_char(" X " AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+
 /**
- * What the relay builds a message_refs row's event from (tally_ce_effect_text): of the
- * "transition" audit event @p EV (its id is the event's id) its time (as RFC 3339 text), actor,
- * state and data, and of the effect @p E what never changes once the transition is written —
- * its receipt is read only for CONFIRMED, a terminal state. TALLY_RELAY_REF_NONE: the same
- * number of NULLs, for the rows of a statement that are no reference.
+ * @brief The event of a message_refs row: @p e (its id the transition audit event's, its time
+ * TALLY_SQL_EVENT_TIME of that event's, its receipt_text NULL) with the receipt @p receipt
+ * (@p len bytes, the effect's receipt as PostgreSQL's jsonb text gives it, or NULL) in compact
+ * form, cut as outbox.c cuts an event over TALLY_LIMIT_EVENT_BYTES. The one function that turns
+ * a reference into its bytes: the relay calls it for the rows it takes, the dispatcher for the
+ * rows it hands over (they must come out the same).
+ * @returns malloc'd text, or NULL with the reason in @p why.
  */
-// clang-format off
-#define TALLY_RELAY_REF_BUILD(EV, E)                                                               \
-    "to_char(" EV ".occurred_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),"           \
-    " " EV ".actor, " EV ".to_status, " EV ".data::text, " E ".effect_id::text, " E ".run_id,"     \
-    " " E ".step, " TALLY_SQL_STEP_IS_NUMBER(E) ", " E ".tool, " E ".operation_key,"               \
-    " " E ".intent_id, CASE WHEN " EV ".to_status = 'CONFIRMED' THEN " E ".receipt::text END"
-#define TALLY_RELAY_REF_NONE                                                                       \
-    "NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text, NULL::text,"          \
-    " NULL::boolean, NULL::text, NULL::text, NULL::text, NULL::text"
-// clang-format on
-#define TALLY_RELAY_REF_COLS 12
+char *tally_relay_ref_event(tally_effect_event_t *e, const char *receipt, size_t len, char *why,
+                            size_t whysz) TALLY_WUR;
 
 /** @brief lease_owner of the rows handed to @p relay (its worker id + "/relay"). */
 const char *tally_relay_owner(const tally_relay_t *relay);
@@ -89,9 +87,7 @@ bool tally_relay_hand(tally_relay_t *relay, const tally_relay_msg_t *msgs, size_
 /**
  * @brief tally_relay_hand for the rows of a committed INSERT … RETURNING id, topic, msg_key,
  * event_id, payload, reply (TALLY_OUTBOX_INSERT_HANDED). With @p tag_col ≥ 0 only the rows whose
- * column @p tag_col starts with @p tag are messages, their six columns following it, and a
- * row whose payload is NULL is a message_refs row: its event is built (as the relay builds it
- * when it takes the row) from the TALLY_RELAY_REF_BUILD columns that follow the six.
+ * column @p tag_col starts with @p tag are messages, their six columns following it.
  * A NULL @p relay or @p res hands nothing. @returns false when they could not be handed
  * (out of memory): they are then published when their lease ends.
  */
