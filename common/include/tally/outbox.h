@@ -110,6 +110,18 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
 /** The columns a relay takes a message_outbox row with (tally_relay_hand_result). */
 #define TALLY_OUTBOX_RETURNING "id, topic, msg_key, event_id, payload, reply::text"
 
+/* The replies each row of ob_rows is copied to: the 8 newest of its effect ("effect" scope,
+ * eid) or of its run ("run" scope, rid), in one join for the whole batch. */
+#define TALLY_OUTBOX_REPLIES_                                                                      \
+    " ob_replies AS (SELECT z.n, z.id, z.destination FROM ("                                       \
+    "   SELECT o.n, q.id, q.destination,"                                                          \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC) AS rank"                          \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id = o.eid"                                      \
+    "   UNION ALL SELECT o.n, q.id, q.destination,"                                                \
+    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC)"                                  \
+    "   FROM ob_rows o JOIN replies q ON q.effect_id IS NULL AND q.run_id = o.rid) z"              \
+    "  WHERE z.rank <= 8)"
+
 /* The batch's rows (ob_rows), the replies they are copied to (ob_replies: one join for the
  * whole batch, the 8 newest of each effect or run), and the rows to insert in batch order, each
  * message followed by its copies; MORE: further columns of the select list. */
@@ -123,14 +135,7 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
     TALLY_COLUMN(PARAM, 6) "," TALLY_COLUMN(PARAM, 7) ")"                                          \
     "  WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, n)"        \
     "  " WHERE "),"                                                                                \
-    " ob_replies AS (SELECT z.n, z.id, z.destination FROM ("                                       \
-    "   SELECT o.n, q.id, q.destination,"                                                          \
-    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC) AS rank"                          \
-    "   FROM ob_rows o JOIN replies q ON q.effect_id = o.eid"                                      \
-    "   UNION ALL SELECT o.n, q.id, q.destination,"                                                \
-    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC)"                                  \
-    "   FROM ob_rows o JOIN replies q ON q.effect_id IS NULL AND q.run_id = o.rid) z"              \
-    "  WHERE z.rank <= 8)"                                                                         \
+    TALLY_OUTBOX_REPLIES_                                                                          \
     " SELECT x.topic, x.msg_key, x.event_id, x.payload, x.reply" MORE                              \
     " FROM (SELECT o.n, 0::bigint AS k, o.topic, o.msg_key, o.event_id,"                           \
     "  CASE WHEN o.reply IS NULL THEN o.payload ELSE tally_reply_payload(o.payload, o.reply)"     \
@@ -160,14 +165,7 @@ bool tally_outbox_batch_flush_handed(tally_outbox_batch_t *b, tally_pg_t *pg, co
     TALLY_COLUMN(PARAM, 6) "," TALLY_COLUMN(PARAM, 7) "," TALLY_COLUMN(PARAM, 8) ")"               \
     "  WITH ORDINALITY AS r(topic, msg_key, event_id, effect_id, payload, scope, reply, ref, n)"   \
     "  " WHERE "),"                                                                                \
-    " ob_replies AS (SELECT z.n, z.id, z.destination FROM ("                                       \
-    "   SELECT o.n, q.id, q.destination,"                                                          \
-    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC) AS rank"                          \
-    "   FROM ob_rows o JOIN replies q ON q.effect_id = o.eid"                                      \
-    "   UNION ALL SELECT o.n, q.id, q.destination,"                                                \
-    "    row_number() OVER (PARTITION BY o.n ORDER BY q.id DESC)"                                  \
-    "   FROM ob_rows o JOIN replies q ON q.effect_id IS NULL AND q.run_id = o.rid) z"              \
-    "  WHERE z.rank <= 8),"                                                                        \
+    TALLY_OUTBOX_REPLIES_ ","                                                                      \
     " ob_refs AS (SELECT o.n, o.ref::uuid AS ref, o.msg_key FROM ob_rows o"                        \
     "  WHERE o.ref IS NOT NULL AND o.reply IS NULL"                                                \
     "  AND NOT EXISTS (SELECT 1 FROM ob_replies p WHERE p.n = o.n)),"                              \
