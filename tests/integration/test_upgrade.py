@@ -121,6 +121,7 @@ class UpgradeTest(DispatchCase):
         [m] = [m for m in got if m.get("data", {}).get("run_id") == run]
         self.assertEqual((m["type"], m["data"]["effect_id"], m["data"]["receipt"]),
                          ("tally.effect.confirmed.v1", effect_id, receipt))
+        return run
 
     def warnings(self, proc):
         return [line["msg"] for line in proc.log_lines() if line.get("level") == "warn"]
@@ -134,8 +135,7 @@ class UpgradeTest(DispatchCase):
 
         # the new workers start before the migration has run
         d = self.dispatcher()
-        self.start("tally-reconciler")
-        self.start("tally-compensator")
+        workers = (d, self.start("tally-reconciler"), self.start("tally-compensator"))
         self.assertTrue(any("older than tally" in m and "inside the schemas it runs on" in m
                             for m in self.warnings(d)), d.log())
         self.confirm_one()
@@ -156,8 +156,31 @@ class UpgradeTest(DispatchCase):
         self.assertEqual(self.query("SELECT from_version, to_version, release, serves_from"
                                     " FROM tally_schema_history"),
                          [(15, self.version(), RELEASE, 15)])
-        self.confirm_one()
+        run = self.confirm_one()
         self.assertTrue(d.alive(), d.log())
+
+        # Their relays, started on schema 15, find message_refs (migration 17) within a second
+        # and drain it: a reference to the transition that confirmed the last effect goes out,
+        # built from the ledger.
+        for p in workers:
+            wait_for(lambda p=p: "draining it too" in p.log(), timeout=15,
+                     what=f"{p.name}'s relay to take message_refs")
+        effect_id, transition, receipt = self.query(
+            "SELECT e.effect_id::text, ev.event_id::text, e.receipt FROM effects e"
+            " JOIN events ev ON ev.run_id = e.run_id AND ev.effect_id = e.effect_id"
+            " WHERE e.run_id = %s AND ev.kind = 'transition' AND ev.to_status = 'CONFIRMED'",
+            (run,))[0]
+        self.query("INSERT INTO message_refs (event_id, msg_key) VALUES (%s, %s)",
+                   (transition, run))
+        # the dispatcher started on schema 15 wrote that outcome as a copy, under the same id
+        # (the transition's): the copy, then the reference, built from the ledger
+        got = self.read_until("outcomes", lambda ms: sum(
+            m.get("id") == transition for m in ms) == 2, timeout=30)
+        for m in [m for m in got if m.get("id") == transition]:
+            self.assertEqual((m["type"], m["subject"], m["data"]["effect_id"],
+                              m["data"]["run_id"], m["data"]["receipt"]),
+                             ("tally.effect.confirmed.v1", effect_id, effect_id, run, receipt))
+        self.wait_count("SELECT count(*) FROM message_refs", 0)
 
     def test_the_previous_release_runs_on_the_new_schema_and_a_rollback_starts_cleanly(self):
         out = self.cli("migrate")
