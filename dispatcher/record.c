@@ -174,7 +174,7 @@ static const char SQL_RECORD_FINAL[] =
  * transition by reference (record_events) is a message_refs row. Those come back as 'r' rows
  * (id, key, the transition's id, and its time as the relay writes it: now() is the events'
  * occurred_at), and each effect ('e' rows) with its receipt when CONFIRMED: the recorder builds
- * each reference's event from them and from what it wrote (ref_messages), as the relay builds
+ * each reference's event from them and from what it wrote (hand_refs), as the relay builds
  * it from the tables, without a join here (a join of these CTEs runs as nested loops: the
  * planner guesses 10 rows for each). */
 static const char SQL_RECORD_FINAL_REFS[] =
@@ -273,7 +273,7 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
                                   .reason = x->v.code,
                                   .data_text = x->call_record};
         tally_audit_batch_add(ab, &ev);
-        /* An outcome the relay can build again from the ledger alone (TALLY_RELAY_REF_BUILD)
+        /* An outcome the relay can build again from the ledger alone (tally_relay_ref_event)
          * reports this transition by its id: its receipt is the effect's (CONFIRMED), or it
          * has none. */
         bool by_ref = !retry && (dec->state == TALLY_EFFECT_CONFIRMED || x->receipt_text == NULL);
