@@ -123,5 +123,28 @@ class RelayTest(TallyCase):
             self.assertEqual(m.key().decode(), json.loads(m.value())["subject"])
 
 
+    def test_a_reference_whose_audit_event_is_missing_waits_and_the_rest_go_out(self):
+        """A message_refs row names an audit event the ledger does not hold (a hand-made row:
+        tally never writes one): the relay cannot build its event, so it keeps the row with
+        the reason and backs it off, never publishes garbage, and the rows beside it go out."""
+        missing = str(uuid.uuid4())
+        self.query("INSERT INTO message_refs (event_id, msg_key) VALUES (%s, 'run-missing')",
+                   (missing,))
+        ev = cloudevent("run-beside")
+        self.insert([ev])
+        w = self.start("tally-reconciler")
+        msgs = self.read_raw("outcomes", want=1, settle=2.0)
+        self.assertEqual([json.loads(m.value())["id"] for m in msgs], [ev["id"]])
+        row = wait_for(lambda: self.query(
+            "SELECT attempts, last_error, lease_owner FROM message_refs"
+            " WHERE event_id = %s AND attempts > 0", (missing,)),
+            timeout=30, what="the reference to be backed off")
+        attempts, last_error, lease_owner = row[0]
+        self.assertIn("not in the ledger", last_error)
+        self.assertIsNone(lease_owner)
+        self.assertTrue(w.alive(), w.log())
+        wait_for(lambda: self.outbox_count() == 0, timeout=30, what="the outbox to empty")
+
+
 if __name__ == "__main__":
     tallytest.main()
