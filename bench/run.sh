@@ -298,6 +298,12 @@ pg_log=$(sed -n 's/.*server log \(.*\)$/\1/p' "$log_dir/dev.log" | head -n 1)
 pg_pid=$(sed -n 's/.*PostgreSQL .*(.*, pid \([0-9]*\),.*/\1/p' "$log_dir/dev.log" | head -n 1)
 [[ -n "$pg_pid" ]] || die "cannot find the PostgreSQL server's pid in $log_dir/dev.log"
 TALLY_PG=$TALLY_PG_OWNER "$tally_bin" migrate >>"$log_dir/dev.log" 2>&1 || die "tally migrate failed"
+# The messages waiting for the relay: message_outbox, and from schema 17 on message_refs (the
+# outcomes written by reference, docs/hacking.md)
+msg_waiting="(SELECT count(*) FROM message_outbox)"
+if [[ $(psql "$pg_admin" -XAtqc "SELECT to_regclass('message_refs') IS NOT NULL") == t ]]; then
+    msg_waiting="($msg_waiting + (SELECT count(*) FROM message_refs))"
+fi
 pg_settings=$(psql "$pg_admin" -Atc "SELECT current_setting('fsync') || ' fsync, synchronous_commit ' || current_setting('synchronous_commit') || ', shared_buffers ' || current_setting('shared_buffers') || ', wal_init_zero ' || current_setting('wal_init_zero')")
 say "PostgreSQL: $pg_settings; Kafka (mock): $TALLY_KAFKA_BROKERS, topics ${TALLY_TOPIC_PREFIX}* with $partitions partition(s) each"
 
@@ -473,7 +479,7 @@ settle() {
     local left=""
     settle_polls=0
     for _ in $(seq 1 600); do
-        left=$(psql "$pg_admin" -XAtqc "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM message_outbox)
+        left=$(psql "$pg_admin" -XAtqc "SELECT (SELECT count(*) FROM outbox) + $msg_waiting
             + (SELECT count(*) FROM effects WHERE status IN ('PLANNED', 'DISPATCHING'))")
         settle_polls=$((settle_polls + 1))
         [[ "$left" == 0 ]] && return 0
@@ -562,7 +568,7 @@ sampler_psql_pid=$!
     tick=0
     while :; do
         if ((tick % 5 == 0)); then
-            echo "SELECT 'B', (SELECT count(*) FROM outbox), (SELECT count(*) FROM message_outbox),
+            echo "SELECT 'B', (SELECT count(*) FROM outbox), $msg_waiting,
                          (SELECT count(*) FROM effects WHERE status IN ('PLANNED', 'DISPATCHING'));"
         fi
         echo "SELECT 'W', coalesce(string_agg(split_part(application_name, '/', 1) || ':' || CASE WHEN state = 'active'
