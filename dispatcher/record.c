@@ -146,26 +146,29 @@ static const char SQL_RECORD_EVENTS[] = TALLY_AUDIT_INSERT_DATA(
 #define WON_EVENTS   "WHERE r.effect_id IN (SELECT effect_id FROM upd)"
 #define WON_MESSAGES "WHERE r.effect_id IN (SELECT effect_id::text FROM upd)"
 // clang-format off
-static const char SQL_RECORD_FINAL[] =
-    "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
-    " upd AS (UPDATE effects e SET status = x.status,"
-    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
-    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"
-    "     ELSE e.receipt_sealed END,"
-    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
-    "     ELSE e.external_ref END,"
-    "   error_code = x.error_code, error_message = x.error_message,"
-    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
-    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
-    "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
-    "   RETURNING e.effect_id,"
-    "     CASE WHEN e.receipt IS NOT NULL THEN " RECEIPT_REF("e") " END AS receipt_ref),"
-    /* the references by effect id, once: a subquery per event would scan all of upd */
-    " rr AS (SELECT jsonb_object_agg(effect_id::text, receipt_ref) AS refs FROM upd"
-    "   WHERE receipt_ref IS NOT NULL),"
-    " ev AS (" TALLY_AUDIT_INSERT_DATA("$2", WON_EVENTS,
-                                       RECEIPT_REF_DATA("((SELECT refs FROM rr)"
+#define RECORD_FINAL_HEAD(UPD_MORE)                                                                \
+    "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"                                 \
+    " upd AS (UPDATE effects e SET status = x.status,"                                             \
+    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"             \
+    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"                   \
+    "     ELSE e.receipt_sealed END,"                                                              \
+    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"                       \
+    "     ELSE e.external_ref END,"                                                                \
+    "   error_code = x.error_code, error_message = x.error_message,"                               \
+    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"       \
+    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"                                \
+    "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"                             \
+    "   RETURNING e.effect_id,"                                                                    \
+    "     CASE WHEN e.receipt IS NOT NULL THEN " RECEIPT_REF("e") " END AS receipt_ref" UPD_MORE   \
+    "),"                                                                                           \
+    /* the references by effect id, once: a subquery per event would scan all of upd */           \
+    " rr AS (SELECT jsonb_object_agg(effect_id::text, receipt_ref) AS refs FROM upd"               \
+    "   WHERE receipt_ref IS NOT NULL),"                                                           \
+    " ev AS (" TALLY_AUDIT_INSERT_DATA("$2", WON_EVENTS,                                           \
+                                       RECEIPT_REF_DATA("((SELECT refs FROM rr)"                   \
                                                         " -> r.effect_id::text)")) "),"
+static const char SQL_RECORD_FINAL[] =
+    RECORD_FINAL_HEAD("")
     " mo AS (" TALLY_OUTBOX_INSERT_HANDED("$3", WON_MESSAGES, "$4", "$5") ")"
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply FROM mo";
@@ -178,20 +181,7 @@ static const char SQL_RECORD_FINAL[] =
  * it from the tables, without a join here (a join of these CTEs runs as nested loops: the
  * planner guesses 10 rows for each). */
 static const char SQL_RECORD_FINAL_REFS[] =
-    "WITH x AS (SELECT * FROM" RECORDED_ROWS("$1", "$6") " AS x),"
-    " upd AS (UPDATE effects e SET status = x.status,"
-    "   receipt = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt ELSE e.receipt END,"
-    "   receipt_sealed = CASE WHEN x.status = 'CONFIRMED' THEN x.receipt_sealed"
-    "     ELSE e.receipt_sealed END,"
-    "   external_ref = CASE WHEN x.status = 'CONFIRMED' THEN x.external_ref"
-    "     ELSE e.external_ref END,"
-    "   error_code = x.error_code, error_message = x.error_message,"
-    "   unknown_since = CASE WHEN x.status = 'UNKNOWN' THEN now() ELSE e.unknown_since END,"
-    "   lease_owner = NULL, lease_until = NULL, updated_at = now()"
-    "   FROM x WHERE " RECORDED_EFFECTS " AND e.lease_epoch = x.epoch"
-    "   RETURNING e.effect_id,"
-    "     CASE WHEN e.status = 'CONFIRMED' THEN e.receipt::text END AS receipt),"
-    " ev AS (" TALLY_AUDIT_INSERT("$2", WON_EVENTS) "),"
+    RECORD_FINAL_HEAD(", CASE WHEN e.status = 'CONFIRMED' THEN e.receipt::text END AS receipt")
     TALLY_OUTBOX_REFS_CTES("$3", WON_MESSAGES, "$4", "$5")
     " SELECT 'e', effect_id::text, NULL, NULL, NULL, receipt, NULL, NULL FROM upd"
     " UNION ALL SELECT 'm', id::text, topic, msg_key, event_id, payload, reply, NULL FROM mo"
