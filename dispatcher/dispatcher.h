@@ -287,29 +287,16 @@ void dispatch_done_clear(dispatch_done_t *x);
 
 /* events.c */
 
-/** @brief What an effect event says (DESIGN §5); every string may be NULL except status. */
+/** @brief An effect event to publish (DESIGN §5) and where its answer goes. */
 typedef struct effect_view {
-    const char *effect_id;
-    const char *run_id;
-    const char *step;
-    bool step_is_number;
-    const char *tool;
-    const char *operation_key;
-    const char *status; /**< "CONFIRMED", ..., or "CONFLICT" */
-    const json_t *receipt;
-    const char *receipt_text; /**< the receipt as JSON text; when set, used instead of receipt */
-    const char *external_ref;
-    const char *error_code;
-    const char *error_message;
-    long long attempts;
-    const char *intent_id;
+    /** What the event says (cloudevent.h; every string may be NULL except status; source and
+     * extra are dispatch_publish_effect's). Its id, when set, is the id of the "transition"
+     * audit event this outcome reports: the event is one the relay can build again from the
+     * ledger (tally_outbox_batch_add_ref), and its message may be a reference to it. */
+    tally_effect_event_t ev;
     bool own;             /**< the answer to one message alone: not copied to the effect's
                                replies (a replay, a conflict) */
     const char *reply_to; /**< that message's reply destination, or NULL */
-    const char *ref;      /**< the id of the "transition" audit event this outcome reports,
-                               when the event is one the relay can build again from the
-                               ledger (tally_outbox_batch_add_ref): it is then the event's id,
-                               and the outcome's message may be a reference to it */
 } effect_view_t;
 
 /**

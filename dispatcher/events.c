@@ -33,31 +33,17 @@ bool dispatch_publish_effect(dispatcher_t *d, tally_outbox_batch_t *ob, const ef
                              const json_t *extra)
 {
     /* Written as text: one of these goes out for every effect (tally_jtext_t) */
-    tally_effect_event_t e = {.source = d->source,
-                              .id = v->ref,
-                              .effect_id = v->effect_id,
-                              .run_id = v->run_id,
-                              .step = v->step,
-                              .step_is_number = v->step_is_number,
-                              .tool = v->tool,
-                              .operation_key = v->operation_key,
-                              .status = v->status,
-                              .receipt = v->receipt,
-                              .receipt_text = v->receipt_text,
-                              .external_ref = v->external_ref,
-                              .error_code = v->error_code,
-                              .error_message = v->error_message,
-                              .attempts = v->attempts,
-                              .intent_id = v->intent_id,
-                              .extra = extra};
+    tally_effect_event_t e = v->ev;
+    e.source = d->source;
+    e.extra = extra;
     char id[37];
     char *payload = tally_ce_effect_text(&e, id);
     if (!payload)
         return false;
-    if (v->ref != NULL)
-        tally_outbox_batch_add_ref(ob, "outcomes", v->run_id, id, v->effect_id, payload);
+    if (v->ev.id != NULL)
+        tally_outbox_batch_add_ref(ob, "outcomes", v->ev.run_id, id, v->ev.effect_id, payload);
     else
-        tally_outbox_batch_add_answer(ob, "outcomes", v->run_id, id, v->effect_id, payload,
+        tally_outbox_batch_add_answer(ob, "outcomes", v->ev.run_id, id, v->ev.effect_id, payload,
                                       v->own ? TALLY_REPLY_NONE : TALLY_REPLY_AUTO, v->reply_to);
     free(payload);
     return true;

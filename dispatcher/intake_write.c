@@ -277,16 +277,16 @@ static bool record_created(dispatcher_t *d, PGresult *res, const size_t *pos,
             continue;
         }
         if (!planned) {
-            effect_view_t v = {.effect_id = eid,
-                               .run_id = m->in.run_id,
-                               .step = m->in.step,
-                               .step_is_number = m->in.step_is_number,
-                               .tool = m->tool->name,
-                               .operation_key = m->op_key,
-                               .status = status,
-                               .error_code = why ? "run_not_active" : NULL,
-                               .error_message = why,
-                               .intent_id = m->in.id};
+            effect_view_t v = {.ev = {.effect_id = eid,
+                                      .run_id = m->in.run_id,
+                                      .step = m->in.step,
+                                      .step_is_number = m->in.step_is_number,
+                                      .tool = m->tool->name,
+                                      .operation_key = m->op_key,
+                                      .status = status,
+                                      .error_code = why ? "run_not_active" : NULL,
+                                      .error_message = why,
+                                      .intent_id = m->in.id}};
             if (!dispatch_publish_effect(d, ob, &v, NULL))
                 return false;
         }
@@ -341,19 +341,19 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
             json_t *receipt = NULL;
             if (val(res, row, 9))
                 receipt = json_loads(PQgetvalue(res, row, 9), 0, NULL);
-            effect_view_t v = {.effect_id = eid,
-                               .run_id = m->in.run_id,
-                               .step = m->in.step,
-                               .step_is_number = m->in.step_is_number,
-                               .tool = PQgetvalue(res, row, 5),
-                               .operation_key = PQgetvalue(res, row, 6),
-                               .status = PQgetvalue(res, row, 7),
-                               .receipt = receipt,
-                               .external_ref = val(res, row, 10),
-                               .error_code = val(res, row, 11),
-                               .error_message = val(res, row, 12),
-                               .attempts = atoll(PQgetvalue(res, row, 13)),
-                               .intent_id = m->in.id,
+            effect_view_t v = {.ev = {.effect_id = eid,
+                                      .run_id = m->in.run_id,
+                                      .step = m->in.step,
+                                      .step_is_number = m->in.step_is_number,
+                                      .tool = PQgetvalue(res, row, 5),
+                                      .operation_key = PQgetvalue(res, row, 6),
+                                      .status = PQgetvalue(res, row, 7),
+                                      .receipt = receipt,
+                                      .external_ref = val(res, row, 10),
+                                      .error_code = val(res, row, 11),
+                                      .error_message = val(res, row, 12),
+                                      .attempts = atoll(PQgetvalue(res, row, 13)),
+                                      .intent_id = m->in.id},
                                .own = true,
                                .reply_to = m->reply};
             json_t *extra = json_pack(
@@ -364,7 +364,7 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
             const tally_audit_member_t data[] = {
                 {"intent_id", m->in.id, false},
                 {"replay_of", eid, false},
-                {"status", v.status, false},
+                {"status", v.ev.status, false},
             };
             audit_add(ab, m->in.run_id, eid, "intent", d->worker_id,
                       "replay: same tool, operation key and input hash", data,
@@ -401,16 +401,16 @@ static bool record_existing_rows(dispatcher_t *d, PGresult *res, const size_t *p
                       m->in.run_id, sid, PQgetvalue(res, row, 15), PQgetvalue(res, row, 16));
         /* effect_id names the effect that holds the key or step (DESIGN §5 keeps effect_id in
          * every effect event); status CONFLICT is this intent's own answer */
-        effect_view_t v = {.effect_id = other,
-                           .run_id = m->in.run_id,
-                           .step = m->in.step,
-                           .step_is_number = m->in.step_is_number,
-                           .tool = m->tool->name,
-                           .operation_key = m->op_key,
-                           .status = "CONFLICT",
-                           .error_code = "conflict",
-                           .error_message = msg,
-                           .intent_id = m->in.id,
+        effect_view_t v = {.ev = {.effect_id = other,
+                                  .run_id = m->in.run_id,
+                                  .step = m->in.step,
+                                  .step_is_number = m->in.step_is_number,
+                                  .tool = m->tool->name,
+                                  .operation_key = m->op_key,
+                                  .status = "CONFLICT",
+                                  .error_code = "conflict",
+                                  .error_message = msg,
+                                  .intent_id = m->in.id},
                            .own = true,
                            .reply_to = m->reply};
         json_t *extra = json_pack("{s:s}", "conflicting_effect_id", other);

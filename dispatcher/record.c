@@ -225,6 +225,27 @@ static bool queue_page(tally_alert_batch_t *alerts, const dispatch_done_t *x)
     return true;
 }
 
+/* The outcome event of a recorded result, as far as the call and its decision say it: the
+ * general path adds the receipt, the reference path its id and time. */
+static tally_effect_event_t recorded_event(const dispatch_done_t *x)
+{
+    const dispatch_call_t *call = x->call;
+    const tally_dispatch_decision_t *dec = &x->dec;
+    bool error = dec->error_code[0] != '\0';
+    return (tally_effect_event_t){.effect_id = call->effect_id,
+                                  .run_id = call->run_id,
+                                  .step = call->step,
+                                  .step_is_number = call->step_is_number,
+                                  .tool = call->tool->name,
+                                  .operation_key = call->operation_key,
+                                  .status = tally_effect_state_name(dec->state),
+                                  .external_ref = x->external_ref,
+                                  .error_code = error ? dec->error_code : NULL,
+                                  .error_message = error ? dec->error_message : NULL,
+                                  .attempts = call->attempts,
+                                  .intent_id = call->intent_id};
+}
+
 /* The events for the rows the compare-and-set wrote (flag @p won): the call, the transition
  * and, unless it is tried again, the outcome message; and the pages they call for on
  * @p alerts (NULL on the final path, whose results page nobody). */
@@ -277,20 +298,9 @@ static bool record_events(dispatcher_t *d, dispatch_done_t *done, size_t n_done,
         (void)tally_audit_move(ab, TALLY_MACHINE_EFFECT, TALLY_EFFECT_DISPATCHING, dec->state, &ev);
         free(tdata);
         if (!retry) {
-            effect_view_t v = {.effect_id = call->effect_id,
-                               .run_id = call->run_id,
-                               .step = call->step,
-                               .step_is_number = call->step_is_number,
-                               .tool = call->tool->name,
-                               .operation_key = call->operation_key,
-                               .status = tally_effect_state_name(dec->state),
-                               .receipt_text = x->receipt_text,
-                               .external_ref = x->external_ref,
-                               .error_code = error ? dec->error_code : NULL,
-                               .error_message = error ? dec->error_message : NULL,
-                               .attempts = call->attempts,
-                               .intent_id = call->intent_id,
-                               .ref = by_ref ? x->transition_id : NULL};
+            effect_view_t v = {.ev = recorded_event(x)};
+            v.ev.receipt_text = x->receipt_text;
+            v.ev.id = by_ref ? x->transition_id : NULL;
             if (!dispatch_publish_effect(d, ob, &v, NULL)) {
                 tally_error_setc(err, TALLY_ERR_OOM, "out of memory");
                 return false;
@@ -340,26 +350,12 @@ static void hand_refs(dispatcher_t *d, tally_relay_t *relay, const PGresult *res
         if (PQgetvalue(res, row, 0)[0] != 'r' || by_tid[row] == SIZE_MAX)
             continue;
         const dispatch_done_t *x = &done[by_tid[row]];
-        const dispatch_call_t *call = x->call;
-        const tally_dispatch_decision_t *dec = &x->dec;
-        bool error = dec->error_code[0] != '\0';
         int rr = receipt_row[by_tid[row]];
         bool has_receipt = rr >= 0 && !PQgetisnull(res, rr, 5);
-        tally_effect_event_t e = {.source = d->source,
-                                  .id = PQgetvalue(res, row, 4),
-                                  .time = PQgetvalue(res, row, 7),
-                                  .effect_id = call->effect_id,
-                                  .run_id = call->run_id,
-                                  .step = call->step,
-                                  .step_is_number = call->step_is_number,
-                                  .tool = call->tool->name,
-                                  .operation_key = call->operation_key,
-                                  .status = tally_effect_state_name(dec->state),
-                                  .external_ref = x->external_ref,
-                                  .error_code = error ? dec->error_code : NULL,
-                                  .error_message = error ? dec->error_message : NULL,
-                                  .attempts = call->attempts,
-                                  .intent_id = call->intent_id};
+        tally_effect_event_t e = recorded_event(x);
+        e.source = d->source;
+        e.id = PQgetvalue(res, row, 4);
+        e.time = PQgetvalue(res, row, 7);
         char why[256];
         built[k] = tally_relay_ref_event(&e, has_receipt ? PQgetvalue(res, rr, 5) : NULL,
                                          has_receipt ? (size_t)PQgetlength(res, rr, 5) : 0, why,
